@@ -1,0 +1,129 @@
+"""compiler_collectives: every rank of a torch.compile job makes the same compile decisions.
+
+Importing the package installs our compiler and guard collectives into
+``torch._dynamo`` (see ``dynamo_seams``). They stay off until switched on:
+
+* compiler collectives: ``TORCH_COMPILER_COLLECTIVES=1``,
+  ``torch._dynamo.config.enable_compiler_collectives = True`` or ``enable()``;
+* guard collectives: ``COMPILER_COLLECTIVES_GUARDS=1``,
+  ``torch.compiler.set_enable_guard_collectives(True)`` or ``enable(guards=True)``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import contextlib
+from typing import Any, Iterator
+
+from . import config, health
+from .errors import (
+    CollectiveDesyncError,
+    CollectiveError,
+    CollectivePoisonedError,
+    CollectiveTimeoutError,
+    PeerFailureError,
+    UnsupportedTorchError,
+    WireFormatError,
+)
+from .state import DistributedState, LocalState, SizeEntry, register_field
+from .stats import counters as _counters
+from .stats import reset_counters as _reset_counters
+
+from . import dynamo_seams as _seams  # noqa: E402  (after __version__: wire imports it)
+
+_seams.install()
+
+__all__ = [
+    "__version__",
+    "enable",
+    "disable",
+    "enabled",
+    "is_enabled",
+    "guards_enabled",
+    "stats",
+    "reset",
+    "reset_stats",
+    "install",
+    "uninstall",
+    "LocalState",
+    "DistributedState",
+    "SizeEntry",
+    "register_field",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "CollectiveDesyncError",
+    "CollectivePoisonedError",
+    "PeerFailureError",
+    "WireFormatError",
+    "UnsupportedTorchError",
+]
+
+
+def install() -> None:
+    """Install our implementation into torch._dynamo (done at import; idempotent)."""
+    _seams.install()
+
+
+def uninstall() -> None:
+    """Restore torch's own compiler and guard collectives (mostly for tests)."""
+    _seams.uninstall()
+
+
+def enable(*, compiler: bool = True, guards: bool | None = None) -> None:
+    """Switch collectives on. ``guards=None`` leaves the guard collective as it is."""
+    _seams.install()
+    if compiler:
+        _seams.set_compiler_collectives_flag(True)
+    if guards is not None:
+        config.set_value("guards", guards)
+        _seams.set_guard_hook(guards)
+
+
+def disable() -> None:
+    """Switch both collectives off."""
+    _seams.set_compiler_collectives_flag(False)
+    config.set_value("guards", False)
+    _seams.set_guard_hook(False)
+
+
+def is_enabled() -> bool:
+    return _seams.installed() and _seams.compiler_collectives_flag()
+
+
+def guards_enabled() -> bool:
+    return _seams.installed() and _seams.guard_hook_active()
+
+
+@contextlib.contextmanager
+def enabled(*, compiler: bool = True, guards: bool = False) -> Iterator[None]:
+    """Context manager: collectives on inside, previous state restored after."""
+    previous_flag = _seams.compiler_collectives_flag()
+    previous_guards = _seams.guard_hook_active()
+    enable(compiler=compiler, guards=guards)
+    try:
+        yield
+    finally:
+        _seams.set_compiler_collectives_flag(previous_flag)
+        _seams.set_guard_hook(previous_guards)
+        config.set_value("guards", previous_guards)
+
+
+def stats() -> dict[str, Any]:
+    """Counters of this rank: collectives run, bytes, restarts, guard outcomes, time."""
+    return _counters.snapshot()
+
+
+def reset_stats() -> None:
+    _reset_counters()
+
+
+def reset() -> None:
+    """Clear a failure on this rank and forget our groups; call on every rank together."""
+    from . import compiler_collective, guard_collective
+    from .transport import groups
+
+    health.clear()
+    groups.forget()
+    compiler_collective.reset_sequence()
+    guard_collective.reset_sequence()

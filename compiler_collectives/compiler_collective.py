@@ -1,0 +1,148 @@
+"""The compiler collective: exchange every rank's LocalState at the end of a preflight.
+
+Plain Python over ``torch.distributed``: the seams module calls ``exchange``
+from inside Dynamo and ``restart_needed`` to decide whether Dynamo must trace
+the frame again. Every rank receives every payload and runs the same
+validation, so a bad payload, a desync or a "no restart needed" decision comes
+out identically on all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+
+from . import config, health, wire
+from .errors import CollectiveDesyncError, CollectiveError, WireFormatError, describe
+from .state import DistributedState, FrameId, LocalState
+from .stats import counters
+from .transport import all_gather_bytes, groups, translate_failure
+
+log = logging.getLogger("compiler_collectives.compiler")
+
+_seq = 0
+_frame_seqs: dict[tuple[str, str, int], int] = {}
+
+
+def _frame_key(frame: FrameId) -> tuple[str, str, int]:
+    # Compare base names: the same script may live under different paths on
+    # different hosts, which is not a desync.
+    return (frame.name, os.path.basename(frame.filename), frame.line)
+
+
+def reset_sequence() -> None:
+    global _seq
+    _seq = 0
+    _frame_seqs.clear()
+
+
+def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> list[wire.Envelope]:
+    """Run the collective for one frame compile; returns every rank's envelope in rank order."""
+    global _seq
+    health.check("compiler")
+    pg = ds.compile_pg if pg is None else pg
+    rank, world = pg.rank(), pg.size()
+    _seq += 1
+    seq = _seq
+    key = _frame_key(frame)
+    _frame_seqs[key] = _frame_seqs.get(key, 0) + 1
+    ds.frame, ds.seq = frame, seq
+    where = lambda: describe("compiler", rank, seq, str(frame))  # noqa: E731
+
+    sent_at = time.time()
+    payload = wire.encode(
+        ds.local_state,
+        rank=rank,
+        world_size=world,
+        frame=frame,
+        seq=seq,
+        sent_at=sent_at,
+    )
+    settings = config.settings
+    started = time.perf_counter()
+    try:
+        with torch.profiler.record_function("compiler_collectives.compiler_collective"):
+            payloads, rounds = all_gather_bytes(
+                pg,
+                payload,
+                max_bytes=settings.max_payload_bytes,
+                slot_bytes=settings.inline_slot_bytes,
+            )
+        envelopes = [
+            wire.decode(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            for i, p in enumerate(payloads)
+        ]
+        check_agreement(envelopes, rank=rank)
+    except CollectiveError as e:
+        e.kind, e.rank, e.seq, e.frame = "compiler", rank, seq, str(frame)
+        if isinstance(e, WireFormatError):
+            e.args = (f"{where()}: {e.args[0]}",)
+        counters.errors += 1
+        health.poison(e)
+        raise
+    except RuntimeError as e:
+        err = translate_failure(e, kind="compiler", describe=where, rank=rank, seq=seq, frame=str(frame))
+        counters.errors += 1
+        health.poison(err)
+        raise err from e
+    elapsed = time.perf_counter() - started
+
+    counters.compiler_collectives += 1
+    counters.compiler_rounds += rounds
+    counters.compiler_bytes_sent += len(payload)
+    counters.compiler_bytes_received += sum(len(p) for p in payloads)
+    counters.compiler_time_s += elapsed
+    times = [e.sent_at for e in envelopes]
+    counters.last_arrival_spread_s = max(times) - min(times)
+    counters.last_late_rank = max(range(world), key=lambda r: times[r])
+    log.debug(
+        "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
+        where(), len(payload), sum(len(p) for p in payloads), rounds, elapsed * 1e3,
+        counters.last_arrival_spread_s * 1e3, counters.last_late_rank,
+    )
+    return envelopes
+
+
+def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
+    """Raise ``CollectiveDesyncError`` unless every rank compiled the same frame at the same step."""
+    first = envelopes[0]
+    if all(
+        _frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq for e in envelopes
+    ):
+        return
+    lines = "\n".join(
+        f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}" for e in envelopes
+    )
+    mine = envelopes[rank]
+    raise CollectiveDesyncError(
+        f"{describe('compiler', rank, mine.seq, str(mine.frame))}: ranks are compiling "
+        f"different frames or are at different compile counts:\n{lines}\n"
+        "No automatic-dynamic decision was applied. Compiler collectives need every rank "
+        "to run the same compiled code in the same order (SPMD); look for rank-dependent "
+        "control flow around torch.compile'd calls, or turn on guard collectives "
+        "(COMPILER_COLLECTIVES_GUARDS=1) if one rank recompiles alone.",
+        ranks=tuple(e.rank for e in envelopes if e.seq != mine.seq or _frame_key(e.frame) != _frame_key(mine.frame)),
+    )
+
+
+def restart_needed(states: Sequence[LocalState]) -> bool:
+    """Whether Dynamo must trace the frame again after the exchange.
+
+    The preflight traced every input as static. If every rank saw exactly the
+    same sources and values and no rank's prior frame state holds anything
+    else, applying the exchange would make every rank choose exactly what the
+    preflight chose, so its graph is already right. ``states`` is identical on
+    every rank, so every rank reaches the same answer.
+    """
+    if not config.settings.skip_needless_restart:
+        return True
+    first = states[0].automatic_dynamic
+    return not all(s.frame_state_fresh and s.automatic_dynamic == first for s in states)
+
+
+def group_for_compile() -> Any:
+    return groups.compile_pg()

@@ -1,0 +1,171 @@
+"""Every setting of compiler_collectives in one place: env var, default, meaning.
+
+Each setting is read from its environment variable once, when this module is
+first imported, and can be changed from Python afterwards through ``settings``
+(a plain attribute assignment) or temporarily with ``override(...)``.
+``docs/configuration.md`` mirrors the table below; keep them in step.
+
+Torch's own switch for compiler collectives, ``TORCH_COMPILER_COLLECTIVES``,
+is not ours: torch reads it into ``torch._dynamo.config.enable_compiler_collectives``
+and we read that flag directly, so there is exactly one source of truth for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("compiler_collectives.config")
+
+
+class ConfigError(ValueError):
+    """Raised when an environment variable holds a value we cannot parse."""
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def _parse_positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{name}={raw!r}: must be greater than 0")
+    return value
+
+
+def _parse_positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a whole number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: must be greater than 0")
+    return value
+
+
+def _parse_str(name: str, raw: str) -> str:
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    attr: str
+    env: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    meaning: str
+
+
+SETTINGS_TABLE: tuple[Setting, ...] = (
+    Setting(
+        "guards",
+        "COMPILER_COLLECTIVES_GUARDS",
+        False,
+        _parse_bool,
+        "Run the guard collective on every call of a compiled frame: if any rank "
+        "misses its guards, every rank recompiles. Same effect as "
+        "torch.compiler.set_enable_guard_collectives(True).",
+    ),
+    Setting(
+        "timeout_s",
+        "COMPILER_COLLECTIVES_TIMEOUT",
+        300.0,
+        _parse_positive_float,
+        "Seconds any of our collectives (and the creation of our process groups) may "
+        "wait for the slowest rank before raising CollectiveTimeoutError. Must cover "
+        "the compile-time skew between ranks.",
+    ),
+    Setting(
+        "max_payload_bytes",
+        "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES",
+        16 * 1024 * 1024,
+        _parse_positive_int,
+        "Largest compiler-collective payload one rank may send or accept; checked "
+        "before any buffer is allocated.",
+    ),
+    Setting(
+        "inline_slot_bytes",
+        "COMPILER_COLLECTIVES_INLINE_SLOT_BYTES",
+        4096,
+        _parse_positive_int,
+        "Size of each rank's slot in the first all-gather round. Payloads that fit "
+        "cost one collective; larger ones a second, exactly sized round.",
+    ),
+    Setting(
+        "skip_needless_restart",
+        "COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART",
+        True,
+        _parse_bool,
+        "After the compiler collective, skip Dynamo's restart when no rank's "
+        "automatic-dynamic decision would change (torch always restarts).",
+    ),
+)
+
+
+@dataclasses.dataclass
+class Settings:
+    """Current values; attribute names match ``Setting.attr``."""
+
+    guards: bool = False
+    timeout_s: float = 300.0
+    max_payload_bytes: int = 16 * 1024 * 1024
+    inline_slot_bytes: int = 4096
+    skip_needless_restart: bool = True
+    # Where each value came from ("default", "env", "api"), for `doctor`.
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def load_from_env(environ: dict[str, str] | None = None) -> Settings:
+    """Build a fresh Settings from ``environ`` (``os.environ`` by default)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for row in SETTINGS_TABLE:
+        raw = environ.get(row.env)
+        if raw is None:
+            values[row.attr] = row.default
+            sources[row.attr] = "default"
+        else:
+            values[row.attr] = row.parse(row.env, raw)
+            sources[row.attr] = "env"
+    return Settings(**values, sources=sources)
+
+
+settings: Settings = load_from_env()
+
+
+def set_value(attr: str, value: Any, source: str = "api") -> None:
+    """Assign a setting and remember where it came from."""
+    if not any(row.attr == attr for row in SETTINGS_TABLE):
+        raise AttributeError(f"no setting named {attr!r}")
+    setattr(settings, attr, value)
+    settings.sources[attr] = source
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[Settings]:
+    """Temporarily change settings (tests, benchmarks)."""
+    saved = {k: getattr(settings, k) for k in values}
+    saved_sources = dict(settings.sources)
+    try:
+        for key, value in values.items():
+            set_value(key, value)
+        yield settings
+    finally:
+        for key, value in saved.items():
+            setattr(settings, key, value)
+        settings.sources.clear()
+        settings.sources.update(saved_sources)

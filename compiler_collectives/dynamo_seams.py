@@ -1,0 +1,380 @@
+"""Every touch of ``torch._dynamo`` internals lives here.
+
+``install()`` swaps our implementation into the places where torch 2.13's
+Dynamo calls its own compiler and guard collectives; ``uninstall()`` puts
+torch's originals back. The seams, all checked before anything is patched:
+
+* ``convert_frame.get_compile_pg``: hands Dynamo our gloo compile group.
+* ``convert_frame.DistributedState`` / ``LocalState``: our per-compile box.
+* ``pgo.process_automatic_dynamic`` (also bound by name in
+  ``variables.builder``): preflight records, the restarted trace applies.
+* ``OutputGraph.run_compiler_collective``: our exchange, our restart decision.
+* ``convert_frame._compile``: surfaces errors the guard hook had to park, and
+  unwraps our errors from Dynamo's ``InternalTorchDynamoError``.
+* ``eval_frame.guard_collectives_hook`` and ``distributed.get_guard_pg``:
+  what ``torch.compiler.set_enable_guard_collectives`` installs.
+* ``torch._C._dynamo.eval_frame.set_guard_complete_hook``: the C++ hook slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any, Callable
+
+import torch
+
+from . import compiler_collective, config, guard_collective, health
+from .errors import CollectiveError, UnsupportedTorchError
+from .state import DYNAMIC, UNSET, DistributedState, FrameId, InferStride, LocalState, Marker, SizeEntry
+from .stats import counters
+
+log = logging.getLogger("compiler_collectives.dynamo")
+
+# (module, attribute path) of everything we read or replace.
+REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
+    ("torch._dynamo.config", "enable_compiler_collectives"),
+    ("torch._dynamo.convert_frame", "get_compile_pg"),
+    ("torch._dynamo.convert_frame", "DistributedState"),
+    ("torch._dynamo.convert_frame", "LocalState"),
+    ("torch._dynamo.convert_frame", "_compile"),
+    ("torch._dynamo.output_graph", "OutputGraph.run_compiler_collective"),
+    ("torch._dynamo.pgo", "process_automatic_dynamic"),
+    ("torch._dynamo.pgo", "update_automatic_dynamic"),
+    ("torch._dynamo.pgo", "FrameStateSizeEntry"),
+    ("torch._dynamo.pgo", "InferStride"),
+    ("torch._dynamo.pgo", "auto_dynamic"),
+    ("torch._dynamo.pgo", "auto_unset"),
+    ("torch._dynamo.pgo", "get_code_state"),
+    ("torch._dynamo.pgo", "CodeId.make"),
+    ("torch._dynamo.variables.builder", "process_automatic_dynamic"),
+    ("torch._dynamo.exc", "CompileCollectiveRestartAnalysis"),
+    ("torch._dynamo.exc", "InternalTorchDynamoError"),
+    ("torch._dynamo.utils", "dynamo_timed"),
+    ("torch._dynamo.eval_frame", "guard_collectives_hook"),
+    ("torch._dynamo.distributed", "get_compile_pg"),
+    ("torch._dynamo.distributed", "get_guard_pg"),
+    ("torch._C._dynamo.eval_frame", "set_guard_complete_hook"),
+    ("torch.compiler", "set_enable_guard_collectives"),
+)
+
+
+def _resolve(module: str, path: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_seams() -> list[str]:
+    """Seams the installed torch lacks, as 'module:attr' strings."""
+    missing = []
+    for module, path in REQUIRED_SEAMS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}:{path}")
+    return missing
+
+
+def check_seams() -> None:
+    missing = missing_seams()
+    if missing:
+        raise UnsupportedTorchError(
+            f"compiler_collectives cannot hook into torch {torch.__version__}: missing Dynamo "
+            f"seam(s) {', '.join(missing)}. It supports torch 2.13; install torch==2.13.0."
+        )
+
+
+# ------------------------------------------------------------ conversions
+
+_pgo: Any = None  # torch._dynamo.pgo, bound at install
+
+
+def _atom_from_torch(a: Any) -> Any:
+    if a is _pgo.auto_dynamic:
+        return DYNAMIC
+    if a is _pgo.auto_unset:
+        return UNSET
+    if isinstance(a, _pgo.InferStride):
+        return InferStride(a.dim)
+    return int(a)
+
+
+def _part_from_torch(p: Any) -> Any:
+    if isinstance(p, tuple):
+        return tuple(_atom_from_torch(a) for a in p)
+    return _atom_from_torch(p)
+
+
+def entry_from_torch(e: Any) -> SizeEntry:
+    return SizeEntry(
+        scalar=_atom_from_torch(e.scalar),
+        size=_part_from_torch(e.size),
+        stride=_part_from_torch(e.stride),
+        excluded_sizes=None if e.excluded_sizes is None else tuple(e.excluded_sizes),
+        excluded_scalar=e.excluded_scalar,
+    )
+
+
+def _atom_to_torch(a: Any) -> Any:
+    if a is DYNAMIC:
+        return _pgo.auto_dynamic
+    if a is UNSET:
+        return _pgo.auto_unset
+    if isinstance(a, InferStride):
+        return _pgo.InferStride(a.dim)
+    return a
+
+
+def _part_to_torch(p: Any) -> Any:
+    if isinstance(p, Marker):
+        return _atom_to_torch(p)
+    return tuple(_atom_to_torch(a) for a in p)
+
+
+def entry_to_torch(e: SizeEntry) -> Any:
+    return _pgo.FrameStateSizeEntry(
+        scalar=_atom_to_torch(e.scalar),
+        size=_part_to_torch(e.size),
+        stride=_part_to_torch(e.stride),
+        excluded_sizes=e.excluded_sizes,
+        excluded_scalar=e.excluded_scalar,
+    )
+
+
+# ------------------------------------------------------------ replacements
+
+_originals: dict[str, Any] = {}
+_installed = False
+
+
+def _get_compile_pg() -> Any:
+    if torch._dynamo.config.enable_compiler_collectives and compiler_collective.groups.available():
+        return compiler_collective.group_for_compile()
+    return None
+
+
+def _get_guard_pg() -> Any:
+    if compiler_collective.groups.available():
+        return compiler_collective.groups.guard_pg()
+    return None
+
+
+def _process_automatic_dynamic(
+    tx: Any, name: str, entry: Any, *, is_unspecialized_nn_module: bool = False
+) -> Any:
+    st = tx.distributed_state
+    if not isinstance(st, DistributedState):
+        # No collective for this compile (or torch's own box): torch's logic.
+        return _originals["process_automatic_dynamic"](
+            tx, name, entry, is_unspecialized_nn_module=is_unspecialized_nn_module
+        )
+    update = _pgo.update_automatic_dynamic
+    if st.all_states is None:
+        # Preflight: record, and trace as static. The prior frame state is
+        # applied after the exchange, together with every rank's entries.
+        st.local_state.automatic_dynamic[name] = entry_from_torch(entry)
+        st.origins[name] = tx
+        return entry
+    result = None
+    for state in st.all_states:  # rank order; includes this rank's own state
+        observed = state.automatic_dynamic.get(name)
+        if observed is not None:
+            result = update(
+                tx, name, entry_to_torch(observed), is_unspecialized_nn_module=is_unspecialized_nn_module
+            )
+    if result is None:
+        # No rank saw this source in its preflight (the trace went elsewhere
+        # after the exchange); decide from this rank's observation alone.
+        log.debug("source %s was not in any rank's preflight; using the local observation", name)
+        result = update(tx, name, entry, is_unspecialized_nn_module=is_unspecialized_nn_module)
+    return result
+
+
+def _frame_state_fresh(ds: DistributedState) -> bool:
+    """True if this rank's frame state cannot change any preflight decision."""
+    if not torch._dynamo.config.automatic_dynamic_shapes:
+        return True  # update_automatic_dynamic overwrites: the entry itself wins
+    code_states = _pgo.get_code_state()
+    for name, observed in ds.local_state.automatic_dynamic.items():
+        tx = ds.origins.get(name)
+        if tx is None:
+            return False
+        code_state = code_states.get(_pgo.CodeId.make(tx.f_code, tx.closure))
+        if code_state is None:
+            continue
+        prior = code_state.automatic_dynamic.get(name)
+        if prior is None:
+            continue
+        prior_entry = entry_from_torch(prior)
+        if prior_entry == SizeEntry():
+            continue  # all unset: the identity of the merge
+        if not (prior_entry.same_decision_as(observed) and prior_entry.excluded_sizes is None
+                and prior_entry.excluded_scalar is None):
+            return False
+    return True
+
+
+def _apply_without_restart(ds: DistributedState) -> None:
+    """Do what the restarted trace's process_automatic_dynamic calls would have done."""
+    update = _pgo.update_automatic_dynamic
+    assert ds.all_states is not None
+    for name in ds.local_state.automatic_dynamic:
+        tx = ds.origins[name]
+        for state in ds.all_states:
+            observed = state.automatic_dynamic.get(name)
+            if observed is not None:
+                update(tx, name, entry_to_torch(observed))
+
+
+def _run_compiler_collective(self: Any) -> None:
+    tx = self.root_tx
+    ds = tx.distributed_state
+    if ds is None or ds.all_states is not None:
+        return
+    if not isinstance(ds, DistributedState):
+        return _originals["run_compiler_collective"](self)
+    code = tx.f_code
+    frame = FrameId(code.co_name, code.co_filename, code.co_firstlineno)
+    ds.local_state.frame_state_fresh = _frame_state_fresh(ds)
+    with _dynamo_timed("compiler_collective", log_pt2_compile_event=True):
+        envelopes = compiler_collective.exchange(ds, frame)
+    ds.all_states = [e.state for e in envelopes]
+    if compiler_collective.restart_needed(ds.all_states):
+        counters.restarts += 1
+        tx.speculation_log.clear()
+        raise _exc.CompileCollectiveRestartAnalysis
+    counters.restarts_skipped += 1
+    ds.restart_skipped = True
+    _apply_without_restart(ds)
+
+
+def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        health.raise_parked()
+        try:
+            return original(*args, **kwargs)
+        except _exc.InternalTorchDynamoError as e:
+            # Dynamo rewraps unknown exceptions "from None"; the original is
+            # still the context. Give the user our type back.
+            inner = e.__context__
+            if isinstance(inner, CollectiveError):
+                raise inner from inner.__cause__
+            raise
+
+    _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
+    return _compile
+
+
+_exc: Any = None
+_dynamo_timed: Any = None
+
+
+def install() -> None:
+    """Swap our implementation in (idempotent)."""
+    global _installed, _pgo, _exc, _dynamo_timed
+    if _installed:
+        return
+    check_seams()
+    import torch._C._dynamo.eval_frame as c_eval_frame
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._dynamo.distributed as dynamo_distributed
+    import torch._dynamo.eval_frame as eval_frame
+    import torch._dynamo.exc as exc
+    import torch._dynamo.output_graph as output_graph
+    import torch._dynamo.pgo as pgo
+    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.variables.builder as builder
+
+    _pgo, _exc, _dynamo_timed = pgo, exc, dynamo_utils.dynamo_timed
+    _originals.update(
+        get_compile_pg=convert_frame.get_compile_pg,
+        distributed_get_compile_pg=dynamo_distributed.get_compile_pg,
+        get_guard_pg=dynamo_distributed.get_guard_pg,
+        DistributedState=convert_frame.DistributedState,
+        LocalState=convert_frame.LocalState,
+        compile=convert_frame._compile,
+        run_compiler_collective=output_graph.OutputGraph.run_compiler_collective,
+        process_automatic_dynamic=pgo.process_automatic_dynamic,
+        builder_process_automatic_dynamic=builder.process_automatic_dynamic,
+        guard_collectives_hook=eval_frame.guard_collectives_hook,
+    )
+    convert_frame.get_compile_pg = _get_compile_pg
+    dynamo_distributed.get_compile_pg = _get_compile_pg
+    dynamo_distributed.get_guard_pg = _get_guard_pg
+    convert_frame.DistributedState = DistributedState
+    convert_frame.LocalState = LocalState
+    convert_frame._compile = _wrap_compile(convert_frame._compile)
+    output_graph.OutputGraph.run_compiler_collective = _run_compiler_collective
+    pgo.process_automatic_dynamic = _process_automatic_dynamic
+    builder.process_automatic_dynamic = _process_automatic_dynamic
+    eval_frame.guard_collectives_hook = guard_collective.hook
+
+    # If torch's own guard hook is active (set_enable_guard_collectives was
+    # called before we were imported), keep guard collectives on, but ours.
+    previous = c_eval_frame.set_guard_complete_hook(None)
+    if previous is _originals["guard_collectives_hook"] or config.settings.guards:
+        c_eval_frame.set_guard_complete_hook(guard_collective.hook)
+    elif previous is not None:
+        c_eval_frame.set_guard_complete_hook(previous)
+    _installed = True
+    log.debug("installed into torch %s", torch.__version__)
+
+
+def uninstall() -> None:
+    """Restore torch's originals (tests)."""
+    global _installed
+    if not _installed:
+        return
+    import torch._C._dynamo.eval_frame as c_eval_frame
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._dynamo.distributed as dynamo_distributed
+    import torch._dynamo.eval_frame as eval_frame
+    import torch._dynamo.output_graph as output_graph
+    import torch._dynamo.pgo as pgo
+    import torch._dynamo.variables.builder as builder
+
+    convert_frame.get_compile_pg = _originals["get_compile_pg"]
+    dynamo_distributed.get_compile_pg = _originals["distributed_get_compile_pg"]
+    dynamo_distributed.get_guard_pg = _originals["get_guard_pg"]
+    convert_frame.DistributedState = _originals["DistributedState"]
+    convert_frame.LocalState = _originals["LocalState"]
+    convert_frame._compile = _originals["compile"]
+    output_graph.OutputGraph.run_compiler_collective = _originals["run_compiler_collective"]
+    pgo.process_automatic_dynamic = _originals["process_automatic_dynamic"]
+    builder.process_automatic_dynamic = _originals["builder_process_automatic_dynamic"]
+    eval_frame.guard_collectives_hook = _originals["guard_collectives_hook"]
+    previous = c_eval_frame.set_guard_complete_hook(None)
+    if previous is guard_collective.hook:
+        c_eval_frame.set_guard_complete_hook(_originals["guard_collectives_hook"])
+    elif previous is not None:
+        c_eval_frame.set_guard_complete_hook(previous)
+    _installed = False
+
+
+def installed() -> bool:
+    return _installed
+
+
+def set_guard_hook(enabled: bool) -> bool:
+    """Turn our guard collective on or off; returns whether a hook was set before."""
+    return bool(torch.compiler.set_enable_guard_collectives(enabled))
+
+
+def guard_hook_active() -> bool:
+    import torch._C._dynamo.eval_frame as c_eval_frame
+
+    current = c_eval_frame.set_guard_complete_hook(None)
+    c_eval_frame.set_guard_complete_hook(current)
+    return current is guard_collective.hook
+
+
+def compiler_collectives_flag() -> bool:
+    return bool(torch._dynamo.config.enable_compiler_collectives)
+
+
+def set_compiler_collectives_flag(value: bool) -> None:
+    torch._dynamo.config.enable_compiler_collectives = value

@@ -1,0 +1,83 @@
+"""The exception types compiler_collectives raises, and how their messages read.
+
+Every runtime failure of a collective is a ``CollectiveError``; the subclass
+says what went wrong. Messages are written for the engineer on call: which
+rank, which collective and frame (``co_name`` at ``file:line``), what differed,
+and what to set or check next.
+"""
+
+from __future__ import annotations
+
+
+class CollectiveError(RuntimeError):
+    """Raised when a compiler or guard collective cannot reach agreement.
+
+    Attributes give the context in machine-readable form: ``kind`` ("compiler"
+    or "guard"), ``rank`` (this rank), ``seq`` (this rank's sequence number for
+    that kind of collective), ``frame`` (``co_name at file:line`` or None) and
+    ``ranks`` (the peers implicated, e.g. the sender of a bad payload).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str | None = None,
+        rank: int | None = None,
+        seq: int | None = None,
+        frame: str | None = None,
+        ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.rank = rank
+        self.seq = seq
+        self.frame = frame
+        self.ranks = tuple(ranks)
+
+
+class WireFormatError(CollectiveError):
+    """Raised when a payload from a rank is malformed, truncated, oversized or
+    of another format version. Names the sending rank."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Raised when a collective (or the creation of our process groups) waited
+    longer than COMPILER_COLLECTIVES_TIMEOUT for the other ranks."""
+
+
+class PeerFailureError(CollectiveError):
+    """Raised when a peer rank's connection broke mid-collective (the peer
+    process most likely crashed or was killed)."""
+
+
+class CollectiveDesyncError(CollectiveError):
+    """Raised when ranks reached the same collective from different places:
+    different frames, or a different number of earlier calls."""
+
+
+class CollectivePoisonedError(CollectiveError):
+    """Raised by every collective after an earlier one failed on this rank;
+    the original failure is chained as ``__cause__``. Recover with
+    ``compiler_collectives.reset()`` on every rank."""
+
+
+class UnsupportedTorchError(ImportError):
+    """Raised at import when the installed torch lacks a Dynamo seam we patch."""
+
+
+def describe(
+    kind: str | None,
+    rank: int | None,
+    seq: int | None,
+    frame: str | None,
+) -> str:
+    """The common prefix of our messages: 'compiler collective #3 on rank 1 (frame f at a.py:10)'."""
+    what = f"{kind} collective" if kind else "collective"
+    if seq is not None:
+        what += f" #{seq}"
+    if rank is not None:
+        what += f" on rank {rank}"
+    if frame:
+        what += f" (frame {frame})"
+    return what

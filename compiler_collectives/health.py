@@ -1,0 +1,64 @@
+"""Whether our collectives are still usable on this rank, and errors waiting to surface.
+
+After any collective fails, the groups may be half-broken and the ranks out of
+step, so every later collective raises ``CollectivePoisonedError`` chained to
+the first failure until ``compiler_collectives.reset()`` is called on every rank.
+
+The guard hook runs inside Dynamo's C++ frame evaluation, where an exception
+would abort the process; it parks its error here instead and forces a
+recompile, and the compile entry point raises the parked error from the
+user's own call site.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .errors import CollectiveError, CollectivePoisonedError
+
+log = logging.getLogger("compiler_collectives.health")
+
+_first_failure: CollectiveError | None = None
+_pending: CollectiveError | None = None
+
+
+def poison(error: CollectiveError) -> None:
+    global _first_failure
+    if _first_failure is None:
+        _first_failure = error
+        log.error("%s", error)
+
+
+def poisoned() -> CollectiveError | None:
+    return _first_failure
+
+
+def check(kind: str) -> None:
+    """Raise if an earlier collective failed on this rank."""
+    if _first_failure is not None:
+        raise CollectivePoisonedError(
+            f"{kind} collective refused: an earlier collective failed on this rank "
+            f"({type(_first_failure).__name__}: {_first_failure}). The ranks are no longer "
+            "in step; call compiler_collectives.reset() on every rank (or restart the job).",
+            kind=kind,
+        ) from _first_failure
+
+
+def park(error: CollectiveError) -> None:
+    """Keep an error raised where it could not propagate (the guard hook)."""
+    global _pending
+    if _pending is None:
+        _pending = error
+
+
+def raise_parked() -> None:
+    global _pending
+    error, _pending = _pending, None
+    if error is not None:
+        raise error
+
+
+def clear() -> None:
+    global _first_failure, _pending
+    _first_failure = None
+    _pending = None

@@ -1,0 +1,47 @@
+"""In-memory counters of what our collectives did on this rank.
+
+``compiler_collectives.stats()`` returns a snapshot as a plain dict. Counters
+are updated on the hot path with plain attribute arithmetic (no locks): Dynamo
+compiles and guard hooks run on the thread that calls the compiled function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Counters:
+    # compiler collective
+    compiler_collectives: int = 0
+    compiler_rounds: int = 0
+    compiler_bytes_sent: int = 0
+    compiler_bytes_received: int = 0
+    compiler_time_s: float = 0.0
+    restarts: int = 0
+    restarts_skipped: int = 0
+    # arrival spread of the last compiler collective (sender wall clocks)
+    last_arrival_spread_s: float = 0.0
+    last_late_rank: int = -1
+    # guard collective
+    guard_collectives: int = 0
+    guard_local_misses: int = 0
+    guard_agreed_misses: int = 0
+    forced_recompiles: int = 0
+    guard_time_s: float = 0.0
+    # failures
+    errors: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+counters = Counters()
+
+
+def reset_counters() -> None:
+    global counters
+    fresh = Counters()
+    for field in dataclasses.fields(Counters):
+        setattr(counters, field.name, getattr(fresh, field.name))

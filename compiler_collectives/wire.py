@@ -1,0 +1,297 @@
+"""The msgpack wire format of a compiler-collective payload, and its validation.
+
+A payload is one msgpack array, the *envelope*::
+
+    [format_version, package_version, sender_rank, world_size,
+     [co_name, co_filename, co_firstlineno], seq, sent_at, state]
+
+``format_version`` always comes first so that a decoder can refuse a payload
+of another version before reading anything else. ``sent_at`` is the sender's
+wall-clock time (seconds since the epoch) when it entered the collective.
+``state`` is ``[entries, frame_state_fresh, extras]`` where ``entries`` is a
+list of ``[source_name, entry]`` and ``extras`` maps a registered field name to
+its msgpack-native value.
+
+An entry is ``[scalar, size, stride]`` optionally followed by
+``excluded_sizes`` and ``excluded_scalar`` (omitted when empty). Atoms:
+
+* an int is an observed value;
+* nil is ``DYNAMIC``; false is ``UNSET``;
+* a one-element list ``[d]`` (strides only) is ``InferStride(d)``.
+
+``size`` and ``stride`` are either a marker atom or a list of atoms.
+
+Version rule: any change to the envelope or the entry encoding bumps
+``FORMAT_VERSION``; ranks must run the same format version, and a payload of
+another version is rejected with ``WireFormatError`` naming the sender and
+both versions. Nothing here ever unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from . import __version__
+from .errors import WireFormatError
+from .state import (
+    DYNAMIC,
+    UNSET,
+    FrameId,
+    InferStride,
+    LocalState,
+    Marker,
+    SizeEntry,
+    registered_fields,
+)
+
+FORMAT_VERSION = 1
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+# A rank is never going to record more dims than this; larger is corruption.
+_MAX_DIMS = 64
+
+
+@dataclasses.dataclass
+class Envelope:
+    """A decoded payload."""
+
+    format_version: int
+    package_version: str
+    rank: int
+    world_size: int
+    frame: FrameId
+    seq: int
+    sent_at: float
+    state: LocalState
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _atom_out(a: Any) -> Any:
+    if a is DYNAMIC:
+        return None
+    if a is UNSET:
+        return False
+    if isinstance(a, InferStride):
+        return [a.dim]
+    if type(a) is int:
+        return a
+    raise TypeError(f"cannot encode size atom {a!r} of type {type(a).__name__}")
+
+
+def _part_out(part: Any) -> Any:
+    if isinstance(part, Marker):
+        return _atom_out(part)
+    return [_atom_out(a) for a in part]
+
+
+def _entry_out(entry: SizeEntry) -> list[Any]:
+    out = [_atom_out(entry.scalar), _part_out(entry.size), _part_out(entry.stride)]
+    if entry.excluded_sizes is not None or entry.excluded_scalar is not None:
+        out.append(None if entry.excluded_sizes is None else list(entry.excluded_sizes))
+        if entry.excluded_scalar is not None:
+            out.append(entry.excluded_scalar)
+    return out
+
+
+def encode(
+    state: LocalState,
+    *,
+    rank: int,
+    world_size: int,
+    frame: FrameId,
+    seq: int,
+    sent_at: float,
+) -> bytes:
+    """Serialize this rank's state into the versioned envelope."""
+    fields = registered_fields()
+    extras = {}
+    for name, value in state.extras.items():
+        field = fields.get(name)
+        if field is None:
+            raise TypeError(f"LocalState extra field {name!r} is not registered")
+        extras[name] = field.to_wire(value)
+    body = [
+        [[name, _entry_out(entry)] for name, entry in state.automatic_dynamic.items()],
+        bool(state.frame_state_fresh),
+        extras,
+    ]
+    envelope = [
+        FORMAT_VERSION,
+        __version__,
+        rank,
+        world_size,
+        [frame.name, frame.filename, frame.line],
+        seq,
+        float(sent_at),
+        body,
+    ]
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Bad(Exception):
+    """Internal: a validation failure, turned into WireFormatError by decode()."""
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise _Bad(what)
+
+
+def _int(v: Any, what: str, *, lo: int = _INT64_MIN) -> int:
+    _expect(type(v) is int and lo <= v <= _INT64_MAX, f"{what} must be an int in range, got {v!r}")
+    return v
+
+
+def _atom_in(v: Any, what: str, *, allow_infer: bool, lo: int) -> Any:
+    if v is None:
+        return DYNAMIC
+    if v is False:
+        return UNSET
+    if type(v) is int:
+        return _int(v, what, lo=lo)
+    if allow_infer and type(v) is list and len(v) == 1:
+        return InferStride(_int(v[0], f"{what} InferStride dim", lo=0))
+    raise _Bad(f"{what}: unexpected value {v!r}")
+
+
+def _part_in(v: Any, what: str, *, allow_infer: bool) -> Any:
+    if v is None:
+        return DYNAMIC
+    if v is False:
+        return UNSET
+    _expect(type(v) is list, f"{what} must be a marker or a list, got {type(v).__name__}")
+    _expect(len(v) <= _MAX_DIMS, f"{what} has {len(v)} dims (limit {_MAX_DIMS})")
+    atoms = tuple(
+        _atom_in(a, f"{what}[{i}]", allow_infer=allow_infer, lo=0) for i, a in enumerate(v)
+    )
+    _expect(all(a is not UNSET for a in atoms), f"{what} has an unset dim")
+    return atoms
+
+
+def _entry_in(name: str, v: Any) -> SizeEntry:
+    what = f"entry {name!r}"
+    _expect(type(v) is list and 3 <= len(v) <= 5, f"{what} must be a list of 3 to 5 items")
+    scalar = _atom_in(v[0], f"{what} scalar", allow_infer=False, lo=_INT64_MIN)
+    size = _part_in(v[1], f"{what} size", allow_infer=False)
+    stride = _part_in(v[2], f"{what} stride", allow_infer=True)
+    excluded_sizes = None
+    excluded_scalar = None
+    if len(v) >= 4 and v[3] is not None:
+        _expect(type(v[3]) is list and len(v[3]) <= _MAX_DIMS, f"{what} excluded_sizes must be a list")
+        excluded_sizes = tuple(
+            None if s is None else _int(s, f"{what} excluded_sizes[{i}]", lo=0)
+            for i, s in enumerate(v[3])
+        )
+    if len(v) == 5:
+        excluded_scalar = _int(v[4], f"{what} excluded_scalar")
+    return SizeEntry(scalar, size, stride, excluded_sizes, excluded_scalar)
+
+
+def _state_in(v: Any) -> LocalState:
+    _expect(type(v) is list and len(v) == 3, "state must be [entries, fresh, extras]")
+    raw_entries, fresh, raw_extras = v
+    _expect(type(raw_entries) is list, "entries must be a list")
+    _expect(type(fresh) is bool, "frame_state_fresh must be a bool")
+    _expect(type(raw_extras) is dict, "extras must be a map")
+    entries: dict[str, SizeEntry] = {}
+    for i, pair in enumerate(raw_entries):
+        _expect(type(pair) is list and len(pair) == 2, f"entries[{i}] must be [name, entry]")
+        name, raw = pair
+        _expect(type(name) is str and name != "", f"entries[{i}] name must be a non-empty string")
+        _expect(name not in entries, f"source {name!r} appears twice")
+        entries[name] = _entry_in(name, raw)
+    fields = registered_fields()
+    extras: dict[str, Any] = {}
+    for name, raw in raw_extras.items():
+        field = fields.get(name)
+        _expect(field is not None, f"unknown extra field {name!r} (is the same package version on every rank?)")
+        try:
+            extras[name] = field.from_wire(raw)
+        except (TypeError, ValueError) as e:
+            raise _Bad(f"extra field {name!r}: {e}") from None
+    missing = set(fields) - set(extras)
+    _expect(not missing, f"extra fields missing: {sorted(missing)}")
+    return LocalState(automatic_dynamic=entries, frame_state_fresh=fresh, extras=extras)
+
+
+def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> Envelope:
+    """Parse and validate one rank's payload; raise ``WireFormatError`` on anything wrong.
+
+    ``sender`` is the rank whose slot the bytes arrived in (the transport knows
+    it; the payload's own claim is checked against it).
+    """
+
+    def fail(why: str) -> WireFormatError:
+        return WireFormatError(
+            f"bad compiler-collective payload from rank {sender}: {why}. "
+            "Check that every rank runs the same compiler_collectives and torch "
+            "versions; if they do, this is a bug or a corrupted transport.",
+            kind="compiler",
+            ranks=(sender,),
+        )
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise fail(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise fail(
+            f"{len(data)} bytes exceeds the limit of {max_bytes} "
+            "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)"
+        )
+    try:
+        obj = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+        )
+    except Exception as e:  # msgpack raises several unrelated types
+        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
+    try:
+        if type(obj) is not list or not obj:
+            raise _Bad("envelope must be a non-empty list")
+        version = obj[0]
+        if type(version) is not int:
+            raise _Bad(f"format version must be an int, got {version!r}")
+        if version != FORMAT_VERSION:
+            pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
+            raise _Bad(
+                f"wire format version {version} (package {pkg}), this rank speaks "
+                f"version {FORMAT_VERSION} (package {__version__}); install the same "
+                "compiler_collectives version on every rank"
+            )
+        _expect(len(obj) == 8, f"envelope must have 8 items, got {len(obj)}")
+        _, pkg, rank, world, frame, seq, sent_at, state = obj
+        _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
+        _int(rank, "sender rank", lo=0)
+        _expect(rank == sender, f"payload claims to come from rank {rank}")
+        _int(world, "world size", lo=1)
+        if expected_world_size is not None:
+            _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+        _expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
+        _expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
+        line = _int(frame[2], "frame line", lo=0)
+        _int(seq, "sequence number", lo=0)
+        _expect(type(sent_at) is float, "sent_at must be a float")
+        local_state = _state_in(state)
+    except _Bad as e:
+        raise fail(str(e)) from None
+    return Envelope(
+        format_version=version,
+        package_version=pkg,
+        rank=rank,
+        world_size=world,
+        frame=FrameId(frame[0], frame[1], line),
+        seq=seq,
+        sent_at=sent_at,
+        state=local_state,
+    )

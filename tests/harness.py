@@ -1,0 +1,182 @@
+"""Run a function on N real ranks (gloo on 127.0.0.1 via a FileStore) and collect results.
+
+Each call gets a fresh FileStore in its own temp directory, a hard wall-clock
+deadline, and reaps every child: stragglers are SIGKILLed and joined before
+``run_ranks`` returns or raises. Children start from a forkserver that has
+already imported torch, which saves seconds per test on a 2-core machine;
+tests that must see environment variables at ``import torch`` time use
+``start_method="spawn"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+_CONTEXTS: dict[str, Any] = {}
+
+
+def _context(start_method: str) -> Any:
+    ctx = _CONTEXTS.get(start_method)
+    if ctx is None:
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tests.harness"])
+        _CONTEXTS[start_method] = ctx
+    return ctx
+
+
+class RanksFailed(AssertionError):
+    """A rank raised, died, or the job passed its deadline."""
+
+    def __init__(self, message: str, outcome: "Outcome") -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+@dataclasses.dataclass
+class Outcome:
+    results: list[Any]  # per rank; None where the rank did not report
+    errors: dict[int, str]  # rank -> formatted traceback
+    exitcodes: list[int | None]
+    timed_out: list[int]  # ranks still running at the deadline (then killed)
+    elapsed_s: float
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    env: dict[str, str],
+    args: Sequence[Any],
+    init: bool,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        if init:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{store_path}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=float(env.get("HARNESS_PG_TIMEOUT", "60"))),
+            )
+        value = fn(rank, world_size, *args)
+        results.put(("ok", rank, value))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put(("err", rank, traceback.format_exc()))
+    finally:
+        if init:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 90.0,
+    init: bool = True,
+    start_method: str = "forkserver",
+    check: bool = True,
+) -> Outcome:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return results in rank order.
+
+    With ``check`` (default) any rank error, crash or timeout raises
+    ``RanksFailed``; without it the caller inspects the ``Outcome``.
+    """
+    ctx = _context(start_method)
+    env = dict(env or {})
+    tmp = tempfile.mkdtemp(prefix="cc-ranks-")
+    store_path = os.path.join(tmp, "store")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, store_path, env, tuple(args), init, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    started = time.monotonic()
+    deadline = started + timeout
+    for p in procs:
+        p.start()
+    values: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    reported: set[int] = set()
+    try:
+        while len(reported) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                status, rank, value = results.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                # A rank that died without reporting (signal, os._exit) never will.
+                if all(not p.is_alive() for i, p in enumerate(procs) if i not in reported):
+                    # Drain anything that raced in, then stop waiting.
+                    try:
+                        while True:
+                            status, rank, value = results.get(timeout=0.2)
+                            reported.add(rank)
+                            (values.__setitem__(rank, value) if status == "ok" else errors.__setitem__(rank, value))
+                    except queue_mod.Empty:
+                        break
+                continue
+            reported.add(rank)
+            if status == "ok":
+                values[rank] = value
+            else:
+                errors[rank] = value
+    finally:
+        timed_out = []
+        for rank, p in enumerate(procs):
+            p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
+            if p.is_alive():
+                timed_out.append(rank)
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=10)
+        results.close()
+        results.join_thread()
+    outcome = Outcome(
+        results=values,
+        errors=errors,
+        exitcodes=[p.exitcode for p in procs],
+        timed_out=timed_out,
+        elapsed_s=time.monotonic() - started,
+    )
+    if check:
+        problems = []
+        for rank, tb in sorted(errors.items()):
+            problems.append(f"--- rank {rank} raised:\n{tb}")
+        for rank, code in enumerate(outcome.exitcodes):
+            if rank not in reported and rank not in timed_out:
+                problems.append(f"--- rank {rank} died without reporting (exit code {code})")
+        if timed_out:
+            problems.append(f"--- ranks {timed_out} still running after {timeout:.0f}s: killed")
+        if problems:
+            raise RanksFailed("\n".join(problems), outcome)
+    return outcome

@@ -1,0 +1,60 @@
+"""Helpers that run inside a rank process: a graph-recording backend and summaries.
+
+Rank functions return plain data (lists, dicts, ints) so that the parent can
+compare ranks without touching torch objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class GraphRecorder:
+    """A torch.compile backend that runs graphs eagerly and records their inputs.
+
+    For every compiled graph it keeps, per tensor placeholder, the size with
+    symbolic dims written as "s" (dynamic) and concrete ones as ints, and the
+    number of symbolic-int placeholders.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list[list[Any]] = []  # per graph: tensor input shapes
+        self.symbolic_ints: list[int] = []  # per graph: number of SymInt inputs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        shapes = []
+        symbolic_ints = 0
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                shapes.append(["s" if isinstance(d, torch.SymInt) else int(d) for d in value.shape])
+            elif isinstance(value, torch.SymInt):
+                symbolic_ints += 1
+        self.graphs.append(shapes)
+        self.symbolic_ints.append(symbolic_ints)
+        return gm.forward
+
+    @property
+    def count(self) -> int:
+        return len(self.graphs)
+
+
+def summary(recorder: GraphRecorder) -> dict[str, Any]:
+    import compiler_collectives as cc
+
+    s = cc.stats()
+    return {
+        "graphs": recorder.graphs,
+        "symbolic_ints": recorder.symbolic_ints,
+        "compiles": recorder.count,
+        "collectives": s["compiler_collectives"],
+        "restarts": s["restarts"],
+        "restarts_skipped": s["restarts_skipped"],
+        "guard_collectives": s["guard_collectives"],
+        "forced_recompiles": s["forced_recompiles"],
+        "bytes_sent": s["compiler_bytes_sent"],
+    }
