@@ -1,0 +1,162 @@
+"""How the service is switched on, installed and uninstalled, and what torch does without it."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+from tests.rankside import GraphRecorder, summary
+
+
+def _fn(x: torch.Tensor) -> torch.Tensor:
+    return x.cos().sum(0)
+
+
+def import_before_init(rank: int, world: int, store_path: str) -> dict:
+    import compiler_collectives as cc  # before any process group exists
+
+    cc.enable()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    rec = GraphRecorder()
+    f = torch.compile(_fn, backend=rec)
+    f(torch.ones(5 + rank, 3))
+    f(torch.ones(9, 3))
+    out = summary(rec)
+    dist.destroy_process_group()
+    return out
+
+
+def test_importing_the_package_before_init_process_group_works(tmp_path):
+    store = str(tmp_path / "store")
+    outcome = run_ranks(import_before_init, 2, args=(store,), init=False)
+    for r in outcome.results:
+        assert r["graphs"] == [[["s", 3]]]
+        assert r["collectives"] == 1
+
+
+def switch_from_env_only(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    rec = GraphRecorder()
+    f = torch.compile(_fn, backend=rec)
+    f(torch.ones(5 + rank, 3))
+    out = summary(rec)
+    out["flag"] = bool(torch._dynamo.config.enable_compiler_collectives)
+    out["enabled"] = cc.is_enabled()
+    return out
+
+
+def test_the_torch_env_var_alone_switches_our_compiler_collective_on():
+    # spawn: torch reads TORCH_COMPILER_COLLECTIVES when torch._dynamo is imported
+    outcome = run_ranks(
+        switch_from_env_only, 2, env={"TORCH_COMPILER_COLLECTIVES": "1"}, start_method="spawn", timeout=120
+    )
+    for r in outcome.results:
+        assert r["flag"] and r["enabled"]
+        assert r["graphs"] == [[["s", 3]]]
+        assert r["collectives"] == 1
+
+
+def single_rank(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    rec = GraphRecorder()
+    f = torch.compile(_fn, backend=rec)
+    f(torch.ones(5, 3))
+    f(torch.ones(5, 3))
+    return summary(rec)
+
+
+def test_a_one_rank_gloo_group_works():
+    (r,) = run_ranks(single_rank, 1).results
+    assert r["graphs"] == [[[5, 3]]]
+    assert r["collectives"] == 1 and r["restarts_skipped"] == 1
+    assert r["guard_collectives"] == 1
+
+
+def torch_own_on_gloo(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.uninstall()
+    torch._dynamo.config.enable_compiler_collectives = True
+    f = torch.compile(_fn, backend="eager")
+    try:
+        f(torch.ones(5 + rank, 3))
+    except Exception as e:  # noqa: BLE001 - we report what torch raised
+        return {"raised": type(e).__name__, "message": str(e)[:500]}
+    return {"raised": None}
+
+
+def ours_on_gloo(rank: int, world: int) -> dict:
+    import compiler_collectives  # noqa: F401
+
+    torch._dynamo.config.enable_compiler_collectives = True
+    f = torch.compile(_fn, backend="eager")
+    out = f(torch.ones(5 + rank, 3))
+    return {"ok": bool(torch.allclose(out, _fn(torch.ones(5 + rank, 3))))}
+
+
+def test_torch_own_compiler_collective_fails_on_gloo_where_ours_works():
+    theirs = run_ranks(torch_own_on_gloo, 2, timeout=60)
+    for r in theirs.results:
+        assert r["raised"] is not None, "torch's own implementation unexpectedly ran on gloo/CPU"
+    ours = run_ranks(ours_on_gloo, 2, timeout=60)
+    assert all(r["ok"] for r in ours.results)
+
+
+def test_uninstall_restores_torch_originals_and_install_is_idempotent():
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._dynamo.eval_frame as eval_frame
+    import torch._dynamo.output_graph as output_graph
+    import torch._dynamo.pgo as pgo
+    import torch._dynamo.variables.builder as builder
+
+    import compiler_collectives as cc
+    from compiler_collectives import dynamo_seams, guard_collective
+
+    cc.install()
+    cc.install()
+    assert eval_frame.guard_collectives_hook is guard_collective.hook
+    assert builder.process_automatic_dynamic is pgo.process_automatic_dynamic
+    ours_compile = convert_frame._compile
+    cc.uninstall()
+    try:
+        assert eval_frame.guard_collectives_hook is not guard_collective.hook
+        assert convert_frame._compile is not ours_compile
+        assert output_graph.OutputGraph.run_compiler_collective is dynamo_seams._originals["run_compiler_collective"]
+        assert builder.process_automatic_dynamic is dynamo_seams._originals["process_automatic_dynamic"]
+        assert not cc.is_enabled()
+    finally:
+        cc.install()
+    assert convert_frame._compile is not dynamo_seams._originals["compile"]
+
+
+def test_a_missing_dynamo_seam_fails_with_the_torch_version_and_the_seam(monkeypatch):
+    import torch._dynamo.output_graph as output_graph
+
+    from compiler_collectives import dynamo_seams
+    from compiler_collectives.errors import UnsupportedTorchError
+
+    monkeypatch.delattr(output_graph.OutputGraph, "run_compiler_collective")
+    with pytest.raises(UnsupportedTorchError) as info:
+        dynamo_seams.check_seams()
+    message = str(info.value)
+    assert torch.__version__ in message
+    assert "torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in message
+
+
+def test_enabled_context_manager_restores_the_previous_state():
+    import compiler_collectives as cc
+
+    cc.disable()
+    with cc.enabled(guards=True):
+        assert cc.is_enabled() and cc.guards_enabled()
+    assert not cc.is_enabled() and not cc.guards_enabled()

@@ -1,0 +1,201 @@
+"""The guard collective: if any rank must recompile, every rank recompiles (issue: guards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+from tests.rankside import GraphRecorder, summary
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * 2
+
+
+def _train_like_loop(rank: int, guards: bool) -> dict:
+    """Compiled step, then a user all-reduce; on call 2 only rank 1's dtype changes."""
+    import compiler_collectives as cc
+
+    cc.enable(guards=guards)
+    rec = GraphRecorder()
+    f = torch.compile(_step, backend=rec)
+    totals = []
+    for call in range(3):
+        dtype = torch.float64 if (rank == 1 and call == 1) else torch.float32
+        y = f(torch.ones(4, dtype=dtype))
+        total = y.sum().float().reshape(1)
+        dist.all_reduce(total)  # the user's own collective on the default group
+        totals.append(total.item())
+    out = summary(rec)
+    out["totals"] = totals
+    return out
+
+
+def one_rank_misses_with_guards(rank: int, world: int) -> dict:
+    return _train_like_loop(rank, guards=True)
+
+
+def one_rank_misses_without_guards(rank: int, world: int) -> dict:
+    return _train_like_loop(rank, guards=False)
+
+
+def test_when_one_rank_misses_its_guards_every_rank_recompiles_and_the_job_finishes():
+    outcome = run_ranks(one_rank_misses_with_guards, 2, timeout=60)
+    expected = 2 * float(torch.ones(4).sin().sum() * 2)
+    for rank, r in enumerate(outcome.results):
+        assert r["totals"] == pytest.approx([expected] * 3)
+        assert r["compiles"] == 2
+        assert r["collectives"] == 2
+    assert outcome.results[0]["forced_recompiles"] == 1  # rank 0 hit but was overruled
+    assert outcome.results[1]["forced_recompiles"] == 0
+
+
+def test_without_guard_collectives_the_same_loop_hangs():
+    outcome = run_ranks(
+        one_rank_misses_without_guards,
+        2,
+        timeout=20,
+        check=False,
+        env={"COMPILER_COLLECTIVES_TIMEOUT": "120", "HARNESS_PG_TIMEOUT": "120"},
+    )
+    # Rank 1 waits in the compiler collective, rank 0 in the user's all-reduce.
+    assert sorted(outcome.timed_out) == [0, 1], outcome
+
+
+def in_flight_user_collective(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(4))  # compile: no guard collective yet
+    t = torch.ones(1) * (rank + 1)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)  # cannot finish until rank 1 joins
+        f(torch.ones(4))  # guard collective while the user's all-reduce is pending
+        work.wait()
+    else:
+        f(torch.ones(4))  # guard collective first ...
+        dist.all_reduce(t)  # ... then join the user's all-reduce
+    return {"sum": t.item(), "guard_collectives": cc.stats()["guard_collectives"]}
+
+
+def test_the_guard_collective_does_not_wait_for_a_user_collective_in_flight():
+    outcome = run_ranks(in_flight_user_collective, 2, timeout=60)
+    for r in outcome.results:
+        assert r["sum"] == 3.0
+        assert r["guard_collectives"] == 1
+
+
+def steady_state(rank: int, world: int, calls: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    rec = GraphRecorder()
+    f = torch.compile(_step, backend=rec)
+    for _ in range(calls):
+        f(torch.ones(4))
+    return summary(rec)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_when_every_rank_hits_there_are_no_recompiles_and_one_guard_collective_per_call(world):
+    calls = 25
+    outcome = run_ranks(steady_state, world, args=(calls,))
+    for r in outcome.results:
+        assert r["compiles"] == 1
+        # the first call compiles; a frame without compiled code has nothing to guard
+        assert r["guard_collectives"] == calls - 1
+        assert r["forced_recompiles"] == 0
+
+
+def guards_not_requested(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()  # compiler collectives only
+    f = torch.compile(_step, backend="eager")
+    for _ in range(5):
+        f(torch.ones(4))
+    return {"guard_collectives": cc.stats()["guard_collectives"], "active": cc.guards_enabled()}
+
+
+def test_guard_collectives_are_off_unless_asked_for():
+    outcome = run_ranks(guards_not_requested, 2)
+    for r in outcome.results:
+        assert r == {"guard_collectives": 0, "active": False}
+
+
+def guards_through_torch_switch(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    torch._dynamo.config.enable_compiler_collectives = True
+    torch.compiler.set_enable_guard_collectives(True)
+    f = torch.compile(_step, backend="eager")
+    for _ in range(4):
+        f(torch.ones(4))
+    return {"guard_collectives": cc.stats()["guard_collectives"], "active": cc.guards_enabled()}
+
+
+def test_torch_set_enable_guard_collectives_drives_our_implementation():
+    outcome = run_ranks(guards_through_torch_switch, 2)
+    for r in outcome.results:
+        assert r == {"guard_collectives": 3, "active": True}
+
+
+def torch_switch_before_import(rank: int, world: int) -> dict:
+    torch.compiler.set_enable_guard_collectives(True)  # torch's hook, before we are imported
+    import compiler_collectives as cc
+
+    f = torch.compile(_step, backend="eager")
+    for _ in range(3):
+        f(torch.ones(4))
+    return {"guard_collectives": cc.stats()["guard_collectives"], "active": cc.guards_enabled()}
+
+
+def test_a_guard_switch_flipped_before_import_is_taken_over_by_ours():
+    outcome = run_ranks(torch_switch_before_import, 2)
+    for r in outcome.results:
+        assert r == {"guard_collectives": 2, "active": True}
+
+
+def guards_from_env_only(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    f = torch.compile(_step, backend="eager")
+    for _ in range(3):
+        f(torch.ones(4))
+    return {"guard_collectives": cc.stats()["guard_collectives"], "active": cc.guards_enabled()}
+
+
+def test_the_guard_env_var_alone_turns_guard_collectives_on():
+    outcome = run_ranks(guards_from_env_only, 2, env={"COMPILER_COLLECTIVES_GUARDS": "1"})
+    for r in outcome.results:
+        assert r == {"guard_collectives": 2, "active": True}
+
+
+def rank_keeps_missing(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    torch._dynamo.config.recompile_limit = 3
+    cc.enable(guards=True)
+    rec = GraphRecorder()
+    f = torch.compile(_step, backend=rec)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    values = []
+    for call, dtype in enumerate(dtypes):
+        x = torch.ones(4, dtype=dtype if rank == 0 else torch.float32)
+        values.append(float(f(x).float().sum()))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    out = summary(rec)
+    out["values_ok"] = all(abs(v - float(_step(torch.ones(4)).sum())) < 0.1 for v in values)
+    return out
+
+
+def test_when_one_rank_keeps_missing_all_ranks_reach_the_recompile_limit_together():
+    outcome = run_ranks(rank_keeps_missing, 2, timeout=90)
+    r0, r1 = outcome.results
+    assert r0["compiles"] == r1["compiles"] == 3  # the limit, on every rank
+    assert r0["collectives"] == r1["collectives"] == 3
+    assert r0["values_ok"] and r1["values_ok"]
