@@ -32,6 +32,22 @@ from .stats import reset_counters as _reset_counters
 
 from . import dynamo_seams as _seams  # noqa: E402  (after __version__: wire imports it)
 
+
+def _configure_logging() -> None:
+    import logging
+
+    level = config.settings.log_level.strip().upper()
+    if not level:
+        return
+    logger = logging.getLogger("compiler_collectives")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+_configure_logging()
 _seams.install()
 
 __all__ = [

@@ -9,6 +9,7 @@ out identically on all ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import config, health, wire
+from . import config, health, timing, wire
 from .errors import CollectiveDesyncError, CollectiveError, WireFormatError, describe
 from .state import DistributedState, FrameId, LocalState
 from .stats import counters
@@ -40,8 +41,17 @@ def reset_sequence() -> None:
     _frame_seqs.clear()
 
 
-def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> list[wire.Envelope]:
-    """Run the collective for one frame compile; returns every rank's envelope in rank order."""
+@dataclasses.dataclass
+class Exchange:
+    """What one compiler collective produced, identical on every rank."""
+
+    envelopes: list[wire.Envelope]
+    states: list[LocalState]
+    restart: bool
+
+
+def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exchange:
+    """Run the collective for one frame compile: every rank's state, in rank order, and the restart decision."""
     global _seq
     health.check("compiler")
     pg = ds.compile_pg if pg is None else pg
@@ -53,7 +63,8 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> lis
     ds.frame, ds.seq = frame, seq
     where = lambda: describe("compiler", rank, seq, str(frame))  # noqa: E731
 
-    sent_at = time.time()
+    start_ns = time.time_ns()
+    sent_at = start_ns / 1e9
     payload = wire.encode(
         ds.local_state,
         rank=rank,
@@ -91,6 +102,8 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> lis
         raise err from e
     elapsed = time.perf_counter() - started
 
+    states = [e.state for e in envelopes]
+    restart = restart_needed(states)
     counters.compiler_collectives += 1
     counters.compiler_rounds += rounds
     counters.compiler_bytes_sent += len(payload)
@@ -99,12 +112,37 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> lis
     times = [e.sent_at for e in envelopes]
     counters.last_arrival_spread_s = max(times) - min(times)
     counters.last_late_rank = max(range(world), key=lambda r: times[r])
+    recorder = timing.recorder if timing.recorder is not None else timing.ensure(rank, world)
+    if recorder is not None:
+        recorder.compiler(
+            start_ns=start_ns,
+            duration_s=elapsed,
+            seq=seq,
+            frame=str(frame),
+            compile_id=_compile_id(),
+            bytes_out=len(payload),
+            bytes_in=sum(len(p) for p in payloads),
+            rounds=rounds,
+            restart=restart,
+            arrival_spread_s=counters.last_arrival_spread_s,
+            last_rank=counters.last_late_rank,
+        )
     log.debug(
         "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
         where(), len(payload), sum(len(p) for p in payloads), rounds, elapsed * 1e3,
         counters.last_arrival_spread_s * 1e3, counters.last_late_rank,
     )
-    return envelopes
+    return Exchange(envelopes, states, restart)
+
+
+def _compile_id() -> str | None:
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - outside Dynamo there is no compile id
+        return None
+    return None if compile_id is None else str(compile_id)
 
 
 def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:

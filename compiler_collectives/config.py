@@ -58,6 +58,13 @@ def _parse_str(name: str, raw: str) -> str:
     return raw
 
 
+def _parse_log_level(name: str, raw: str) -> str:
+    value = raw.strip().upper()
+    if value and value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"{name}={raw!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One row of the settings table."""
@@ -112,6 +119,31 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "After the compiler collective, skip Dynamo's restart when no rank's "
         "automatic-dynamic decision would change (torch always restarts).",
     ),
+    Setting(
+        "timing",
+        "COMPILER_COLLECTIVES_TIMING",
+        False,
+        _parse_bool,
+        "Record every collective's duration and bytes in memory; at process exit each "
+        "rank logs a one-screen summary (count, total, p50/p90/p99/max, bytes, late ranks).",
+    ),
+    Setting(
+        "trace_dir",
+        "COMPILER_COLLECTIVES_TRACE_DIR",
+        "",
+        _parse_str,
+        "Directory where each rank writes rank{N}.json, a Chrome trace (Perfetto, "
+        "chrome://tracing) with one event per collective. Implies recording. Merge with "
+        "`python -m compiler_collectives report DIR`.",
+    ),
+    Setting(
+        "log_level",
+        "COMPILER_COLLECTIVES_LOG_LEVEL",
+        "",
+        _parse_log_level,
+        "If set (DEBUG, INFO, WARNING, ...), attach a stderr handler to the "
+        "compiler_collectives loggers at that level. Unset: leave logging to the application.",
+    ),
 )
 
 
@@ -124,6 +156,9 @@ class Settings:
     max_payload_bytes: int = 16 * 1024 * 1024
     inline_slot_bytes: int = 4096
     skip_needless_restart: bool = True
+    timing: bool = False
+    trace_dir: str = ""
+    log_level: str = ""
     # Where each value came from ("default", "env", "api"), for `doctor`.
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 

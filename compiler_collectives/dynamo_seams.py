@@ -240,9 +240,9 @@ def _run_compiler_collective(self: Any) -> None:
     frame = FrameId(code.co_name, code.co_filename, code.co_firstlineno)
     ds.local_state.frame_state_fresh = _frame_state_fresh(ds)
     with _dynamo_timed("compiler_collective", log_pt2_compile_event=True):
-        envelopes = compiler_collective.exchange(ds, frame)
-    ds.all_states = [e.state for e in envelopes]
-    if compiler_collective.restart_needed(ds.all_states):
+        result = compiler_collective.exchange(ds, frame)
+    ds.all_states = result.states
+    if result.restart:
         counters.restarts += 1
         tx.speculation_log.clear()
         raise _exc.CompileCollectiveRestartAnalysis

@@ -30,6 +30,7 @@ both versions. Nothing here ever unpickles anything.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from typing import Any
 
 import msgpack
@@ -141,13 +142,43 @@ class _Bad(Exception):
     """Internal: a validation failure, turned into WireFormatError by decode()."""
 
 
+_short_repr = reprlib.Repr()
+_short_repr.maxlevel = 3
+_short_repr.maxstring = 80
+_short_repr.maxother = 80
+
+
+def _show(v: Any) -> str:
+    # Bounded repr of a peer's value for error messages: a plain repr() of a
+    # deeply nested value raises RecursionError, and of a huge one is huge.
+    return _short_repr.repr(v)
+
+
+_NATIVE_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
+def _is_native(v: Any) -> bool:
+    """Only msgpack's own types: no ExtType, no Timestamp (ext type -1)."""
+    stack = [v]
+    while stack:  # iterative: values may nest as deep as msgpack allows
+        x = stack.pop()
+        if type(x) is list:
+            stack.extend(x)
+        elif type(x) is dict:
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif type(x) not in _NATIVE_LEAVES:
+            return False
+    return True
+
+
 def _expect(cond: bool, what: str) -> None:
     if not cond:
         raise _Bad(what)
 
 
 def _int(v: Any, what: str, *, lo: int = _INT64_MIN) -> int:
-    _expect(type(v) is int and lo <= v <= _INT64_MAX, f"{what} must be an int in range, got {v!r}")
+    _expect(type(v) is int and lo <= v <= _INT64_MAX, f"{what} must be an int in range, got {_show(v)}")
     return v
 
 
@@ -160,7 +191,7 @@ def _atom_in(v: Any, what: str, *, allow_infer: bool, lo: int) -> Any:
         return _int(v, what, lo=lo)
     if allow_infer and type(v) is list and len(v) == 1:
         return InferStride(_int(v[0], f"{what} InferStride dim", lo=0))
-    raise _Bad(f"{what}: unexpected value {v!r}")
+    raise _Bad(f"{what}: unexpected value {_show(v)}")
 
 
 def _part_in(v: Any, what: str, *, allow_infer: bool) -> Any:
@@ -214,6 +245,7 @@ def _state_in(v: Any) -> LocalState:
     for name, raw in raw_extras.items():
         field = fields.get(name)
         _expect(field is not None, f"unknown extra field {name!r} (is the same package version on every rank?)")
+        _expect(_is_native(raw), f"extra field {name!r} holds a msgpack ExtType or Timestamp")
         try:
             extras[name] = field.from_wire(raw)
         except (TypeError, ValueError) as e:
@@ -261,7 +293,7 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
             raise _Bad("envelope must be a non-empty list")
         version = obj[0]
         if type(version) is not int:
-            raise _Bad(f"format version must be an int, got {version!r}")
+            raise _Bad(f"format version must be an int, got {_show(version)}")
         if version != FORMAT_VERSION:
             pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
             raise _Bad(

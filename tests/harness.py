@@ -51,7 +51,7 @@ class Outcome:
 
 
 def _child(
-    fn: Callable[..., Any],
+    target: tuple[str, str],
     rank: int,
     world_size: int,
     store_path: str,
@@ -64,6 +64,12 @@ def _child(
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
+        # Import the test module only now, with the environment in place: a
+        # module that imports compiler_collectives at its top must see it.
+        import importlib
+
+        module_name, qualname = target
+        fn = getattr(importlib.import_module(module_name), qualname)
         if init:
             import datetime
 
@@ -115,7 +121,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, store_path, env, tuple(args), init, results),
+            args=((fn.__module__, fn.__qualname__), rank, world_size, store_path, env, tuple(args), init, results),
             daemon=True,
         )
         for rank in range(world_size)

@@ -1,0 +1,691 @@
+"""The demo: the same small DDP + torch.compile training, without and with the service.
+
+What it shows
+-------------
+Every rank trains the same tiny transformer language model under
+``DistributedDataParallel`` (gloo, CPU) and ``torch.compile``. The ranks see
+*different sequence lengths*, as they do with per-rank length bucketing or
+sequence packing:
+
+* at step 0 every rank is in the same length bucket (32 tokens);
+* then the ranks leave that bucket one after another (rank 1 first, rank 2 a
+  few steps later, ...), while rank 0 stays in it;
+* the last rank's data does not divide evenly, so its final batch is short
+  (``drop_last=False``).
+
+Without the service each rank's Dynamo decides alone. Rank 0 never sees a
+second length and keeps one static graph; rank 1 recompiles with a dynamic
+length at step 3, rank 2 at step 6, ...; only the last rank recompiles for the
+short batch. The ranks end up with different graphs, and each lone recompile
+stalls every other rank in DDP's all-reduce.
+
+With the service (``compiler_collectives.enable(guards=True)``) the guard
+collective notices the first rank whose guards miss and every rank recompiles
+at that same step; the compiler collective then sees that the lengths differ
+across ranks and makes that dim dynamic everywhere. All ranks end with the
+same graphs and the same dynamic dims.
+
+How to read it
+--------------
+``train()`` is the part to copy: it is an ordinary DDP training loop plus one
+call, ``compiler_collectives.enable(guards=True)``. Everything else here
+(launching rank processes, the timeout, the table) is scaffolding.
+
+Library code logs; only ``format_table`` builds text, and the CLI prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compiler_collectives
+
+log = logging.getLogger("compiler_collectives.demo")
+
+
+# ----------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One way of running the training; each run gets fresh rank processes."""
+
+    name: str
+    use_service: bool
+    guards: bool
+    description: str
+    must_finish: bool = True  # False: a hang is what this run demonstrates
+
+
+RUNS: dict[str, Run] = {
+    "off": Run("off", False, False, "without the service (torch's default: each rank decides alone)"),
+    "on": Run("on", True, True, "with the service (compiler + guard collectives)"),
+    # Not in the default set: compiler collectives alone cannot cope with one
+    # rank recompiling by itself (its collective waits for ranks that never
+    # come), which is exactly what the guard collective prevents. Selecting
+    # it shows what a hang looks like here: a bounded timeout.
+    "compiler-only": Run(
+        "compiler-only", True, False,
+        "compiler collectives without guard collectives (expected to hang, then time out)",
+        must_finish=False,
+    ),
+}
+
+DEFAULT_RUNS = ("off", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    nproc: int = 4
+    steps: int = 30
+    backend: str = "aot_eager"
+    timeout: float = 120.0
+    runs: tuple[str, ...] = DEFAULT_RUNS
+    batch_size: int = 4
+    base_length: int = 32
+    vocab: int = 256
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+    log_every: int = 5
+
+
+# -------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A small GPT-style language model; ``forward`` returns the next-token loss."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, max_length: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(max_length, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# --------------------------------------------------------------------- data
+
+
+def divergence_step(rank: int, world: int, steps: int) -> int:
+    """The step at which ``rank`` leaves the common length bucket (rank 0: never)."""
+    if rank == 0:
+        return steps  # never
+    # One rank after another, all within the first half of training.
+    return rank * max(1, steps // (2 * world))
+
+
+def sequence_length(rank: int, step: int, world: int, steps: int, base: int) -> int:
+    """Per-rank, per-step sequence length, like per-rank length bucketing.
+
+    Every rank starts in the same bucket (``base``), so the first compile is
+    the same everywhere; after its divergence step a rank cycles through
+    longer buckets.
+    """
+    if step < divergence_step(rank, world, steps):
+        return base
+    return base + 8 * (1 + (step + rank) % 4)
+
+
+def batch_size(rank: int, step: int, world: int, steps: int, full: int) -> int:
+    """Full batches, except the last rank's final one (its shard does not divide evenly)."""
+    if rank == world - 1 and step == steps - 1 and full > 1:
+        return full - 1
+    return full
+
+
+def make_batch(cfg: DemoConfig, rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic, learnable token data from a seeded RNG: arithmetic progressions mod vocab."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank * 10_007 + step)
+    b = batch_size(rank, step, world, cfg.steps, cfg.batch_size)
+    t = sequence_length(rank, step, world, cfg.steps, cfg.base_length)
+    start = torch.randint(0, cfg.vocab, (b, 1), generator=gen)
+    stride = torch.randint(1, 6, (b, 1), generator=gen)
+    seq = (start + stride * torch.arange(t + 1)) % cfg.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def max_length(cfg: DemoConfig) -> int:
+    return cfg.base_length + 8 * 4
+
+
+# ------------------------------------------------------ counting the compiles
+
+
+class CompileRecorder:
+    """A torch.compile backend that records what Dynamo compiled, then delegates.
+
+    Per graph it keeps Dynamo's compile id (``frame/compile-of-that-frame``)
+    and which dims of the graph's tensor inputs are symbolic, i.e. which dims
+    automatic dynamic shapes chose to make dynamic.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.compile_ids: list[tuple[int, int]] = []
+        self.graphs: list[list[str]] = []  # per graph: dynamic dims, e.g. "tokens[1]"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        cid = torch._guards.CompileContext.current_compile_id()
+        if cid is not None and cid.frame_id is not None:
+            self.compile_ids.append((cid.frame_id, cid.frame_compile_id or 0))
+        self.graphs.append(dynamic_dims(gm))
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+    @property
+    def compiles(self) -> int:
+        return len(set(self.compile_ids))
+
+    @property
+    def recompiles(self) -> int:
+        # frame_compile_id counts the compiles of one frame: > 0 is a recompile.
+        return len({c for c in self.compile_ids if c[1] > 0})
+
+
+def dynamic_dims(gm: torch.fx.GraphModule) -> list[str]:
+    """``name[dim,...]`` for every graph input with a symbolic size, in input order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            continue
+        dims = [str(i) for i, d in enumerate(value.shape) if isinstance(d, torch.SymInt)]
+        if dims:
+            name = str(node.target)
+            if name.startswith("L_") and name.endswith("_"):
+                name = name[2:-1]  # L_tokens_ -> tokens
+            out.append(f"{name}[{','.join(dims)}]")
+    return out
+
+
+def merge_dims(graphs: Sequence[Sequence[str]]) -> list[str]:
+    """All dims any graph made dynamic, one entry per input: tokens[1] + tokens[0,1] -> tokens[0,1]."""
+    merged: dict[str, set[int]] = {}
+    for graph in graphs:
+        for entry in graph:
+            name, dims = entry[:-1].split("[")
+            merged.setdefault(name, set()).update(int(d) for d in dims.split(","))
+    return [f"{name}[{','.join(map(str, sorted(dims)))}]" for name, dims in merged.items()]
+
+
+# -------------------------------------------------------------- the training
+
+
+def train(
+    rank: int,
+    world: int,
+    use_service: bool,
+    cfg: DemoConfig,
+    *,
+    guards: bool = True,
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps on this rank; the default process group must exist.
+
+    Returns plain data (counts, dims, timings) for the table.
+    """
+    if use_service:
+        # The whole integration: every rank calls this before its first
+        # compiled call. Compiler collectives make each compile a collective
+        # decision; guard collectives (guards=True) make every rank recompile
+        # when any rank's guards miss, so no rank ever compiles alone.
+        # (Equivalent: TORCH_COMPILER_COLLECTIVES=1 COMPILER_COLLECTIVES_GUARDS=1
+        # in the environment and `import compiler_collectives`.)
+        compiler_collectives.enable(guards=guards)
+        # Give up on a stuck collective after the demo's timeout rather than
+        # the library default, so a hang under torchrun is bounded too.
+        compiler_collectives.config.set_value("timeout_s", cfg.timeout)
+    else:
+        compiler_collectives.disable()
+
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    model = TinyLM(cfg.vocab, cfg.d_model, cfg.heads, cfg.layers, max_length(cfg))
+    recorder = CompileRecorder(cfg.backend)
+    # DDP around the compiled model: DDP's hooks all-reduce the gradients
+    # that the compiled backward produces.
+    ddp = nn.parallel.DistributedDataParallel(torch.compile(model, backend=recorder))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
+
+    loss_value = math.nan
+    started = time.perf_counter()
+    for step in range(cfg.steps):
+        tokens, targets = make_batch(cfg, rank, world, step)
+        loss = ddp(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if on_step is not None:
+            on_step(step, loss_value)
+    elapsed = time.perf_counter() - started
+
+    s = compiler_collectives.stats()
+    all_dims = merge_dims(recorder.graphs)
+    return {
+        "rank": rank,
+        "compiles": recorder.compiles,
+        "recompiles": recorder.recompiles,
+        "graphs": len(recorder.graphs),
+        "graph_dims": recorder.graphs,
+        "dynamic_dims": all_dims,
+        "compiler_collectives": s["compiler_collectives"],
+        "guard_collectives": s["guard_collectives"],
+        "forced_recompiles": s["forced_recompiles"],
+        "collective_time_s": s["compiler_time_s"] + s["guard_time_s"],
+        "steps": cfg.steps,
+        "train_time_s": elapsed,
+        "steps_per_s": cfg.steps / elapsed if elapsed > 0 else math.inf,
+        "final_loss": loss_value,
+    }
+
+
+def decisions(result: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """What must be equal on every rank: the graphs, each with its dynamic dims."""
+    return tuple(tuple(g) for g in result["graph_dims"])
+
+
+# ---------------------------------------------------------- results of a run
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "finished", "timed out", "error", "died"
+    result: Optional[dict[str, Any]] = None
+    last_step: int = -1  # last step this rank completed
+    error: Optional[str] = None  # traceback or reason
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    run: Run
+    ranks: list[RankOutcome]
+    elapsed_s: float
+    log_dir: Optional[str] = None  # kept only when something went wrong
+
+    @property
+    def finished(self) -> bool:
+        return all(r.status == "finished" for r in self.ranks)
+
+    @property
+    def timed_out(self) -> bool:
+        return any(r.status == "timed out" for r in self.ranks)
+
+    @property
+    def agree(self) -> Optional[bool]:
+        """Whether every rank made the same compile decisions (None: unknown)."""
+        if not self.finished:
+            return None
+        first = decisions(self.ranks[0].result)  # type: ignore[arg-type]
+        return all(decisions(r.result) == first for r in self.ranks)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------- running ranks as processes
+
+
+def _rank_main(
+    rank: int, world: int, run_name: str, cfg: DemoConfig, run_dir: str, messages: Any
+) -> None:
+    """Entry point of one spawned rank process."""
+    # Keep the terminal readable: this rank's stdout/stderr (Dynamo warnings
+    # and the like) go to a log file; the parent shows it if the run fails.
+    log_fd = os.open(os.path.join(run_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    run = RUNS[run_name]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method="file://" + os.path.join(run_dir, "store"),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=cfg.timeout),
+        )
+
+        def on_step(step: int, loss: float) -> None:
+            messages.put(("step", rank, step, loss))
+
+        result = train(rank, world, run.use_service, cfg, guards=run.guards, on_step=on_step)
+        messages.put(("done", rank, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        messages.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+ProgressFn = Callable[[str], None]
+
+
+def _mp_context() -> Any:
+    """Where rank processes come from: fresh processes, without paying `import torch` each time.
+
+    With "forkserver" every rank is forked from a server process that has only
+    imported this module (so torch): nothing was compiled or initialized
+    there, so each rank starts as clean as a spawned one, seconds sooner.
+    """
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> RunOutcome:
+    """Run ``train`` on ``cfg.nproc`` fresh rank processes; bounded by ``cfg.timeout``.
+
+    Every child is reaped before this returns: ranks still running at the
+    deadline (or shortly after another rank failed) are killed.
+    """
+    ctx = _mp_context()
+    run_dir = tempfile.mkdtemp(prefix=f"cc-demo-{run.name}-")
+    messages = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, cfg.nproc, run.name, cfg, run_dir, messages),
+            name=f"demo-{run.name}-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(cfg.nproc)
+    ]
+    outcomes = [RankOutcome(rank, "running") for rank in range(cfg.nproc)]
+    started = time.monotonic()
+    deadline = started + cfg.timeout
+    failed_at: Optional[float] = None
+    grace_after_failure = 10.0  # peers of a failed rank are stuck in collectives
+    try:
+        for p in procs:
+            p.start()
+        while any(o.status == "running" for o in outcomes):
+            now = time.monotonic()
+            if now >= deadline or (failed_at is not None and now >= failed_at + grace_after_failure):
+                break
+            try:
+                message = messages.get(timeout=0.5)
+            except queue_mod.Empty:
+                for o, p in zip(outcomes, procs):
+                    # Exited, and nothing of it is left in the queue: it died
+                    # without reporting (a signal, os._exit, a crash in C++).
+                    if o.status == "running" and p.exitcode is not None and messages.empty():
+                        o.status, o.error = "died", f"exit code {p.exitcode}"
+                        failed_at = failed_at or time.monotonic()
+                continue
+            kind, rank = message[0], message[1]
+            o = outcomes[rank]
+            if kind == "step":
+                step, loss = message[2], message[3]
+                o.last_step = step
+                done = step + 1
+                if rank == 0 and (done % cfg.log_every == 0 or done == 1 or done == cfg.steps):
+                    progress(
+                        f"  [{run.name}] step {done:>3}/{cfg.steps}  loss {loss:6.3f}  "
+                        f"(rank 0, {time.monotonic() - started:5.1f}s)"
+                    )
+            elif kind == "done":
+                o.status, o.result = "finished", message[2]
+            elif kind == "error":
+                o.status, o.error = "error", message[2]
+                failed_at = failed_at or time.monotonic()
+                progress(f"  [{run.name}] rank {rank} failed: {_last_line(o.error)}")
+    finally:
+        _reap(procs)
+        messages.close()
+        messages.cancel_join_thread()
+    for o in outcomes:
+        if o.status == "running":
+            o.status = "timed out" if failed_at is None else "killed"
+    elapsed = time.monotonic() - started
+    outcome = RunOutcome(run, outcomes, elapsed)
+    if all(o.status == "finished" for o in outcomes):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        outcome.log_dir = run_dir
+    return outcome
+
+
+def _reap(procs: Sequence[Any]) -> None:
+    """Join finished children; kill and join the rest."""
+    grace = time.monotonic() + 5.0
+    for p in procs:
+        if p.pid is None:
+            continue  # never started
+        p.join(timeout=max(0.0, grace - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            log.info("killing %s (pid %d)", p.name, p.pid)
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=10)
+
+
+def _last_line(text: Optional[str]) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+# ------------------------------------------------------------ under torchrun
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a job started by torchrun (or similar)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> list[RunOutcome] | None:
+    """Under torchrun: run every selected run in this process, one after another.
+
+    There is no parent to kill a hung rank here, so the timeout is enforced by
+    the collectives themselves (process-group and service timeouts). Returns
+    the outcomes on rank 0 and None on the other ranks.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
+    outcomes: list[RunOutcome] = []
+    try:
+        for name in cfg.runs:
+            run = RUNS[name]
+            # A fresh start for each run, as if in a new process.
+            torch._dynamo.reset()
+            compiler_collectives.reset()
+            compiler_collectives.reset_stats()
+            started = time.monotonic()
+
+            def on_step(step: int, loss: float, _run: Run = run, _t0: float = started) -> None:
+                done = step + 1
+                if rank == 0 and (done % cfg.log_every == 0 or done == 1 or done == cfg.steps):
+                    progress(f"  [{_run.name}] step {done:>3}/{cfg.steps}  loss {loss:6.3f}  "
+                             f"(rank 0, {time.monotonic() - _t0:5.1f}s)")
+
+            result = train(rank, world, run.use_service, cfg, guards=run.guards, on_step=on_step)
+            gathered: list[Any] = [None] * world if rank == 0 else []
+            dist.gather_object(result, gathered if rank == 0 else None, dst=0)
+            if rank == 0:
+                ranks = [RankOutcome(r, "finished", res, cfg.steps - 1) for r, res in enumerate(gathered)]
+                outcomes.append(RunOutcome(run, ranks, time.monotonic() - started))
+        compiler_collectives.disable()
+    finally:
+        dist.destroy_process_group()
+    return outcomes if rank == 0 else None
+
+
+# ---------------------------------------------------------------- the table
+
+
+_COLUMNS = (
+    ("run", "<"), ("rank", ">"), ("compiles", ">"), ("recompiles", ">"), ("graphs", ">"),
+    ("dynamic dims", "<"), ("guard colls", ">"), ("forced", ">"), ("coll time", ">"),
+    ("steps/s", ">"), ("status", "<"),
+)
+
+
+def _row(run: RunOutcome, o: RankOutcome, steps: int) -> list[str]:
+    r = o.result
+    if o.status == "finished" and r is not None:
+        status = "finished"
+    elif o.status == "timed out":
+        status = f"timed out after step {o.last_step + 1}/{steps}"
+    elif o.status == "killed":
+        status = f"killed after a peer failed (step {o.last_step + 1}/{steps})"
+    else:
+        status = f"{o.status}: {_last_line(o.error)}"[:60]
+    if r is None:
+        return [run.run.name, str(o.rank)] + ["?"] * 8 + [status]
+    return [
+        run.run.name,
+        str(o.rank),
+        str(r["compiles"]),
+        str(r["recompiles"]),
+        str(r["graphs"]),
+        " ".join(r["dynamic_dims"]) or "-",
+        str(r["guard_collectives"]),
+        str(r["forced_recompiles"]),
+        f"{r['collective_time_s']:.3f}s",
+        f"{r['steps_per_s']:.2f}",
+        status,
+    ]
+
+
+def format_table(outcomes: Sequence[RunOutcome], steps: int) -> str:
+    """One per-rank table for all runs, then a line per run on whether ranks agree."""
+    header = [name for name, _ in _COLUMNS]
+    rows: list[list[str]] = []
+    breaks: set[int] = set()
+    for run in outcomes:
+        if rows:
+            breaks.add(len(rows))
+        rows.extend(_row(run, o, steps) for o in run.ranks)
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) if rows else len(header[i])
+              for i in range(len(header))]
+
+    def fmt(cells: Sequence[str]) -> str:
+        parts = []
+        for cell, width, (_, align) in zip(cells, widths, _COLUMNS):
+            parts.append(cell.ljust(width) if align == "<" else cell.rjust(width))
+        return "  ".join(parts).rstrip()
+
+    rule = "-" * len(fmt(["-" * w for w in widths]))
+    lines = [fmt(header), rule]
+    for i, row in enumerate(rows):
+        if i in breaks:
+            lines.append(rule)
+        lines.append(fmt(row))
+    lines.append(rule)
+    lines.append("")
+    for run in outcomes:
+        lines.append(f"{run.run.name:>13}: {run.run.description}")
+        lines.append(" " * 15 + _verdict(run))
+    return "\n".join(lines)
+
+
+def _verdict(run: RunOutcome) -> str:
+    if run.agree is None:
+        reached = ", ".join(f"rank {o.rank}: {o.status} (step {o.last_step + 1})" for o in run.ranks)
+        where = f" (rank logs: {run.log_dir})" if run.log_dir else ""
+        if run.timed_out:
+            return f"did not finish within the timeout and was killed [{reached}]{where}"
+        return f"did not finish [{reached}]{where}"
+    if run.agree:
+        example = run.ranks[0].result
+        assert example is not None
+        return (f"finished in {run.elapsed_s:.0f}s; same compile decisions on every rank: "
+                f"{_describe_decisions(example)}")
+    # Group ranks by their decisions so the difference is plain to see.
+    groups: dict[tuple, list[int]] = {}
+    for o in run.ranks:
+        assert o.result is not None
+        groups.setdefault(decisions(o.result), []).append(o.rank)
+    parts = []
+    for ranks in groups.values():
+        example = run.ranks[ranks[0]].result
+        assert example is not None
+        who = "rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks))
+        parts.append(f"{who}: {_describe_decisions(example)}")
+    return (f"finished in {run.elapsed_s:.0f}s; DIFFERENT compile decisions across ranks:\n"
+            + "\n".join(" " * 17 + p for p in parts))
+
+
+def _describe_decisions(result: dict[str, Any]) -> str:
+    graphs = result["graph_dims"]
+    shown = ["static" if not g else "dynamic " + " ".join(g) for g in graphs]
+    return f"{len(graphs)} graph{'s' if len(graphs) != 1 else ''} ({'; '.join(shown)})"
+
+
+def demo_succeeded(outcomes: Sequence[RunOutcome]) -> bool:
+    """Every run that should finish finished, and every run with the full service agreed."""
+    for run in outcomes:
+        if run.run.must_finish and not run.finished:
+            return False
+        if run.run.use_service and run.run.guards and not run.agree:
+            return False
+    return True
+
+
+def outcome_to_json(run: RunOutcome) -> dict[str, Any]:
+    """Plain data for ``--json`` (and for tools that read demo results)."""
+    return {
+        "run": run.run.name,
+        "description": run.run.description,
+        "elapsed_s": run.elapsed_s,
+        "finished": run.finished,
+        "agree": run.agree,
+        "log_dir": run.log_dir,
+        "ranks": [dataclasses.asdict(o) for o in run.ranks],
+    }

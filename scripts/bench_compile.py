@@ -1,0 +1,149 @@
+"""First-compile wall time with compiler collectives off, ours, and torch's own, side by side.
+
+A 32-layer residual MLP (Linear + LayerNorm + GELU, width 64) is compiled on
+2 gloo ranks, from a clean Dynamo state each time, for backends eager and
+aot_eager, with input batch sizes that differ across ranks or agree. Every
+configuration is measured in every repetition, interleaved, in the same rank
+processes, so the ratios are side by side. A measurement is the slowest
+rank's first-call time (the job's first step ends when its last rank does).
+
+Run:  scripts/dev bench-compile [--reps 5] [--nproc 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+WIDTH = 64
+LAYERS = 32
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.norm(self.linear(x)))
+
+
+class ResidualMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+CONFIGS = [
+    (backend, sizes, mode)
+    for backend in ("eager", "aot_eager")
+    for sizes in ("differ", "agree")
+    for mode in ("off", "ours", "torch")
+]
+
+
+def _rank(rank: int, world: int, store: str, reps: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from torch_reference import ImplementationSwitch, torch_pickle_size
+
+    import compiler_collectives as cc
+    from compiler_collectives import compiler_collective
+
+    switch = ImplementationSwitch()
+    captured: dict[str, Any] = {}
+    original_exchange = compiler_collective.exchange
+
+    def capturing_exchange(ds: Any, frame: Any, pg: Any = None) -> Any:
+        captured["state"] = ds.local_state
+        return original_exchange(ds, frame, pg)
+
+    compiler_collective.exchange = capturing_exchange
+
+    torch.manual_seed(0)
+    model = ResidualMLP()
+    times: dict[tuple[str, str, str], list[float]] = {c: [] for c in CONFIGS}
+    payload: dict[str, int] = {}
+    for rep in range(reps):
+        for backend, sizes, mode in CONFIGS:
+            switch.use("torch" if mode == "torch" else "ours")
+            torch._dynamo.config.enable_compiler_collectives = mode != "off"
+            torch._dynamo.reset()
+            cc.reset_stats()
+            batch = 16 + 8 * rank if sizes == "differ" else 16
+            x = torch.randn(batch, WIDTH)
+            compiled = torch.compile(model, backend=backend)
+            dist.barrier()
+            start = time.perf_counter()
+            compiled(x)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[(backend, sizes, mode)].append(elapsed.item())
+            if mode == "ours" and rep == 0 and backend == "eager":
+                payload[f"ours_{sizes}"] = cc.stats()["compiler_bytes_sent"]
+                payload[f"pickle_{sizes}"] = torch_pickle_size(captured["state"])
+                payload[f"entries_{sizes}"] = len(captured["state"].automatic_dynamic)
+        if rank == 0:
+            print(f"  repetition {rep + 1}/{reps} done", flush=True)
+    if rank == 0:
+        import json
+
+        with open(out_path, "w") as f:
+            json.dump({"times": {"|".join(k): v for k, v in times.items()}, "payload": payload}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of every configuration")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks")
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="cc-bench-")
+    out_path = os.path.join(tmp, "result.json")
+    print(f"bench_compile: {args.nproc} ranks, {args.reps} repetitions, torch {torch.__version__}", flush=True)
+    mp.spawn(_rank, args=(args.nproc, os.path.join(tmp, "store"), args.reps, out_path), nprocs=args.nproc)
+    import json
+
+    with open(out_path) as f:
+        data = json.load(f)
+    times = {tuple(k.split("|")): v for k, v in data["times"].items()}
+    print()
+    print("| backend | input sizes | off (s) | ours (s) | torch's own (s) | ours / off | torch / off | ours / torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend in ("eager", "aot_eager"):
+        for sizes in ("differ", "agree"):
+            med = {m: statistics.median(times[(backend, sizes, m)]) for m in ("off", "ours", "torch")}
+            print(
+                f"| {backend} | {sizes} | {med['off']:.3f} | {med['ours']:.3f} | {med['torch']:.3f} | "
+                f"{med['ours'] / med['off']:.2f}x | {med['torch'] / med['off']:.2f}x | "
+                f"{med['ours'] / med['torch']:.2f}x |"
+            )
+    p = data["payload"]
+    print()
+    print("| input sizes | entries | ours (msgpack bytes) | torch (pickle bytes) | ours / pickle |")
+    print("|---|---|---|---|---|")
+    for sizes in ("differ", "agree"):
+        print(
+            f"| {sizes} | {p[f'entries_{sizes}']} | {p[f'ours_{sizes}']} | {p[f'pickle_{sizes}']} | "
+            f"{p[f'ours_{sizes}'] / p[f'pickle_{sizes}']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

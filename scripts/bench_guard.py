@@ -1,0 +1,137 @@
+"""Per-call cost of a small compiled function under guard collectives, side by side.
+
+Modes, measured in interleaved blocks in the same rank processes:
+  none   no guard collective (hook off)
+  torch  torch 2.13's own guard_collectives_hook (all_gather_object per call)
+  ours   compiler_collectives' hook
+  ours+timing  ours with COMPILER_COLLECTIVES_TIMING-style recording on
+  floor  a bare all-reduce of one int64 on a gloo group of the same kind,
+         called straight through ProcessGroup.allreduce (the transport floor)
+
+A block is `--calls` calls; a mode's figure is the median over all its calls.
+"added" is a mode's cost minus "none": what the guard collective adds.
+
+Run:  scripts/dev bench-guard [--worlds 2 4] [--calls 300] [--blocks 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MODES = ("none", "torch", "ours", "ours+timing", "floor")
+
+
+def _small(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    import torch._C._dynamo.eval_frame as c_eval_frame
+    import torch._dynamo.distributed as dynamo_distributed
+
+    import compiler_collectives  # noqa: F401
+    from compiler_collectives import dynamo_seams, guard_collective, timing
+    from compiler_collectives.transport import groups
+
+    torch_hook = dynamo_seams._originals["guard_collectives_hook"]
+    # torch's hook asks torch._dynamo.distributed.get_guard_pg for its group;
+    # give it its own gloo group as torch would create it.
+    torch_guard_pg = dist.new_group(backend="gloo")
+    ours_pg = groups.guard_pg()  # create our group up front, on every rank
+
+    floor_pg = dist.new_group(backend="gloo")
+    floor_t = torch.zeros(1, dtype=torch.int64)
+    floor_opts = dist.AllreduceOptions()
+    floor_opts.reduceOp = dist.ReduceOp.MIN
+
+    f = torch.compile(_small, backend="eager")
+    x = torch.ones(4)
+    f(x)  # compile once; every later call is a cache hit
+
+    def set_mode(mode: str) -> None:
+        timing.set_enabled(mode == "ours+timing")
+        if mode == "torch":
+            dynamo_distributed.get_guard_pg = lambda: torch_guard_pg
+            c_eval_frame.set_guard_complete_hook(torch_hook)
+        elif mode in ("ours", "ours+timing"):
+            c_eval_frame.set_guard_complete_hook(guard_collective.hook)
+        else:
+            c_eval_frame.set_guard_complete_hook(None)
+
+    per_call: dict[str, list[float]] = {m: [] for m in MODES}
+    perf = time.perf_counter
+    for block in range(blocks + 1):  # block 0 warms every path up and is discarded
+        for mode in MODES:
+            set_mode(mode)
+            dist.barrier()
+            samples = []
+            if mode == "floor":
+                for _ in range(calls):
+                    start = perf()
+                    floor_pg.allreduce([floor_t], floor_opts).wait()
+                    samples.append(perf() - start)
+            else:
+                for _ in range(calls):
+                    start = perf()
+                    f(x)
+                    samples.append(perf() - start)
+            if block > 0:
+                per_call[mode].extend(samples)
+    set_mode("none")
+    assert ours_pg is not None
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(per_call, fh)
+    dist.destroy_process_group()
+
+
+def run(world: int, calls: int, blocks: int) -> dict[str, float]:
+    tmp = tempfile.mkdtemp(prefix="cc-bench-guard-")
+    out_path = os.path.join(tmp, "result.json")
+    mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), calls, blocks, out_path), nprocs=world)
+    with open(out_path) as fh:
+        per_call = json.load(fh)
+    return {m: statistics.median(v) * 1e6 for m, v in per_call.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes to measure")
+    parser.add_argument("--calls", type=int, default=300, help="calls per block")
+    parser.add_argument("--blocks", type=int, default=7, help="measured blocks per mode")
+    args = parser.parse_args()
+    print(f"bench_guard: worlds {args.worlds}, {args.blocks} blocks x {args.calls} calls per mode, "
+          f"torch {torch.__version__}", flush=True)
+    rows = []
+    for world in args.worlds:
+        med = run(world, args.calls, args.blocks)
+        rows.append((world, med))
+    print()
+    print("| ranks | none (µs) | torch (µs) | ours (µs) | ours+timing (µs) | floor (µs) | "
+          "ours added / floor | torch added / ours added | timing overhead |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world, m in rows:
+        ours_added = m["ours"] - m["none"]
+        torch_added = m["torch"] - m["none"]
+        print(
+            f"| {world} | {m['none']:.1f} | {m['torch']:.1f} | {m['ours']:.1f} | {m['ours+timing']:.1f} | "
+            f"{m['floor']:.1f} | {ours_added / m['floor']:.2f}x | {torch_added / ours_added:.1f}x | "
+            f"{(m['ours+timing'] - m['ours']) / m['ours'] * 100:+.1f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()

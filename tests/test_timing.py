@@ -1,0 +1,181 @@
+"""Timing switched on by environment variables: traces, summary, report (issue: timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from compiler_collectives import report
+from tests.harness import run_ranks
+
+CALLS = 6
+
+
+def _fn(x: torch.Tensor) -> torch.Tensor:
+    return x.relu() + 1
+
+
+def traced_job(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    f = torch.compile(_fn, backend="eager")
+    for _ in range(CALLS):
+        f(torch.ones(3 + rank, 2))
+    s = cc.stats()
+    return {"compiler": s["compiler_collectives"], "guard": s["guard_collectives"]}
+
+
+def _job_env(trace_dir: str) -> dict[str, str]:
+    return {
+        "TORCH_COMPILER_COLLECTIVES": "1",
+        "COMPILER_COLLECTIVES_GUARDS": "1",
+        "COMPILER_COLLECTIVES_TIMING": "1",
+        "COMPILER_COLLECTIVES_TRACE_DIR": trace_dir,
+    }
+
+
+def _enable_from_env_in_forkserver(rank: int, world: int) -> dict:
+    # torch._dynamo.config was imported by the forkserver before our env was
+    # set; apply TORCH_COMPILER_COLLECTIVES the way a fresh interpreter would.
+    torch._dynamo.config.enable_compiler_collectives = os.environ["TORCH_COMPILER_COLLECTIVES"] == "1"
+    return traced_job(rank, world)
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("traces"))
+    outcome = run_ranks(_enable_from_env_in_forkserver, 2, env=_job_env(directory))
+    assert outcome.results == [{"compiler": 1, "guard": CALLS - 1}] * 2
+    return directory
+
+
+def test_every_rank_writes_one_valid_chrome_trace_with_an_event_per_collective(trace_dir):
+    assert sorted(os.listdir(trace_dir)) == ["rank0.json", "rank1.json"]
+    for rank in (0, 1):
+        with open(os.path.join(trace_dir, f"rank{rank}.json")) as f:
+            events = json.load(f)  # closed at exit: strict JSON
+        collectives = [e for e in events if e.get("ph") == "X"]
+        kinds = [e["args"]["kind"] for e in collectives]
+        assert kinds.count("compiler") == 1
+        assert kinds.count("guard") == CALLS - 1
+        (compiler,) = [e for e in collectives if e["args"]["kind"] == "compiler"]
+        assert compiler["args"]["frame"].startswith("_fn at ")
+        assert compiler["args"]["restart"] is True
+        assert compiler["args"]["bytes_out"] > 0 and compiler["args"]["bytes_in"] > compiler["args"]["bytes_out"]
+        assert compiler["args"]["last_rank"] in (0, 1)
+        assert all(e["pid"] == rank and e["dur"] >= 0 for e in collectives)
+        guards = [e for e in collectives if e["args"]["kind"] == "guard"]
+        assert [e["args"]["seq"] for e in guards] == list(range(1, CALLS))
+        assert all(e["args"]["hit"] and e["args"]["agreed_hit"] for e in guards)
+
+
+def test_the_report_merges_the_ranks_and_its_table_counts_match(trace_dir, tmp_path):
+    merged = str(tmp_path / "merged.json")
+    text = report.run(trace_dir, merged)
+    traces = report.load(trace_dir)
+    rows = {(r["rank"], r["kind"]): r for r in report.table_rows(traces)}
+    assert {k: r["count"] for k, r in rows.items()} == {
+        (0, "compiler"): 1, (0, "guard"): CALLS - 1, (1, "compiler"): 1, (1, "guard"): CALLS - 1,
+    }
+    with open(merged) as f:
+        events = json.load(f)["traceEvents"]
+    assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
+    assert "slowest" in text and "last to arrive" in text
+
+
+def untraced_job(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+    from compiler_collectives import timing
+
+    cc.enable(guards=True)
+    f = torch.compile(_fn, backend="eager")
+    for _ in range(3):
+        f(torch.ones(3 + rank, 2))
+    return {"recorder": timing.recorder is not None, "files": os.listdir(os.getcwd())}
+
+
+def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    outcome = run_ranks(untraced_job, 2)
+    for r in outcome.results:
+        assert r["recorder"] is False
+    assert os.listdir(tmp_path) == []
+
+
+def unwritable_job(rank: int, world: int) -> dict:
+    import logging
+
+    import compiler_collectives as cc
+
+    warnings = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("compiler_collectives.timing").addHandler(Catch(level=logging.WARNING))
+    cc.enable(guards=True)
+    f = torch.compile(_fn, backend="eager")
+    for _ in range(4):
+        f(torch.ones(3 + rank, 2))
+    return {"warnings": warnings, "guard": cc.stats()["guard_collectives"]}
+
+
+def test_an_unwritable_trace_directory_warns_once_and_the_job_goes_on(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    outcome = run_ranks(unwritable_job, 2, env={"COMPILER_COLLECTIVES_TRACE_DIR": str(blocker / "traces")})
+    for r in outcome.results:
+        assert r["guard"] == 3
+        assert len(r["warnings"]) == 1 and "trace" in r["warnings"][0]
+
+
+# ------------------------------------------------------------- report errors
+
+
+def _write(path, events, close=True):
+    text = "[\n" + "".join(json.dumps(e) + ",\n" for e in events)
+    end = json.dumps({"name": "end", "ph": "i", "pid": 0, "tid": 0, "ts": 2.0})
+    path.write_text(text + (end + "\n]\n" if close else ""))
+
+
+def _event(rank, kind="guard", seq=1, dur=100.0):
+    return {"name": f"{kind} collective", "ph": "X", "pid": rank, "tid": 0, "ts": 1.0, "dur": dur,
+            "args": {"kind": kind, "seq": seq, "bytes_out": 24, "bytes_in": 24}}
+
+
+def _meta(rank, world):
+    return {"name": "compiler_collectives", "ph": "M", "pid": rank, "tid": 0, "args": {"world_size": world}}
+
+
+def test_report_on_an_empty_directory_says_how_to_produce_traces(tmp_path):
+    with pytest.raises(report.ReportError, match="no rank\\*.json files.*COMPILER_COLLECTIVES_TRACE_DIR"):
+        report.run(str(tmp_path))
+
+
+def test_report_names_a_missing_rank_file(tmp_path):
+    _write(tmp_path / "rank0.json", [_meta(0, 3), _event(0)])
+    _write(tmp_path / "rank2.json", [_meta(2, 3), _event(2)])
+    with pytest.raises(report.ReportError, match=r"missing trace file\(s\) for rank\(s\) \[1\]"):
+        report.run(str(tmp_path))
+
+
+def test_report_names_the_file_and_line_of_malformed_json(tmp_path):
+    (tmp_path / "rank0.json").write_text('[\n{"ph": "M"},\n{"ph": "X", oops}\n]\n')
+    with pytest.raises(report.ReportError, match=r"rank0\.json: line 3"):
+        report.run(str(tmp_path))
+
+
+def test_report_names_the_file_and_event_of_a_bad_event(tmp_path):
+    _write(tmp_path / "rank0.json", [_meta(0, 1), {"ph": "X", "pid": 0, "ts": 1, "dur": 2, "args": {}}])
+    with pytest.raises(report.ReportError, match=r"rank0\.json: event 1"):
+        report.run(str(tmp_path))
+
+
+def test_report_reads_a_trace_left_unterminated_by_a_crash(tmp_path):
+    _write(tmp_path / "rank0.json", [_meta(0, 1), _event(0, seq=1), _event(0, seq=2)], close=False)
+    traces = report.load(str(tmp_path))
+    assert [e["args"]["seq"] for e in traces.events[0]] == [1, 2]
