@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -100,10 +103,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
     if args.steps < 2:
-        _say("demo: --steps must be at least 2")
+        print("demo: --steps must be at least 2", file=sys.stderr)
         return 2
     if args.nproc < 2 and not demo.launched_by_torchrun():
-        _say("demo: --nproc must be at least 2 (the point is ranks that disagree)")
+        print("demo: --nproc must be at least 2 (the point is ranks that disagree)", file=sys.stderr)
         return 2
     cfg = demo.DemoConfig(
         nproc=args.nproc,
@@ -118,8 +121,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
 
     if demo.launched_by_torchrun():
-        import os
-
         is_rank0 = os.environ.get("RANK") == "0"
         say = _say if is_rank0 else (lambda line="": None)
         say(f"compiler_collectives demo under torchrun: {os.environ['WORLD_SIZE']} ranks, "
@@ -130,9 +131,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         _say(f"compiler_collectives demo: {cfg.nproc} ranks (gloo, CPU), {cfg.steps} steps per run, "
              f"backend {cfg.backend}, timeout {cfg.timeout:.0f}s per run")
-        _say("Ranks see different sequence lengths: all start at "
-             f"{cfg.base_length} tokens; ranks 1.. switch to other lengths one after another "
-             "(rank 0 never), and the last rank's final batch is short.")
+        _say(textwrap.fill(
+            f"Ranks see different sequence lengths: all start at {cfg.base_length} tokens; "
+            "ranks 1.. switch to other lengths one after another (rank 0 never), and the last "
+            "rank's final batch is short.", width=100))
         outcomes = []
         for name in cfg.runs:
             run = demo.RUNS[name]
@@ -151,7 +153,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "graphs: graphs handed to the backend; dynamic dims: graph inputs with symbolic sizes; "
         "guard colls: guard collectives run; forced: recompiles this rank did only because "
         "another rank's guards missed; coll time: time spent in compiler + guard collectives "
-        "(mostly waiting for slower ranks).", width=100))
+        "(mostly waiting for slower ranks); steps/s: over the whole run, compiles included.",
+        width=100))
     _say(f"total wall time {time.monotonic() - started:.1f}s")
     for outcome in outcomes:
         if outcome.ranks and any(o.error for o in outcome.ranks):
@@ -192,11 +195,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("compiler_collectives").setLevel(level)
+    if args.verbose:
+        # Without -v, logging is left as configured (e.g. COMPILER_COLLECTIVES_LOG_LEVEL).
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("compiler_collectives").setLevel(logging.INFO if args.verbose == 1 else logging.DEBUG)
+    # A SIGTERM (a CI job cancelled, `timeout`, ...) unwinds like Ctrl-C, so the
+    # commands' cleanup runs: the demo kills and reaps its rank processes.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -26,7 +26,15 @@ from .transport import all_gather_bytes, groups, translate_failure
 log = logging.getLogger("compiler_collectives.compiler")
 
 _seq = 0
+_last_frame: str | None = None
 _frame_seqs: dict[tuple[str, str, int], int] = {}
+
+
+def _progress() -> dict[str, Any]:
+    return {"compiler_seq": _seq, "frame": _last_frame}
+
+
+groups.progress_sources.append(_progress)
 
 
 def _frame_key(frame: FrameId) -> tuple[str, str, int]:
@@ -36,8 +44,9 @@ def _frame_key(frame: FrameId) -> tuple[str, str, int]:
 
 
 def reset_sequence() -> None:
-    global _seq
+    global _seq, _last_frame
     _seq = 0
+    _last_frame = None
     _frame_seqs.clear()
 
 
@@ -52,12 +61,13 @@ class Exchange:
 
 def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exchange:
     """Run the collective for one frame compile: every rank's state, in rank order, and the restart decision."""
-    global _seq
+    global _seq, _last_frame
     health.check("compiler")
     pg = ds.compile_pg if pg is None else pg
     rank, world = pg.rank(), pg.size()
     _seq += 1
     seq = _seq
+    _last_frame = str(frame)
     key = _frame_key(frame)
     _frame_seqs[key] = _frame_seqs.get(key, 0) + 1
     ds.frame, ds.seq = frame, seq
@@ -92,11 +102,18 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exc
         e.kind, e.rank, e.seq, e.frame = "compiler", rank, seq, str(frame)
         if isinstance(e, WireFormatError):
             e.args = (f"{where()}: {e.args[0]}",)
+        # A bad payload or a desync is seen identically by every rank: no one
+        # needs telling. Anything else gets the side-channel diagnosis.
+        err = e if isinstance(e, (WireFormatError, CollectiveDesyncError)) else groups.fail(e, seq=seq)
         counters.errors += 1
-        health.poison(e)
-        raise
+        health.poison(err)
+        if err is e:
+            raise
+        raise err from e.__cause__
     except RuntimeError as e:
         err = translate_failure(e, kind="compiler", describe=where, rank=rank, seq=seq, frame=str(frame))
+        err.__cause__ = e
+        err = groups.fail(err, seq=seq)
         counters.errors += 1
         health.poison(err)
         raise err from e

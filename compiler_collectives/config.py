@@ -44,6 +44,16 @@ def _parse_positive_float(name: str, raw: str) -> float:
     return value
 
 
+def _parse_nonnegative_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r}: must be 0 or more")
+    return value
+
+
 def _parse_positive_int(name: str, raw: str) -> int:
     try:
         value = int(raw)
@@ -120,6 +130,16 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "automatic-dynamic decision would change (torch always restarts).",
     ),
     Setting(
+        "heartbeat_s",
+        "COMPILER_COLLECTIVES_HEARTBEAT_S",
+        1.0,
+        _parse_nonnegative_float,
+        "Seconds between heartbeats a background thread writes to the c10d store, so "
+        "that a failing rank can name which peers are absent (crashed, killed, stopped) "
+        "and which are alive elsewhere (desync). 0 disables the thread; errors then "
+        "cannot name absent ranks.",
+    ),
+    Setting(
         "timing",
         "COMPILER_COLLECTIVES_TIMING",
         False,
@@ -156,6 +176,7 @@ class Settings:
     max_payload_bytes: int = 16 * 1024 * 1024
     inline_slot_bytes: int = 4096
     skip_needless_restart: bool = True
+    heartbeat_s: float = 1.0
     timing: bool = False
     trace_dir: str = ""
     log_level: str = ""

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import logging
 import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -344,6 +347,8 @@ class RankOutcome:
     result: Optional[dict[str, Any]] = None
     last_step: int = -1  # last step this rank completed
     error: Optional[str] = None  # traceback or reason
+    pid: Optional[int] = None  # of the rank process (None under torchrun)
+    stuck_at: Optional[str] = None  # where a killed rank was waiting, from its stack
 
 
 @dataclasses.dataclass
@@ -382,6 +387,9 @@ def _rank_main(
     log_fd = os.open(os.path.join(run_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    if _STACK_SIGNAL is not None:
+        # If this rank hangs, the parent asks for its stack before killing it.
+        faulthandler.register(_STACK_SIGNAL, file=sys.stderr, all_threads=False)
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     run = RUNS[run_name]
@@ -449,13 +457,22 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     deadline = started + cfg.timeout
     failed_at: Optional[float] = None
     grace_after_failure = 10.0  # peers of a failed rank are stuck in collectives
+    quiet_notice_s = 15.0  # say so when no rank finished a step for this long
+    last_news = started
     try:
-        for p in procs:
+        for p, o in zip(procs, outcomes):
             p.start()
+            o.pid = p.pid
         while any(o.status == "running" for o in outcomes):
             now = time.monotonic()
             if now >= deadline or (failed_at is not None and now >= failed_at + grace_after_failure):
                 break
+            if now - last_news >= quiet_notice_s:
+                # Not a frozen terminal: say what we are waiting for.
+                at = ", ".join(f"rank {o.rank}: {o.last_step + 1}" for o in outcomes)
+                progress(f"  [{run.name}] waiting: no step finished for {now - last_news:.0f}s "
+                         f"(compiling, or stuck); steps done: {at}; timeout in {deadline - now:.0f}s")
+                last_news = now
             try:
                 message = messages.get(timeout=0.5)
             except queue_mod.Empty:
@@ -468,15 +485,12 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                 continue
             kind, rank = message[0], message[1]
             o = outcomes[rank]
+            last_news = time.monotonic()
             if kind == "step":
                 step, loss = message[2], message[3]
                 o.last_step = step
-                done = step + 1
-                if rank == 0 and (done % cfg.log_every == 0 or done == 1 or done == cfg.steps):
-                    progress(
-                        f"  [{run.name}] step {done:>3}/{cfg.steps}  loss {loss:6.3f}  "
-                        f"(rank 0, {time.monotonic() - started:5.1f}s)"
-                    )
+                if rank == 0 and _should_log(step, cfg):
+                    progress(_progress_line(run.name, step, cfg, loss, time.monotonic() - started))
             elif kind == "done":
                 o.status, o.result = "finished", message[2]
             elif kind == "error":
@@ -484,12 +498,16 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                 failed_at = failed_at or time.monotonic()
                 progress(f"  [{run.name}] rank {rank} failed: {_last_line(o.error)}")
     finally:
-        _reap(procs)
+        # Ranks that reported are exiting: give them a moment. Otherwise we are
+        # past the deadline (or interrupted): no more waiting.
+        all_reported = all(o.status != "running" for o in outcomes)
+        _reap(procs, grace_s=5.0 if all_reported else 0.0)
         messages.close()
         messages.cancel_join_thread()
     for o in outcomes:
         if o.status == "running":
             o.status = "timed out" if failed_at is None else "killed"
+            o.stuck_at = stuck_at(_read(os.path.join(run_dir, f"rank{o.rank}.log")))
     elapsed = time.monotonic() - started
     outcome = RunOutcome(run, outcomes, elapsed)
     if all(o.status == "finished" for o in outcomes):
@@ -499,20 +517,87 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     return outcome
 
 
-def _reap(procs: Sequence[Any]) -> None:
-    """Join finished children; kill and join the rest."""
-    grace = time.monotonic() + 5.0
+def _reap(procs: Sequence[Any], grace_s: float) -> None:
+    """Give children ``grace_s`` to exit; ask the rest where they are stuck, kill them, join all."""
+    grace = time.monotonic() + grace_s
     for p in procs:
-        if p.pid is None:
-            continue  # never started
-        p.join(timeout=max(0.0, grace - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            log.info("killing %s (pid %d)", p.name, p.pid)
-            p.kill()
+        if p.pid is not None:  # None: never started
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+    stuck = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in stuck:
+        try:
+            os.kill(p.pid, _STACK_SIGNAL)  # faulthandler writes its stack to the rank's log
+        except (OSError, TypeError):
+            pass
+    if stuck and _STACK_SIGNAL is not None:
+        time.sleep(1.0)
+    for p in stuck:
+        log.info("killing %s (pid %d)", p.name, p.pid)
+        p.kill()
     for p in procs:
         if p.pid is not None:
             p.join(timeout=10)
+
+
+# Sent to a stuck rank before it is killed; None where there is no SIGUSR1 (Windows).
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def stuck_at(log_text: str) -> Optional[str]:
+    """Where a rank was stuck, from the last stack faulthandler wrote to its log.
+
+    Returns e.g. ``all_gather_bytes (transport.py:187) <- train (demo.py:301)``:
+    the innermost frame, then the training loop's line that led there.
+    """
+    marker = "(most recent call first):"
+    at = log_text.rfind(marker)
+    if at < 0:
+        return None
+    frames = []
+    for line in log_text[at + len(marker):].splitlines()[1:]:
+        line = line.strip()
+        if not line.startswith("File "):
+            break
+        # File "/path/x.py", line 12 in func
+        try:
+            path = line.split('"')[1]
+            lineno = line.split(", line ")[1].split(" ")[0]
+            func = line.rsplit(" in ", 1)[1]
+        except IndexError:
+            continue
+        frames.append((path, f"{func} ({os.path.basename(path)}:{lineno})"))
+    if not frames:
+        return None
+    package = os.path.dirname(os.path.abspath(__file__))
+    shown = [frames[0][1]]
+    # The innermost frame of the service, if any (e.g. the compiler collective) ...
+    for path, frame in frames[1:]:
+        if os.path.dirname(os.path.abspath(path)) == package and not frame.startswith("train ("):
+            shown.append(frame)
+            break
+    # ... and the training loop's line that led there.
+    for path, frame in frames[1:]:
+        if frame.startswith("train ("):
+            shown.append(frame)
+            break
+    return " <- ".join(shown)
+
+
+def _should_log(step: int, cfg: DemoConfig) -> bool:
+    done = step + 1
+    return done == 1 or done % cfg.log_every == 0 or done == cfg.steps
+
+
+def _progress_line(run_name: str, step: int, cfg: DemoConfig, loss: float, elapsed_s: float) -> str:
+    return f"  [{run_name}] step {step + 1:>3}/{cfg.steps}  loss {loss:6.3f}  (rank 0, {elapsed_s:5.1f}s)"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _last_line(text: Optional[str]) -> str:
@@ -542,24 +627,25 @@ def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> 
     try:
         for name in cfg.runs:
             run = RUNS[name]
+            progress("")
+            progress(f"run '{name}': {run.description}")
             # A fresh start for each run, as if in a new process.
             torch._dynamo.reset()
             compiler_collectives.reset()
             compiler_collectives.reset_stats()
             started = time.monotonic()
 
-            def on_step(step: int, loss: float, _run: Run = run, _t0: float = started) -> None:
-                done = step + 1
-                if rank == 0 and (done % cfg.log_every == 0 or done == 1 or done == cfg.steps):
-                    progress(f"  [{_run.name}] step {done:>3}/{cfg.steps}  loss {loss:6.3f}  "
-                             f"(rank 0, {time.monotonic() - _t0:5.1f}s)")
+            def on_step(step: int, loss: float, _name: str = name, _t0: float = started) -> None:
+                if rank == 0 and _should_log(step, cfg):
+                    progress(_progress_line(_name, step, cfg, loss, time.monotonic() - _t0))
 
             result = train(rank, world, run.use_service, cfg, guards=run.guards, on_step=on_step)
-            gathered: list[Any] = [None] * world if rank == 0 else []
-            dist.gather_object(result, gathered if rank == 0 else None, dst=0)
-            if rank == 0:
+            gathered: Optional[list[Any]] = [None] * world if rank == 0 else None
+            dist.gather_object(result, gathered, dst=0)
+            if gathered is not None:
                 ranks = [RankOutcome(r, "finished", res, cfg.steps - 1) for r, res in enumerate(gathered)]
                 outcomes.append(RunOutcome(run, ranks, time.monotonic() - started))
+                progress(f"  [{name}] finished in {time.monotonic() - started:.1f}s")
         compiler_collectives.disable()
     finally:
         dist.destroy_process_group()
@@ -581,9 +667,9 @@ def _row(run: RunOutcome, o: RankOutcome, steps: int) -> list[str]:
     if o.status == "finished" and r is not None:
         status = "finished"
     elif o.status == "timed out":
-        status = f"timed out after step {o.last_step + 1}/{steps}"
+        status = f"timed out in step {o.last_step + 2}/{steps}"
     elif o.status == "killed":
-        status = f"killed after a peer failed (step {o.last_step + 1}/{steps})"
+        status = f"killed after a peer failed (in step {o.last_step + 2}/{steps})"
     else:
         status = f"{o.status}: {_last_line(o.error)}"[:60]
     if r is None:
@@ -637,11 +723,12 @@ def format_table(outcomes: Sequence[RunOutcome], steps: int) -> str:
 
 def _verdict(run: RunOutcome) -> str:
     if run.agree is None:
-        reached = ", ".join(f"rank {o.rank}: {o.status} (step {o.last_step + 1})" for o in run.ranks)
-        where = f" (rank logs: {run.log_dir})" if run.log_dir else ""
-        if run.timed_out:
-            return f"did not finish within the timeout and was killed [{reached}]{where}"
-        return f"did not finish [{reached}]{where}"
+        what = "did not finish within the timeout; its ranks were killed" if run.timed_out else "did not finish"
+        lines = [what + (f" (rank logs: {run.log_dir})" if run.log_dir else "")]
+        for o in run.ranks:
+            if o.stuck_at:
+                lines.append(f"rank {o.rank} was stuck in {o.stuck_at}")
+        return ("\n" + " " * 17).join(lines)
     if run.agree:
         example = run.ranks[0].result
         assert example is not None

@@ -52,6 +52,7 @@ REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.exc", "CompileCollectiveRestartAnalysis"),
     ("torch._dynamo.exc", "InternalTorchDynamoError"),
     ("torch._dynamo.utils", "dynamo_timed"),
+    ("torch._dynamo.utils", "orig_code_map"),
     ("torch._dynamo.eval_frame", "guard_collectives_hook"),
     ("torch._dynamo.distributed", "get_compile_pg"),
     ("torch._dynamo.distributed", "get_guard_pg"),
@@ -312,6 +313,8 @@ def install() -> None:
     pgo.process_automatic_dynamic = _process_automatic_dynamic
     builder.process_automatic_dynamic = _process_automatic_dynamic
     eval_frame.guard_collectives_hook = guard_collective.hook
+    orig_code_map = dynamo_utils.orig_code_map
+    guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
 
     # If torch's own guard hook is active (set_enable_guard_collectives was
     # called before we were imported), keep guard collectives on, but ours.

@@ -13,8 +13,13 @@ compile that follows raises the parked error from the user's call site.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
+import zlib
+from typing import Any, Callable
 
+import torch
 import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
@@ -40,6 +45,46 @@ class _GuardState:
 
 
 _state = _GuardState()
+
+# Call-site identity. The hook is not told which frame it guards, so we use
+# the nearest caller outside torch: the user's line that called compiled code.
+# Two ranks at the same guard-collective count but at different call sites are
+# out of step. Cached per code object: (stable id, include f_lasti?).
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_code_ids: dict[Any, tuple[int, bool] | None] = {}  # None: a torch frame, look further up
+_is_dynamo_output_code: Callable[[Any], bool] = lambda code: False  # set by the seams
+
+
+def _code_identity(code: Any) -> tuple[int, bool] | None:
+    if code.co_filename.startswith(_TORCH_DIR):
+        ident = None
+    else:
+        text = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+        # Dynamo's rewritten bytecode may differ between cache entries: leave
+        # f_lasti out for it, keep the function's identity.
+        ident = (zlib.crc32(text.encode()), not _is_dynamo_output_code(code))
+    if len(_code_ids) > 4096:
+        _code_ids.clear()
+    _code_ids[code] = ident
+    return ident
+
+
+def call_site(frame: Any) -> int:
+    """A 46-bit id of the first non-torch frame at or above ``frame``, equal across ranks."""
+    while frame is not None:
+        code = frame.f_code
+        ident = _code_ids.get(code, _MISSING)
+        if ident is _MISSING:
+            ident = _code_identity(code)
+        if ident is not None:
+            crc, with_lasti = ident
+            return ((crc << 14) + (frame.f_lasti if with_lasti else 0)) & 0x3FFFFFFFFFFF
+        frame = frame.f_back
+    return 0
+
+
+_MISSING = object()
+groups.progress_sources.append(lambda: {"guard_seq": _state.seq})
 
 
 def reset_sequence() -> None:
@@ -79,26 +124,33 @@ def hook(guard_eval_result: bool) -> bool:
                 return guard_eval_result
         _state.seq += 1
         seq = _state.seq
+        site = call_site(sys._getframe(1))
         recorder = timing.recorder
         if _profiler._is_profiler_enabled:
             with _record_function("compiler_collectives.guard_collective"):
                 started = _perf_counter()
-                all_hit, lo, hi = channel.agree(guard_eval_result, seq)
+                all_hit, lo, hi, same_site = channel.agree(guard_eval_result, seq, site)
                 elapsed = _perf_counter() - started
         else:
             if recorder is not None:
                 start_ns = _time_ns()
             started = _perf_counter()
-            all_hit, lo, hi = channel.agree(guard_eval_result, seq)
+            all_hit, lo, hi, same_site = channel.agree(guard_eval_result, seq, site)
             elapsed = _perf_counter() - started
         counters.guard_time_s += elapsed
         counters.guard_collectives += 1
-        if lo != hi:
+        if lo != hi or not same_site:
+            caller = sys._getframe(1)
+            while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+                caller = caller.f_back
+            here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
+            what = (f"ranks are at different guard-collective counts (lowest #{lo}, highest #{hi})"
+                    if lo != hi else
+                    f"ranks reached this guard collective from different call sites (this rank: {here})")
             raise CollectiveDesyncError(
-                f"{describe('guard', channel.pg.rank(), seq, None)}: ranks are at different "
-                f"guard-collective counts (lowest #{lo}, highest #{hi}): one rank called a "
-                "compiled function more or fewer times than the others. Look for rank-dependent "
-                "control flow around torch.compile'd calls.",
+                f"{describe('guard', channel.pg.rank(), seq, None)}: {what}. One rank called "
+                "compiled code more, fewer or other times than the others; neither call ran. "
+                "Look for rank-dependent control flow around torch.compile'd calls.",
                 kind="guard", rank=channel.pg.rank(), seq=seq, ranks=(),
             )
         if not guard_eval_result:
@@ -137,6 +189,8 @@ def _park_failure(error: BaseException) -> None:
             frame=None,
         )
         err.__cause__ = error
+    if not isinstance(err, CollectiveDesyncError):  # a desync is seen by every rank alike
+        err = groups.fail(err, seq=seq)
     counters.errors += 1
     health.poison(err)
     health.park(err)

@@ -19,18 +19,20 @@ import datetime
 import logging
 import struct
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from . import config
+from . import config, health
 from .errors import (
+    CollectiveDesyncError,
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
     WireFormatError,
 )
+from .watchdog import Diagnosis, SideChannel, diagnose_with_deadline
 
 log = logging.getLogger("compiler_collectives.transport")
 
@@ -38,45 +40,81 @@ _LEN = struct.Struct("<Q")  # payload length header of each slot
 
 
 class Groups:
-    """Lazily created gloo groups, rebuilt if the default group changes."""
+    """Lazily created gloo groups and their side channel, rebuilt if the default group changes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._world: object | None = None
+        self._generation = 0
         self._compile_pg: dist.ProcessGroup | None = None
         self._guard_pg: dist.ProcessGroup | None = None
         self._guard_channel: GuardChannel | None = None
+        self.side: SideChannel | None = None
+        # Callables returning this rank's progress for the heartbeat.
+        self.progress_sources: list[Callable[[], dict[str, Any]]] = []
 
     def _check_world(self) -> None:
         world = dist.group.WORLD
         if world is not self._world:
             # A new init_process_group (or a destroy) invalidates our groups.
+            self._drop()
             self._world = world
-            self._compile_pg = None
-            self._guard_pg = None
-            self._guard_channel = None
+
+    def _drop(self) -> None:
+        if self.side is not None:
+            self.side.stop()
+        self.side = None
+        self._compile_pg = None
+        self._guard_pg = None
+        self._guard_channel = None
 
     @staticmethod
     def available() -> bool:
         return dist.is_available() and dist.is_initialized()
 
-    def _new_group(self, tag: str) -> dist.ProcessGroup:
-        timeout = datetime.timedelta(seconds=config.settings.timeout_s)
-        log.debug("creating %s gloo group (timeout %.0fs)", tag, config.settings.timeout_s)
-        return dist.new_group(backend="gloo", timeout=timeout, group_desc=tag)
+    def _progress(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for source in self.progress_sources:
+            out.update(source())
+        return out
+
+    def _side_channel(self) -> SideChannel:
+        if self.side is None:
+            self.side = SideChannel(dist.get_rank(), dist.get_world_size(), self._generation, self._progress)
+            self.side.start(on_peer_failure=_peer_failed)
+        return self.side
+
+    def _new_group(self, tag: str, kind: str) -> dist.ProcessGroup:
+        timeout_s = config.settings.timeout_s
+        side = self._side_channel()
+        # Our own rendezvous first: group creation would otherwise wait on the
+        # store with whatever timeout it picks and could not say who is missing.
+        absent = side.rendezvous(tag, timeout_s)
+        if absent:
+            err = CollectiveTimeoutError(
+                f"creating the {kind}-collective process group on rank {side.rank}: rank(s) "
+                f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
+                "They are stuck, much slower, crashed, or never compile this code (compiler "
+                "collectives need every rank to compile the same frames).",
+                kind=kind, rank=side.rank, ranks=tuple(absent),
+            )
+            health.poison(err)
+            raise err
+        log.debug("creating %s gloo group (timeout %.0fs)", tag, timeout_s)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag)
 
     def compile_pg(self) -> dist.ProcessGroup:
         with self._lock:
             self._check_world()
             if self._compile_pg is None:
-                self._compile_pg = self._new_group("compiler_collectives_compile")
+                self._compile_pg = self._new_group("compiler_collectives_compile", "compiler")
             return self._compile_pg
 
     def guard_channel(self) -> "GuardChannel":
         with self._lock:
             self._check_world()
             if self._guard_channel is None:
-                self._guard_pg = self._new_group("compiler_collectives_guard")
+                self._guard_pg = self._new_group("compiler_collectives_guard", "guard")
                 self._guard_channel = GuardChannel(self._guard_pg)
             return self._guard_channel
 
@@ -92,12 +130,60 @@ class Groups:
             out["guard"] = self._guard_pg
         return out
 
+    def abort(self) -> None:
+        """Abort our groups so peers blocked in our collectives fail now, not at the timeout."""
+        for pg in (self._compile_pg, self._guard_pg):
+            if pg is not None:
+                try:
+                    pg.abort()
+                except Exception as e:  # noqa: BLE001
+                    log.debug("aborting a group failed: %s", e)
+
     def forget(self) -> None:
+        """Drop our groups; the next collective creates new ones (all ranks must do this together)."""
         with self._lock:
+            self._drop()
             self._world = None
-            self._compile_pg = None
-            self._guard_pg = None
-            self._guard_channel = None
+            self._generation += 1
+
+    def fail(self, error: CollectiveError, *, seq: int | None) -> CollectiveError:
+        """The failure procedure: report, abort, diagnose; returns the error to raise (maybe re-typed)."""
+        side = self.side
+        if side is not None:
+            try:
+                side.report_failure(error.kind or "?", seq, str(error))
+            except Exception as e:  # noqa: BLE001
+                log.debug("could not report the failure on the store: %s", e)
+        self.abort()
+        diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
+        return _explain(error, diagnosis)
+
+
+def _explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveError:
+    if diagnosis is None:
+        return error
+    base = str(error)
+    details = diagnosis.render()
+    common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame)
+    if diagnosis.absent:
+        new = type(error)(f"{base}\nRanks not in this collective:\n{details}",
+                          ranks=tuple(diagnosis.absent), **common)
+    elif diagnosis.alive_elsewhere:
+        new = CollectiveDesyncError(
+            f"{base}\nRank(s) {diagnosis.alive_elsewhere} are alive but did not enter this "
+            f"collective: the ranks are out of step (desync).\n{details}",
+            ranks=tuple(diagnosis.alive_elsewhere), **common,
+        )
+    else:
+        return error
+    new.__cause__ = error.__cause__
+    return new
+
+
+def _peer_failed(rank: int, message: str) -> None:
+    """Heartbeat thread: a peer reported a failure; refuse our next collective."""
+    first_line = message.splitlines()[0] if message else "no message"
+    health.poison(CollectiveError(f"rank {rank} reported a collective failure: {first_line}"))
 
 
 groups = Groups()
@@ -191,28 +277,30 @@ def all_gather_bytes(
 class GuardChannel:
     """The guard collective's transport: one MIN all-reduce per call.
 
-    The tensor holds ``[hit, seq, -seq]``; after the MIN all-reduce it holds
-    ``[all hit, min seq, -max seq]``, so every rank learns both whether anyone
-    missed and whether all ranks are at the same call number.
+    The tensor holds ``[hit, seq, -seq, site, -site]``; after the MIN
+    all-reduce every rank knows whether anyone missed, the lowest and highest
+    call number, and whether every rank came from the same call site.
     """
 
-    __slots__ = ("pg", "_tensor", "_opts", "_list")
+    __slots__ = ("pg", "_tensor", "_view", "_opts", "_list")
 
     def __init__(self, pg: dist.ProcessGroup) -> None:
         self.pg = pg
-        self._tensor = torch.zeros(3, dtype=torch.int64)
+        self._tensor = torch.zeros(5, dtype=torch.int64)
+        # A ctypes view of the tensor's memory: setting and reading five ints
+        # through it costs well under a microsecond, where tensor indexing or
+        # torch.tensor(...) + copy_ costs tens (measured on this machine).
+        self._view = (ctypes.c_int64 * 5).from_address(self._tensor.data_ptr())
         self._list = [self._tensor]
         self._opts = dist.AllreduceOptions()
         self._opts.reduceOp = dist.ReduceOp.MIN
 
-    def agree(self, hit: bool, seq: int) -> tuple[bool, int, int]:
-        """Returns (every rank hit, lowest seq, highest seq)."""
-        t = self._tensor
-        t[0] = 1 if hit else 0
-        t[1] = seq
-        t[2] = -seq
+    def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, int, int, bool]:
+        """Returns (every rank hit, lowest seq, highest seq, every rank at the same site)."""
+        view = self._view
+        view[:] = (1 if hit else 0, seq, -seq, site, -site)
         # ProcessGroup.allreduce directly: the dist.all_reduce wrapper adds
         # checks and bookkeeping we would pay on every compiled call.
         self.pg.allreduce(self._list, self._opts).wait()
-        all_hit, lo, neg_hi = t.tolist()
-        return all_hit == 1, lo, -neg_hi
+        all_hit, lo, neg_hi, site_lo, neg_site_hi = view[:]
+        return all_hit == 1, lo, -neg_hi, site_lo == -neg_site_hi
