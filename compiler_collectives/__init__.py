@@ -47,8 +47,26 @@ def _configure_logging() -> None:
     logger.setLevel(level)
 
 
+def _running_doctor() -> bool:
+    # `python -m compiler_collectives doctor` (argv[0] is "-m" while the package
+    # imports) or the console script: doctor must report a broken install,
+    # not die of it.
+    import sys
+
+    argv = sys.argv
+    return len(argv) > 1 and argv[1] == "doctor" and (
+        argv[0] == "-m" or argv[0].endswith("compiler-collectives")
+    )
+
+
+install_error: UnsupportedTorchError | None = None
 _configure_logging()
-_seams.install()
+try:
+    _seams.install()
+except UnsupportedTorchError as _e:
+    if not _running_doctor():
+        raise
+    install_error = _e
 
 __all__ = [
     "__version__",
