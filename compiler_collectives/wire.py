@@ -10,7 +10,10 @@ of another version before reading anything else. ``sent_at`` is the sender's
 wall-clock time (seconds since the epoch) when it entered the collective.
 ``state`` is ``[entries, frame_state_fresh, extras]`` where ``entries`` is a
 list of ``[source_name, entry]`` and ``extras`` maps a registered field name to
-its msgpack-native value.
+its msgpack-native value. Source names are front-coded: a name may be sent as
+``[k, suffix]``, meaning the first ``k`` characters of the previous entry's
+name followed by ``suffix`` (``L['self']._modules['layers']._modules['3']...``
+names share long prefixes).
 
 An entry is ``[scalar, size, stride]`` optionally followed by
 ``excluded_sizes`` and ``excluded_scalar`` (omitted when empty). Atoms:
@@ -100,6 +103,22 @@ def _entry_out(entry: SizeEntry) -> list[Any]:
     return out
 
 
+_MIN_SHARED_PREFIX = 8  # below this, a plain string is as short
+
+
+def _front_code(names: Any) -> list[Any]:
+    out: list[Any] = []
+    previous = ""
+    for name in names:
+        limit = min(len(previous), len(name))
+        k = 0
+        while k < limit and previous[k] == name[k]:
+            k += 1
+        out.append([k, name[k:]] if k >= _MIN_SHARED_PREFIX else name)
+        previous = name
+    return out
+
+
 def encode(
     state: LocalState,
     *,
@@ -118,7 +137,8 @@ def encode(
             raise TypeError(f"LocalState extra field {name!r} is not registered")
         extras[name] = field.to_wire(value)
     body = [
-        [[name, _entry_out(entry)] for name, entry in state.automatic_dynamic.items()],
+        [[name_out, _entry_out(entry)] for name_out, entry in zip(
+            _front_code(state.automatic_dynamic), state.automatic_dynamic.values())],
         bool(state.frame_state_fresh),
         extras,
     ]
@@ -234,10 +254,19 @@ def _state_in(v: Any) -> LocalState:
     _expect(type(fresh) is bool, "frame_state_fresh must be a bool")
     _expect(type(raw_extras) is dict, "extras must be a map")
     entries: dict[str, SizeEntry] = {}
+    previous = ""
     for i, pair in enumerate(raw_entries):
         _expect(type(pair) is list and len(pair) == 2, f"entries[{i}] must be [name, entry]")
         name, raw = pair
+        if type(name) is list:
+            _expect(
+                len(name) == 2 and type(name[0]) is int and 0 <= name[0] <= len(previous)
+                and type(name[1]) is str,
+                f"entries[{i}] front-coded name must be [k <= {len(previous)}, suffix]",
+            )
+            name = previous[: name[0]] + name[1]
         _expect(type(name) is str and name != "", f"entries[{i}] name must be a non-empty string")
+        previous = name
         _expect(name not in entries, f"source {name!r} appears twice")
         entries[name] = _entry_in(name, raw)
     fields = registered_fields()

@@ -836,3 +836,33 @@ def test_any_msgpack_value_in_any_position_decodes_or_raises_wire_format_error(p
         _decodes_or_wire_format_error(_pack(obj), SENDER)
     finally:
         unregister_field("note")
+
+
+# ---------------------------------------------------------------- front-coded names
+
+_LONG_NAMES = [f"L['self']._modules['layers']._modules['{i}']._parameters['weight']" for i in range(12)]
+
+
+def test_names_sharing_long_prefixes_are_front_coded_and_round_trip_in_order():
+    state = LocalState(
+        automatic_dynamic={n: SizeEntry(scalar=DYNAMIC, size=(64, 64), stride=(64, 1)) for n in _LONG_NAMES},
+        extras={},
+    )
+    raw_entries = _envelope(state)[7][0]
+    assert raw_entries[0][0] == _LONG_NAMES[0]  # the first name is sent whole
+    assert all(type(pair[0]) is list for pair in raw_entries[1:])
+    assert list(_round_trip(state).automatic_dynamic) == _LONG_NAMES
+    plain = sum(len(n) for n in _LONG_NAMES)
+    assert len(_encode(state)) < plain / 2
+
+
+def test_a_front_coded_name_reaching_past_the_previous_name_is_rejected():
+    env = _envelope(_state(**{"a": SizeEntry(scalar=1, size=DYNAMIC, stride=DYNAMIC)}))
+    env[7][0].append([[5, "bc"], [2, None, None]])  # previous name "a" has 1 character
+    _rejects(_pack(env), match="front-coded name")
+
+
+def test_a_front_coded_first_name_must_be_empty_prefixed():
+    env = _envelope()
+    env[7][0][0][0] = [1, "x"]
+    _rejects(_pack(env), match="front-coded name")

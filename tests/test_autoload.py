@@ -1,0 +1,179 @@
+"""Zero-code activation at `import torch`, precedence of the switches, and `doctor` (issue: autoload)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PY = sys.executable
+OUR_VARS = (
+    "TORCH_COMPILER_COLLECTIVES", "COMPILER_COLLECTIVES_GUARDS", "COMPILER_COLLECTIVES_TIMING",
+    "COMPILER_COLLECTIVES_TRACE_DIR", "COMPILER_COLLECTIVES_AUTOLOAD", "TORCH_DEVICE_BACKEND_AUTOLOAD",
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in OUR_VARS}
+    env.update(extra)
+    return env
+
+
+def _python(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=_env(**env)
+    )
+
+
+def test_with_our_variables_unset_import_torch_loads_neither_us_nor_dynamo():
+    proc = _python("""
+        import sys, torch
+        import compiler_collectives_autoload as a
+        print(a.status, "compiler_collectives" in sys.modules, "torch._dynamo" in sys.modules)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["inactive", "False", "False"]
+
+
+def test_the_torch_variable_alone_activates_our_implementation_at_import_torch():
+    proc = _python("""
+        import sys, torch
+        cc = sys.modules.get("compiler_collectives")
+        print(cc is not None and cc.is_enabled())
+    """, TORCH_COMPILER_COLLECTIVES="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+
+
+# A torch without one of our seams, simulated: a sitecustomize import hook
+# removes OutputGraph.run_compiler_collective as soon as torch defines it.
+STRIP_SEAM = """
+import importlib.abc, importlib.machinery, sys
+
+class _StripSeam(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo.output_graph":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            del module.OutputGraph.run_compiler_collective
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _StripSeam())
+"""
+
+
+def _torch_without_a_seam(tmp_path) -> str:
+    (tmp_path / "sitecustomize.py").write_text(STRIP_SEAM)
+    return str(tmp_path)
+
+
+def test_a_broken_autoload_leaves_import_torch_working_with_one_warning(tmp_path):
+    proc = _python("""
+        import torch
+        print(torch.ones(2).sum().item())
+    """, TORCH_COMPILER_COLLECTIVES="1", PYTHONPATH=_torch_without_a_seam(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "2.0"
+    warnings = [line for line in proc.stderr.splitlines() if "autoload failed" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "missing Dynamo seam(s) torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in warnings[0]
+
+
+def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value():
+    proc = _python("""
+        import torch, torch.compiler
+        import compiler_collectives as cc
+        seen = [cc.is_enabled(), cc.guards_enabled()]           # from the environment
+        cc.disable()
+        seen += [cc.is_enabled(), cc.guards_enabled()]          # our API wins over the env
+        torch._dynamo.config.enable_compiler_collectives = True
+        torch.compiler.set_enable_guard_collectives(True)
+        seen += [cc.is_enabled(), cc.guards_enabled()]          # torch's switches drive ours
+        cc.enable(guards=False)
+        seen += [cc.is_enabled(), cc.guards_enabled()]
+        print(seen)
+    """, TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str([True, True, False, False, True, True, True, False])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TRAINING_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+for n in (3 + rank, 9, 4):
+    f(torch.ones(n, 2))
+cc = sys.modules.get("compiler_collectives")
+stats = cc.stats() if cc else None
+print("RESULT " + json.dumps({"rank": rank, "loaded": cc is not None, "stats": stats}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_env_vars(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING_SCRIPT)
+    trace_dir = tmp_path / "traces"
+    proc = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(_free_port()), str(script)],
+        capture_output=True, text=True, timeout=170,
+        env=_env(TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1",
+                 COMPILER_COLLECTIVES_TRACE_DIR=str(trace_dir), OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["loaded"]
+        assert r["stats"]["compiler_collectives"] == 1  # sizes differ: one collective, dim dynamic
+        assert r["stats"]["guard_collectives"] == 2
+    assert sorted(os.listdir(trace_dir)) == ["rank0.json", "rank1.json"]
+
+
+def test_doctor_reports_healthy_and_exits_zero():
+    proc = subprocess.run([PY, "-m", "compiler_collectives", "doctor"], capture_output=True, text=True,
+                          timeout=120, env=_env(COMPILER_COLLECTIVES_GUARDS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Dynamo seams: all present" in out
+    assert "autoload: entry point registered" in out
+    assert "guard collectives: ON (from env COMPILER_COLLECTIVES_GUARDS)" in out
+    assert "compiler collectives: off (from default (off))" in out
+    assert "OK: nothing needed is missing." in out
+
+
+def test_doctor_names_a_missing_seam_with_the_fix_and_exits_nonzero(tmp_path):
+    proc = subprocess.run([PY, "-m", "compiler_collectives", "doctor"], capture_output=True, text=True,
+                          timeout=120, env=_env(PYTHONPATH=_torch_without_a_seam(tmp_path)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MISSING torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in proc.stdout
+    assert "Fix: install torch==2.13.0" in proc.stdout
+
+
+def test_importing_the_package_with_a_missing_seam_raises_naming_torch_version_and_seam(tmp_path):
+    proc = _python("import compiler_collectives", PYTHONPATH=_torch_without_a_seam(tmp_path))
+    assert proc.returncode != 0
+    assert "UnsupportedTorchError" in proc.stderr
+    assert "2.13" in proc.stderr and "OutputGraph.run_compiler_collective" in proc.stderr
