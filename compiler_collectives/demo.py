@@ -25,6 +25,12 @@ at that same step; the compiler collective then sees that the lengths differ
 across ranks and makes that dim dynamic everywhere. All ranks end with the
 same graphs and the same dynamic dims.
 
+Run it
+------
+``python -m compiler_collectives demo`` (``--help`` for the options) launches
+the ranks itself; under ``torchrun --nproc-per-node 4 -m compiler_collectives
+demo`` each process runs its own rank and rank 0 prints the table.
+
 How to read it
 --------------
 ``train()`` is the part to copy: it is an ordinary DDP training loop plus one
@@ -457,8 +463,9 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     deadline = started + cfg.timeout
     failed_at: Optional[float] = None
     grace_after_failure = 10.0  # peers of a failed rank are stuck in collectives
-    quiet_notice_s = 15.0  # say so when no rank finished a step for this long
+    quiet_notice_s = 30.0  # say so when no rank finished a step for this long
     last_news = started
+    interrupted = True  # until the loop below ends normally
     try:
         for p, o in zip(procs, outcomes):
             p.start()
@@ -469,9 +476,9 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                 break
             if now - last_news >= quiet_notice_s:
                 # Not a frozen terminal: say what we are waiting for.
-                at = ", ".join(f"rank {o.rank}: {o.last_step + 1}" for o in outcomes)
-                progress(f"  [{run.name}] waiting: no step finished for {now - last_news:.0f}s "
-                         f"(compiling, or stuck); steps done: {at}; timeout in {deadline - now:.0f}s")
+                done = " ".join(str(o.last_step + 1) for o in outcomes)
+                progress(f"  [{run.name}] no step finished for {now - last_news:.0f}s (compiling, or "
+                         f"stuck); steps done per rank: {done}; timeout in {deadline - now:.0f}s")
                 last_news = now
             try:
                 message = messages.get(timeout=0.5)
@@ -497,6 +504,7 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                 o.status, o.error = "error", message[2]
                 failed_at = failed_at or time.monotonic()
                 progress(f"  [{run.name}] rank {rank} failed: {_last_line(o.error)}")
+        interrupted = False
     finally:
         # Ranks that reported are exiting: give them a moment. Otherwise we are
         # past the deadline (or interrupted): no more waiting.
@@ -504,6 +512,8 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
         _reap(procs, grace_s=5.0 if all_reported else 0.0)
         messages.close()
         messages.cancel_join_thread()
+        if interrupted:  # nobody will be shown the logs
+            shutil.rmtree(run_dir, ignore_errors=True)
     for o in outcomes:
         if o.status == "running":
             o.status = "timed out" if failed_at is None else "killed"
@@ -572,7 +582,8 @@ def stuck_at(log_text: str) -> Optional[str]:
     shown = [frames[0][1]]
     # The innermost frame of the service, if any (e.g. the compiler collective) ...
     for path, frame in frames[1:]:
-        if os.path.dirname(os.path.abspath(path)) == package and not frame.startswith("train ("):
+        path = os.path.abspath(path)
+        if os.path.dirname(path) == package and path != os.path.abspath(__file__):
             shown.append(frame)
             break
     # ... and the training loop's line that led there.

@@ -114,6 +114,9 @@ def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_pat
         assert not run["finished"]
         assert {r["status"] for r in run["ranks"]} == {"timed out"}, run
         assert run["elapsed_s"] < timeout + 15, run["elapsed_s"]
+        # Before killing them the demo asked every rank where it was stuck.
+        assert all(r["stuck_at"] for r in run["ranks"]), run["ranks"]
+        assert "was stuck in" in proc.stdout, output
         for rank in run["ranks"]:
             assert _gone(rank["pid"]), f"rank process {rank['pid']} was not killed"
     finally:
@@ -193,4 +196,11 @@ def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
         "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (transport.py:187) "
         "<- train (demo.py:306)"
     )
+    in_backward = (
+        "Stack (most recent call first):\n"
+        '  File "/x/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+        f'  File "{pkg}/demo.py", line 307 in train\n'
+        f'  File "{pkg}/demo.py", line 408 in _rank_main\n'
+    )
+    assert demo.stuck_at(in_backward) == "_engine_run_backward (graph.py:979) <- train (demo.py:307)"
     assert demo.stuck_at("no stack here") is None
