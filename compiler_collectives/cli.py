@@ -170,9 +170,65 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if demo.demo_succeeded(outcomes) else 1
 
 
+# --------------------------------------------------------------------- report
+
+
+def add_report_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="merge per-rank traces (COMPILER_COLLECTIVES_TRACE_DIR) and summarize them",
+        description=(
+            "Merge DIR/rank{N}.json, written by ranks run with COMPILER_COLLECTIVES_TRACE_DIR=DIR, "
+            "into one Chrome trace with a process row per rank (load it in Perfetto or "
+            "chrome://tracing), and print a per-rank, per-kind table (count, p50, p99, max, total, "
+            "bytes), the slowest collectives and the ranks that arrived last most often."
+        ),
+        epilog="Exit status: 0 on success, 1 when the directory or a file cannot be used.",
+    )
+    p.add_argument("directory", metavar="DIR", help="the trace directory")
+    p.add_argument("--out", metavar="PATH", default=None,
+                   help="where to write the merged trace (default: DIR/merged.json)")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from . import report
+
+    try:
+        _say(report.run(args.directory, args.out))
+    except report.ReportError as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------- doctor
+
+
+def add_doctor_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check the installation: torch version, Dynamo seams, switches, autoload, groups",
+        description=(
+            "Print the torch version, whether every Dynamo seam compiler_collectives needs is "
+            "present, which switches are on and where each came from (environment, Python, torch "
+            "config), whether autoload at `import torch` is active, and, under torchrun, the "
+            "backend of the default process group and of our own groups (created for the check)."
+        ),
+        epilog="Exit status: 0 when nothing needed is missing, 1 otherwise (each problem comes with its fix).",
+    )
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    return doctor.run()
+
+
 # --------------------------------------------------------------------- main
 
-_COMMANDS: tuple[Callable[[Any], None], ...] = (add_demo_parser,)
+_COMMANDS: tuple[Callable[[Any], None], ...] = (add_demo_parser, add_report_parser, add_doctor_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

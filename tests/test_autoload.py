@@ -177,3 +177,18 @@ def test_importing_the_package_with_a_missing_seam_raises_naming_torch_version_a
     assert proc.returncode != 0
     assert "UnsupportedTorchError" in proc.stderr
     assert "2.13" in proc.stderr and "OutputGraph.run_compiler_collective" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_doctor_under_torchrun_reports_the_default_group_and_our_gloo_groups():
+    proc = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(_free_port()), "-m", "compiler_collectives", "doctor"],
+        capture_output=True, text=True, timeout=170, env=_env(OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("process group:")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "default backend gloo" in line
+        assert "ours: compile: gloo, guard: gloo" in line
