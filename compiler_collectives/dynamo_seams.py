@@ -194,6 +194,34 @@ def _process_automatic_dynamic(
     return result
 
 
+def _wrapper_locals() -> dict[Any, str]:
+    """Frames that call compiled code on the user's behalf, and the local naming the callee.
+
+    torch.compile(fn) calls ``fn`` from ``compile_wrapper`` (a closure in
+    eval_frame); a compiled module's forward is called from
+    ``Module._call_impl`` as ``forward_call``. Missing ones only make the
+    guard collective's frame identity coarser (it falls back to the caller).
+    """
+    import torch._dynamo.eval_frame as eval_frame
+
+    found: dict[Any, str] = {}
+    pending = [eval_frame._TorchDynamoContext.__call__.__code__]
+    while pending:
+        code = pending.pop()
+        for const in code.co_consts:
+            if isinstance(const, type(code)):
+                if const.co_name == "compile_wrapper" and "fn" in const.co_freevars:
+                    found[const] = "fn"
+                pending.append(const)
+    call_impl = torch.nn.Module._call_impl.__code__
+    if "forward_call" in call_impl.co_varnames:
+        found[call_impl] = "forward_call"
+    if len(found) < 2:
+        log.warning("guard collective frame identity is coarser on torch %s: wrapper frames not found",
+                    torch.__version__)
+    return found
+
+
 def _frame_state_fresh(ds: DistributedState) -> bool:
     """True if this rank's frame state cannot change any preflight decision."""
     if not torch._dynamo.config.automatic_dynamic_shapes:
@@ -315,6 +343,7 @@ def install() -> None:
     eval_frame.guard_collectives_hook = guard_collective.hook
     orig_code_map = dynamo_utils.orig_code_map
     guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
+    guard_collective._wrapper_locals.update(_wrapper_locals())
 
     # If torch's own guard hook is active (set_enable_guard_collectives was
     # called before we were imported), keep guard collectives on, but ours.

@@ -46,44 +46,63 @@ class _GuardState:
 
 _state = _GuardState()
 
-# Call-site identity. The hook is not told which frame it guards, so we use
-# the nearest caller outside torch: the user's line that called compiled code.
-# Two ranks at the same guard-collective count but at different call sites are
-# out of step. Cached per code object: (stable id, include f_lasti?).
+# Frame identity. The hook is not told which frame it guards, and that frame
+# is not on the Python stack yet. Its caller is: torch's compile wrapper (whose
+# local ``fn`` is the compiled function), ``Module._call_impl`` (whose local
+# ``forward_call`` is the forward being compiled), or plain Python code that
+# calls the compiled frame directly (a resume function after a graph break,
+# a nested function). The seams fill ``_wrapper_locals`` with the first two.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_code_ids: dict[Any, tuple[int, bool] | None] = {}  # None: a torch frame, look further up
+_wrapper_locals: dict[Any, str] = {}  # wrapper code object -> name of the local holding the target
 _is_dynamo_output_code: Callable[[Any], bool] = lambda code: False  # set by the seams
+# code -> ("wrapper", local name) | ("torch", None) | ("code", (crc, use f_lasti))
+_code_kinds: dict[Any, tuple[str, Any]] = {}
 
 
-def _code_identity(code: Any) -> tuple[int, bool] | None:
-    if code.co_filename.startswith(_TORCH_DIR):
-        ident = None
+def _stable_id(code: Any) -> int:
+    text = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+    return zlib.crc32(text.encode())
+
+
+def _classify(code: Any) -> tuple[str, Any]:
+    if code in _wrapper_locals:
+        kind: tuple[str, Any] = ("wrapper", _wrapper_locals[code])
+    elif code.co_filename.startswith(_TORCH_DIR):
+        kind = ("torch", None)
     else:
-        text = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
         # Dynamo's rewritten bytecode may differ between cache entries: leave
-        # f_lasti out for it, keep the function's identity.
-        ident = (zlib.crc32(text.encode()), not _is_dynamo_output_code(code))
-    if len(_code_ids) > 4096:
-        _code_ids.clear()
-    _code_ids[code] = ident
-    return ident
+        # f_lasti out for it and keep only the function's identity.
+        kind = ("code", (_stable_id(code), not _is_dynamo_output_code(code)))
+    if len(_code_kinds) > 4096:
+        _code_kinds.clear()
+    _code_kinds[code] = kind
+    return kind
 
 
-def call_site(frame: Any) -> int:
-    """A 46-bit id of the first non-torch frame at or above ``frame``, equal across ranks."""
+def _target_code(obj: Any) -> Any:
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        code = getattr(getattr(obj, "__func__", None), "__code__", None)
+    return code
+
+
+def frame_identity(frame: Any) -> int:
+    """A 46-bit id of the compiled frame being entered, equal across ranks for the same frame."""
     while frame is not None:
         code = frame.f_code
-        ident = _code_ids.get(code, _MISSING)
-        if ident is _MISSING:
-            ident = _code_identity(code)
-        if ident is not None:
-            crc, with_lasti = ident
-            return ((crc << 14) + (frame.f_lasti if with_lasti else 0)) & 0x3FFFFFFFFFFF
+        kind, detail = _code_kinds.get(code) or _classify(code)
+        if kind == "wrapper":
+            target = _target_code(frame.f_locals.get(detail))
+            if target is not None:
+                return (_stable_id(target) << 14) & 0x3FFFFFFFFFFF
+        elif kind == "code":
+            crc, with_lasti = detail
+            return ((crc << 14) + (frame.f_lasti & 0x3FFF if with_lasti else 0)) & 0x3FFFFFFFFFFF
         frame = frame.f_back
     return 0
 
 
-_MISSING = object()
+
 groups.progress_sources.append(lambda: {"guard_seq": _state.seq})
 
 
@@ -124,7 +143,7 @@ def hook(guard_eval_result: bool) -> bool:
                 return guard_eval_result
         _state.seq += 1
         seq = _state.seq
-        site = call_site(sys._getframe(1))
+        site = frame_identity(sys._getframe(1))
         recorder = timing.recorder
         if _profiler._is_profiler_enabled:
             with _record_function("compiler_collectives.guard_collective"):
@@ -146,7 +165,8 @@ def hook(guard_eval_result: bool) -> bool:
             here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
             what = (f"ranks are at different guard-collective counts (lowest #{lo}, highest #{hi})"
                     if lo != hi else
-                    f"ranks reached this guard collective from different call sites (this rank: {here})")
+                    "ranks are running different compiled code in this guard collective "
+                    f"(this rank was called from {here})")
             raise CollectiveDesyncError(
                 f"{describe('guard', channel.pg.rank(), seq, None)}: {what}. One rank called "
                 "compiled code more, fewer or other times than the others; neither call ran. "

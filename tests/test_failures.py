@@ -166,31 +166,28 @@ def test_ranks_compiling_different_frames_all_raise_a_desync_listing_every_rank(
         assert "rank 1: compiler collective #1 for frame _other at" in r["message"]
 
 
-def _evaluate(model) -> dict:
-    return _caught(lambda: model(torch.ones(2)))
-
-
 def extra_call(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
     cc.enable(guards=True)
     f = torch.compile(_step, backend="eager")
-    f(torch.ones(2))  # compiles on every rank
-    f(torch.ones(2))
-    if rank == 0:
-        extra = _caught(lambda: f(torch.ones(2)))  # rank 0 alone calls once more ...
-        if extra["type"]:
-            return extra
-    return _evaluate(f)  # ... while rank 1 is already here
+    g = torch.compile(_other, backend="eager")
+    f(torch.ones(2))  # both compile on every rank
+    g(torch.ones(2))
+    for fn in ([f, f, g] if rank == 0 else [f, g]):  # rank 0 calls f one extra time
+        result = _caught(lambda: fn(torch.ones(2)))
+        if result["type"]:
+            return result
+    return {"type": None}
 
 
 def test_a_rank_that_calls_a_compiled_function_one_extra_time_is_caught_as_a_desync():
     outcome = run_ranks(extra_call, 2, env=ENV, timeout=60)
-    # Rank 0's extra call meets rank 1's next call, from another line: both
-    # ranks see the call sites differ, neither call runs.
+    # Rank 0's extra call of f meets rank 1's call of g (same line, same
+    # count): both ranks see the compiled frames differ, neither call runs.
     for r in outcome.results:
         assert r["type"] == "CollectiveDesyncError", r
-        assert "different call sites" in r["message"]
+        assert "different compiled code" in r["message"]
 
 
 def fewer_calls_then_wait(rank: int, world: int) -> dict:

@@ -199,3 +199,68 @@ def test_when_one_rank_keeps_missing_all_ranks_reach_the_recompile_limit_togethe
     assert r0["compiles"] == r1["compiles"] == 3  # the limit, on every rank
     assert r0["collectives"] == r1["collectives"] == 3
     assert r0["values_ok"] and r1["values_ok"]
+
+
+class _Twice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def same_frame_from_different_lines(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    m = torch.compile(_Twice(), backend="eager")
+    f(torch.ones(2))
+    m(torch.ones(2))
+    # Rank-dependent branches that still run the same compiled frames in the
+    # same order are fine: identity is the compiled frame, not the caller's line.
+    if rank == 0:
+        f(torch.ones(2))
+        m(torch.ones(2))
+    else:
+        y = f(torch.ones(2))
+        y = m(y)
+    return {"guard_collectives": cc.stats()["guard_collectives"]}
+
+
+def test_the_same_compiled_frames_called_from_different_lines_are_not_a_desync():
+    outcome = run_ranks(same_frame_from_different_lines, 2)
+    assert [r["guard_collectives"] for r in outcome.results] == [2, 2]
+
+
+def frame_identity_of(rank: int, world: int) -> dict:
+    import sys
+
+    import compiler_collectives  # noqa: F401
+    import torch._C._dynamo.eval_frame as c_eval_frame
+
+    from compiler_collectives import guard_collective
+
+    seen = []
+
+    def probe(hit: bool) -> bool:
+        seen.append(guard_collective.frame_identity(sys._getframe(1)))
+        return hit
+
+    f = torch.compile(_step, backend="eager")
+    g = torch.compile(lambda x: x - 1, backend="eager")
+    m = torch.compile(_Twice(), backend="eager")
+    for fn in (f, g, m):
+        fn(torch.ones(2))
+    c_eval_frame.set_guard_complete_hook(probe)
+    try:
+        for fn in (f, g, m, f):
+            fn(torch.ones(2))
+    finally:
+        c_eval_frame.set_guard_complete_hook(None)
+    return {"ids": seen}
+
+
+def test_frame_identity_tells_compiled_functions_and_modules_apart_and_is_stable():
+    outcome = run_ranks(frame_identity_of, 2, init=True)
+    ids0, ids1 = outcome.results[0]["ids"], outcome.results[1]["ids"]
+    assert ids0 == ids1  # equal across processes
+    f_id, g_id, m_id, f_again = ids0
+    assert len({f_id, g_id, m_id}) == 3 and f_again == f_id
