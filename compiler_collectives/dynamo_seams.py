@@ -214,7 +214,7 @@ def _wrapper_locals() -> dict[Any, str]:
                     found[const] = "fn"
                 pending.append(const)
     call_impl = torch.nn.Module._call_impl.__code__
-    if "forward_call" in call_impl.co_varnames:
+    if "forward_call" in call_impl.co_varnames + call_impl.co_cellvars:
         found[call_impl] = "forward_call"
     if len(found) < 2:
         log.warning("guard collective frame identity is coarser on torch %s: wrapper frames not found",

@@ -59,9 +59,18 @@ _is_dynamo_output_code: Callable[[Any], bool] = lambda code: False  # set by the
 _code_kinds: dict[Any, tuple[str, Any]] = {}
 
 
+_stable_ids: dict[Any, int] = {}
+
+
 def _stable_id(code: Any) -> int:
-    text = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
-    return zlib.crc32(text.encode())
+    ident = _stable_ids.get(code)
+    if ident is None:
+        text = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+        ident = zlib.crc32(text.encode())
+        if len(_stable_ids) > 4096:
+            _stable_ids.clear()
+        _stable_ids[code] = ident
+    return ident
 
 
 def _classify(code: Any) -> tuple[str, Any]:
@@ -148,31 +157,18 @@ def hook(guard_eval_result: bool) -> bool:
         if _profiler._is_profiler_enabled:
             with _record_function("compiler_collectives.guard_collective"):
                 started = _perf_counter()
-                all_hit, lo, hi, same_site = channel.agree(guard_eval_result, seq, site)
+                all_hit, in_step = channel.agree(guard_eval_result, seq, site)
                 elapsed = _perf_counter() - started
         else:
             if recorder is not None:
                 start_ns = _time_ns()
             started = _perf_counter()
-            all_hit, lo, hi, same_site = channel.agree(guard_eval_result, seq, site)
+            all_hit, in_step = channel.agree(guard_eval_result, seq, site)
             elapsed = _perf_counter() - started
         counters.guard_time_s += elapsed
         counters.guard_collectives += 1
-        if lo != hi or not same_site:
-            caller = sys._getframe(1)
-            while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
-                caller = caller.f_back
-            here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
-            what = (f"ranks are at different guard-collective counts (lowest #{lo}, highest #{hi})"
-                    if lo != hi else
-                    "ranks are running different compiled code in this guard collective "
-                    f"(this rank was called from {here})")
-            raise CollectiveDesyncError(
-                f"{describe('guard', channel.pg.rank(), seq, None)}: {what}. One rank called "
-                "compiled code more, fewer or other times than the others; neither call ran. "
-                "Look for rank-dependent control flow around torch.compile'd calls.",
-                kind="guard", rank=channel.pg.rank(), seq=seq, ranks=(),
-            )
+        if not in_step:
+            raise _desync(channel, seq, site)
         if not guard_eval_result:
             counters.guard_local_misses += 1
         if not all_hit:
@@ -192,6 +188,34 @@ def hook(guard_eval_result: bool) -> bool:
         except BaseException:  # noqa: BLE001
             pass
         return False
+
+
+def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError:
+    """Every rank saw the mismatch: one more exchange to say who was where."""
+    rank = channel.pg.rank()
+    caller = sys._getframe(2)
+    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+        caller = caller.f_back
+    here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
+    try:
+        everyone = channel.describe_all(seq, site)
+    except Exception:  # noqa: BLE001 - the message is less precise, the error stands
+        everyone = []
+    mine_seq = [s for s, _ in everyone] or [seq]
+    lines = "\n".join(
+        f"  rank {r}: guard collective #{s}, compiled frame id {f:#x}" for r, (s, f) in enumerate(everyone)
+    )
+    if len(set(mine_seq)) > 1:
+        what = "ranks are at different guard-collective counts"
+    else:
+        what = "ranks are entering different compiled frames at the same guard-collective count"
+    culprits = tuple(r for r, entry in enumerate(everyone) if entry != (seq, site))
+    return CollectiveDesyncError(
+        f"{describe('guard', rank, seq, None)}: {what} (this rank was called from {here}):\n{lines}\n"
+        "One rank called compiled code more, fewer or other times than the others; no rank ran "
+        "this call. Look for rank-dependent control flow around torch.compile'd calls.",
+        kind="guard", rank=rank, seq=seq, ranks=culprits,
+    )
 
 
 def _park_failure(error: BaseException) -> None:

@@ -7,6 +7,8 @@ Modes, measured in interleaved blocks in the same rank processes:
   ours+timing  ours with COMPILER_COLLECTIVES_TIMING-style recording on
   floor  a bare all-reduce of one int64 on a gloo group of the same kind,
          called straight through ProcessGroup.allreduce (the transport floor)
+  hook+floor  a guard hook that does nothing but that bare all-reduce: what
+         any guard collective pays for running inside a compiled call
 
 A block is `--calls` calls; a mode's figure is the median over all its calls.
 "added" is a mode's cost minus "none": what the guard collective adds.
@@ -30,7 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "torch", "ours", "ours+timing", "floor")
+MODES = ("none", "torch", "ours", "ours+timing", "floor", "hook+floor")
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +63,15 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
     x = torch.ones(4)
     f(x)  # compile once; every later call is a cache hit
 
+    def bare_hook(hit: bool) -> bool:
+        floor_pg.allreduce([floor_t], floor_opts).wait()
+        return hit
+
     def set_mode(mode: str) -> None:
         timing.set_enabled(mode == "ours+timing")
-        if mode == "torch":
+        if mode == "hook+floor":
+            c_eval_frame.set_guard_complete_hook(bare_hook)
+        elif mode == "torch":
             dynamo_distributed.get_guard_pg = lambda: torch_guard_pg
             c_eval_frame.set_guard_complete_hook(torch_hook)
         elif mode in ("ours", "ours+timing"):
@@ -120,17 +128,20 @@ def main() -> None:
         med = run(world, args.calls, args.blocks)
         rows.append((world, med))
     print()
-    print("| ranks | none (µs) | torch (µs) | ours (µs) | ours+timing (µs) | floor (µs) | "
-          "ours added / floor | torch added / ours added | timing overhead |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | none | torch | ours | ours+timing | floor | hook+floor | "
+          "ours added / floor | ours added / hook+floor added | torch added / ours added | timing overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for world, m in rows:
         ours_added = m["ours"] - m["none"]
         torch_added = m["torch"] - m["none"]
+        hook_floor_added = m["hook+floor"] - m["none"]
         print(
             f"| {world} | {m['none']:.1f} | {m['torch']:.1f} | {m['ours']:.1f} | {m['ours+timing']:.1f} | "
-            f"{m['floor']:.1f} | {ours_added / m['floor']:.2f}x | {torch_added / ours_added:.1f}x | "
+            f"{m['floor']:.1f} | {m['hook+floor']:.1f} | {ours_added / m['floor']:.2f}x | "
+            f"{ours_added / hook_floor_added:.2f}x | {torch_added / ours_added:.1f}x | "
             f"{(m['ours+timing'] - m['ours']) / m['ours'] * 100:+.1f}% |"
         )
+    print("\nmedians in µs per call; 'added' = mode minus 'none'")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def gather_with_an_oversized_rank(rank: int, world: int, culprit: int, mode: str
     return {"type": None}
 
 
-def guard_rounds(rank: int, world: int, rounds: list[tuple]) -> list[tuple[bool, int, int, bool]]:
+def guard_rounds(rank: int, world: int, rounds: list[tuple]) -> list[tuple[bool, bool]]:
     """One GuardChannel.agree per round; round = (hit per rank, seq per rank[, call site per rank])."""
     from compiler_collectives.transport import groups
 
@@ -248,10 +248,10 @@ def test_a_rank_announcing_more_than_max_bytes_makes_every_rank_raise_naming_it(
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_all_hit_and_the_common_seq_when_every_rank_hits():
+def test_guard_channel_agree_reports_all_hit_and_in_step_when_every_rank_hits():
     rounds = [([True] * 3, [4] * 3)]
     outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
-    assert outcome.results == [[(True, 4, 4, True)]] * 3
+    assert outcome.results == [[(True, True)]] * 3
 
 
 @pytest.mark.timeout(60)
@@ -263,12 +263,12 @@ def test_guard_channel_agree_reports_a_miss_on_any_rank_to_every_rank():
         ([True, True, True], [12, 12, 12]),  # nothing carries over from earlier calls
     ]
     outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
-    expected = [(False, 9, 9, True), (False, 10, 10, True), (False, 11, 11, True), (True, 12, 12, True)]
+    expected = [(False, True), (False, True), (False, True), (True, True)]
     assert outcome.results == [expected] * 3
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_the_lowest_and_highest_seq_when_seqs_differ():
+def test_guard_channel_agree_reports_ranks_out_of_step_when_call_numbers_differ():
     rounds = [
         ([True, True, True], [7, 3, 5]),
         ([True, False, True], [100, 100, 2**40]),
@@ -276,20 +276,33 @@ def test_guard_channel_agree_reports_the_lowest_and_highest_seq_when_seqs_differ
         ([True, True, True], [6, 6, 6]),
     ]
     outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
-    expected = [(True, 3, 7, True), (False, 100, 2**40, True), (False, 0, 1, True), (True, 6, 6, True)]
+    # out of step is never reported as "all hit"
+    expected = [(False, False), (False, False), (False, False), (True, True)]
     assert outcome.results == [expected] * 3
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_whether_every_rank_came_from_the_same_call_site():
+def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ():
     rounds = [
         ([True] * 3, [1] * 3, [2**45, 2**45, 2**45]),
         ([True] * 3, [2] * 3, [17, 17, 18]),
         ([True] * 3, [3] * 3, [0, 5, 5]),
     ]
     outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
-    expected = [(True, 1, 1, True), (True, 2, 2, False), (True, 3, 3, False)]
+    expected = [(True, True), (False, False), (False, False)]
     assert outcome.results == [expected] * 3
+
+
+def guard_describe_all(rank: int, world: int) -> list:
+    from compiler_collectives.transport import groups
+
+    return groups.guard_channel().describe_all(10 + rank, 7 * rank)
+
+
+@pytest.mark.timeout(60)
+def test_guard_channel_describe_all_tells_every_rank_where_each_rank_was():
+    outcome = run_ranks(guard_describe_all, 3, timeout=45)
+    assert outcome.results == [[(10, 0), (11, 7), (12, 14)]] * 3
 
 
 # ---------------------------------------------------------------- groups
@@ -308,7 +321,7 @@ def test_our_groups_are_gloo_distinct_for_compile_and_guard_and_created_once():
         assert r["sizes"] == [2, 2]
         assert r["existing"] == ["compile", "guard"]
         assert r["gathered"] == [b"\x00", b"\x01"]
-        assert r["agreed"] == (True, 1, 1, True)
+        assert r["agreed"] == (True, True)
 
 
 @pytest.mark.timeout(60)
@@ -320,4 +333,4 @@ def test_our_groups_are_gloo_and_really_communicate_when_the_default_group_is_no
         assert r["default_backend"] == "fake"
         assert r["backends"] == ["gloo", "gloo"]
         assert r["gathered"] == [b"\x00", b"\x01"]
-        assert r["agreed"] == (False, 5, 6, True)
+        assert r["agreed"] == (False, False)
