@@ -187,7 +187,8 @@ def test_a_rank_that_calls_a_compiled_function_one_extra_time_is_caught_as_a_des
     # count): both ranks see the compiled frames differ, neither call runs.
     for r in outcome.results:
         assert r["type"] == "CollectiveDesyncError", r
-        assert "different compiled code" in r["message"]
+        assert "different compiled frames at the same guard-collective count" in r["message"]
+        assert r["ranks"] == [1 - outcome.results.index(r)]  # the other rank is named
 
 
 def fewer_calls_then_wait(rank: int, world: int) -> dict:
