@@ -59,8 +59,18 @@ class Exchange:
     restart: bool
 
 
-def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exchange:
-    """Run the collective for one frame compile: every rank's state, in rank order, and the restart decision."""
+def exchange(
+    ds: DistributedState,
+    frame: FrameId,
+    pg: Any | None = None,
+    *,
+    state: LocalState | None = None,
+) -> Exchange:
+    """Run one compiler collective: every rank's state, in rank order, and the restart decision.
+
+    ``state`` defaults to ``ds.local_state`` (the end of the first trace);
+    the input exchange before the trace passes the predicted entries instead.
+    """
     global _seq, _last_frame
     health.check("compiler")
     pg = ds.compile_pg if pg is None else pg
@@ -75,8 +85,9 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exc
 
     start_ns = time.time_ns()
     sent_at = start_ns / 1e9
+    sending = ds.local_state if state is None else state
     payload = wire.encode(
-        ds.local_state,
+        sending,
         rank=rank,
         world_size=world,
         frame=frame,
@@ -120,8 +131,11 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exc
     elapsed = time.perf_counter() - started
 
     states = [e.state for e in envelopes]
-    restart = restart_needed(states)
-    counters.compiler_collectives += 1
+    restart = restart_needed(states, ds.early_states) if state is None else False
+    if state is None:
+        counters.compiler_collectives += 1
+    else:
+        counters.compiler_input_exchanges += 1
     counters.compiler_rounds += rounds
     counters.compiler_bytes_sent += len(payload)
     counters.compiler_bytes_received += sum(len(p) for p in payloads)
@@ -140,7 +154,8 @@ def exchange(ds: DistributedState, frame: FrameId, pg: Any | None = None) -> Exc
             bytes_out=len(payload),
             bytes_in=sum(len(p) for p in payloads),
             rounds=rounds,
-            restart=restart,
+            phase="trace" if state is None else "inputs",
+            restart=restart if state is None else None,
             arrival_spread_s=counters.last_arrival_spread_s,
             last_rank=counters.last_late_rank,
         )
@@ -184,19 +199,41 @@ def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
     )
 
 
-def restart_needed(states: Sequence[LocalState]) -> bool:
+def restart_needed(states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None) -> bool:
     """Whether Dynamo must trace the frame again after the exchange.
 
-    The preflight traced every input as static. If every rank saw exactly the
-    same sources and values and no rank's prior frame state holds anything
-    else, applying the exchange would make every rank choose exactly what the
-    preflight chose, so its graph is already right. ``states`` is identical on
-    every rank, so every rank reaches the same answer.
+    The first trace decided every source from one of two things:
+
+    * a frame argument exchanged before the trace (``early_states``): from
+      the prior frame state joined with every rank's predicted entry. That is
+      exactly what the restarted trace would apply, provided every rank's
+      prediction equals what Dynamo actually recorded for it (the same
+      entries from the same ranks). A source no rank's trace used is moot.
+    * any other source: traced as static. Right only if every rank saw the
+      same sources with the same values and no rank's prior frame state holds
+      anything else.
+
+    ``states`` and ``early_states`` are identical on every rank, so every
+    rank reaches the same answer.
     """
     if not config.settings.skip_needless_restart:
         return True
-    first = states[0].automatic_dynamic
-    return not all(s.frame_state_fresh and s.automatic_dynamic == first for s in states)
+    early_names: set[str] = set()
+    if early_states is not None:
+        for early in early_states:
+            early_names.update(early.automatic_dynamic)
+        for name in early_names:
+            if any(name in s.automatic_dynamic for s in states) and any(
+                s.automatic_dynamic.get(name) != e.automatic_dynamic.get(name)
+                for s, e in zip(states, early_states)
+            ):
+                return True
+
+    def rest(state: LocalState) -> dict[str, Any]:
+        return {k: v for k, v in state.automatic_dynamic.items() if k not in early_names}
+
+    first = rest(states[0])
+    return not all(s.frame_state_fresh and rest(s) == first for s in states)
 
 
 def group_for_compile() -> Any:

@@ -130,6 +130,16 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "automatic-dynamic decision would change (torch always restarts).",
     ),
     Setting(
+        "exchange_inputs_first",
+        "COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST",
+        True,
+        _parse_bool,
+        "Before a frame's first trace, exchange the sizes of its tensor and int arguments, "
+        "so that dims differing across ranks are dynamic in the first trace already and no "
+        "second trace is needed (one extra small collective per compile). Off: the first "
+        "trace is an all-static preflight, as in torch.",
+    ),
+    Setting(
         "heartbeat_s",
         "COMPILER_COLLECTIVES_HEARTBEAT_S",
         1.0,
@@ -176,6 +186,7 @@ class Settings:
     max_payload_bytes: int = 16 * 1024 * 1024
     inline_slot_bytes: int = 4096
     skip_needless_restart: bool = True
+    exchange_inputs_first: bool = True
     heartbeat_s: float = 1.0
     timing: bool = False
     trace_dir: str = ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -174,10 +175,15 @@ def _process_automatic_dynamic(
         )
     update = _pgo.update_automatic_dynamic
     if st.all_states is None:
-        # Preflight: record, and trace as static. The prior frame state is
-        # applied after the exchange, together with every rank's entries.
+        # First trace: record what Dynamo observed. A frame argument whose
+        # entries every rank exchanged before the trace is decided now, from
+        # the prior frame state joined with every rank's entry (on a copy:
+        # the frame state itself is updated once, after the exchange). Any
+        # other source is traced as static, as in torch's preflight.
         st.local_state.automatic_dynamic[name] = entry_from_torch(entry)
         st.origins[name] = tx
+        if name in st.early_names:
+            return _joined_early_entry(st, tx, name)
         return entry
     result = None
     for state in st.all_states:  # rank order; includes this rank's own state
@@ -222,12 +228,91 @@ def _wrapper_locals() -> dict[Any, str]:
     return found
 
 
+def _prior_entry(tx: Any, name: str) -> Any:
+    code_state = _pgo.get_code_state().get(_pgo.CodeId.make(tx.f_code, tx.closure))
+    prior = None if code_state is None else code_state.automatic_dynamic.get(name)
+    return _pgo.FrameStateSizeEntry() if prior is None else prior
+
+
+def _joined_early_entry(ds: DistributedState, tx: Any, name: str) -> Any:
+    """prior ⊔ every rank's exchanged entry for ``name``, in rank order, on a copy."""
+    import copy
+
+    joined = copy.copy(_prior_entry(tx, name))
+    assert ds.early_states is not None
+    for state in ds.early_states:
+        observed = state.automatic_dynamic.get(name)
+        if observed is not None:
+            joined |= entry_to_torch(observed)
+    return joined
+
+
+def _predicted_entry(value: Any) -> SizeEntry | None:
+    """What Dynamo's builder will record for a frame argument, or None if we cannot tell.
+
+    Mirrors ``record_automatic_dynamic`` (tensors, with its stride inference)
+    and ``make_scalar`` (ints). A wrong prediction costs a restart, never a
+    wrong decision: the restart check compares it with what Dynamo recorded.
+    """
+    if type(value) is int:
+        return SizeEntry(scalar=value, size=DYNAMIC, stride=DYNAMIC)
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout is not torch.strided:
+        return None
+    if value.is_nested or value.device.type == "meta":
+        return None
+    size = tuple(int(s) for s in value.size())
+    ex_stride = value.stride()
+    stride: list[Any] = [None] * len(size)
+    candidates: dict[int, Any] = {}
+    for i_stride, neg_i in sorted((ex_stride[i], -i) for i in range(len(size))):
+        i = -neg_i
+        stride[i] = candidates.get(i_stride, i_stride)
+        candidates.setdefault(i_stride * size[i], InferStride(i))
+    return SizeEntry(scalar=DYNAMIC, size=size, stride=tuple(stride))
+
+
+_pending = threading.local()  # the frame _compile is about to compile
+
+
+def _new_distributed_state(compile_pg: Any, local_state: LocalState) -> DistributedState:
+    """Dynamo's constructor call for the per-compile box; also runs the input exchange."""
+    ds = DistributedState(compile_pg, local_state)
+    pending = getattr(_pending, "frame", None)
+    settings = config.settings
+    if (
+        pending is None
+        or not settings.exchange_inputs_first
+        or not settings.skip_needless_restart
+        or not torch._dynamo.config.automatic_dynamic_shapes
+    ):
+        return ds
+    code, frame_locals = pending
+    predicted = LocalState(frame_state_fresh=True)
+    for name, value in frame_locals.items():
+        entry = _predicted_entry(value)
+        if entry is not None:
+            source = f"L[{name!r}]"
+            predicted.automatic_dynamic[source] = entry
+            # Dynamo also fakifies a view's base, as the source "<view>._base".
+            base = getattr(value, "_base", None) if isinstance(value, torch.Tensor) else None
+            base_entry = None if base is None else _predicted_entry(base)
+            if base_entry is not None:
+                predicted.automatic_dynamic[f"{source}._base"] = base_entry
+    frame = FrameId(code.co_name, code.co_filename, code.co_firstlineno)
+    result = compiler_collective.exchange(ds, frame, state=predicted)
+    ds.early_states = result.states
+    ds.early_names = frozenset(n for s in result.states for n in s.automatic_dynamic)
+    return ds
+
+
 def _frame_state_fresh(ds: DistributedState) -> bool:
     """True if this rank's frame state cannot change any preflight decision."""
     if not torch._dynamo.config.automatic_dynamic_shapes:
         return True  # update_automatic_dynamic overwrites: the entry itself wins
     code_states = _pgo.get_code_state()
     for name, observed in ds.local_state.automatic_dynamic.items():
+        if name in ds.early_names:
+            continue  # decided from prior + every rank's entry already
         tx = ds.origins.get(name)
         if tx is None:
             return False
@@ -284,6 +369,10 @@ def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         health.raise_parked()
+        code = args[0] if args else kwargs.get("code")
+        frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
+        previous = getattr(_pending, "frame", None)
+        _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
         try:
             return original(*args, **kwargs)
         except _exc.InternalTorchDynamoError as e:
@@ -293,6 +382,8 @@ def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(inner, CollectiveError):
                 raise inner from inner.__cause__
             raise
+        finally:
+            _pending.frame = previous
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
     return _compile
@@ -334,7 +425,7 @@ def install() -> None:
     convert_frame.get_compile_pg = _get_compile_pg
     dynamo_distributed.get_compile_pg = _get_compile_pg
     dynamo_distributed.get_guard_pg = _get_guard_pg
-    convert_frame.DistributedState = DistributedState
+    convert_frame.DistributedState = _new_distributed_state
     convert_frame.LocalState = LocalState
     convert_frame._compile = _wrap_compile(convert_frame._compile)
     output_graph.OutputGraph.run_compiler_collective = _run_compiler_collective

@@ -174,3 +174,7 @@ class DistributedState:
     frame: Union[FrameId, None] = None
     seq: Union[int, None] = None
     restart_skipped: bool = False
+    # The input exchange before the first trace (see compiler_collective):
+    # every rank's predicted entries for the frame's own arguments.
+    early_states: Union[list[LocalState], None] = None
+    early_names: frozenset[str] = frozenset()

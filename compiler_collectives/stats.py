@@ -13,8 +13,11 @@ from typing import Any
 
 @dataclasses.dataclass
 class Counters:
-    # compiler collective
+    # compiler collective: one exchange at the end of every compile's first
+    # trace, plus (with COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST) one input
+    # exchange before it; bytes, rounds and time count both
     compiler_collectives: int = 0
+    compiler_input_exchanges: int = 0
     compiler_rounds: int = 0
     compiler_bytes_sent: int = 0
     compiler_bytes_received: int = 0

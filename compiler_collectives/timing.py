@@ -136,6 +136,7 @@ class Recorder:
         bytes_out: int,
         bytes_in: int,
         rounds: int,
+        phase: str,
         restart: bool | None,
         arrival_spread_s: float,
         last_rank: int,
@@ -150,7 +151,7 @@ class Recorder:
                 "args": {
                     "kind": "compiler", "seq": seq, "frame": frame, "compile_id": compile_id,
                     "bytes_out": bytes_out, "bytes_in": bytes_in, "rounds": rounds,
-                    "restart": restart, "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
+                    "phase": phase, "restart": restart, "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
                     "last_rank": last_rank,
                 },
             },

@@ -52,6 +52,7 @@ def summary(recorder: GraphRecorder) -> dict[str, Any]:
         "symbolic_ints": recorder.symbolic_ints,
         "compiles": recorder.count,
         "collectives": s["compiler_collectives"],
+        "input_exchanges": s["compiler_input_exchanges"],
         "restarts": s["restarts"],
         "restarts_skipped": s["restarts_skipped"],
         "guard_collectives": s["guard_collectives"],

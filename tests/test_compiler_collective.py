@@ -38,8 +38,90 @@ def test_different_sizes_make_the_dim_dynamic_on_every_rank_in_one_compile(world
         assert r["graphs"] == [[["s", 4]]]
         assert r["compiles"] == 1, "a later call with other sizes recompiled"
         assert r["collectives"] == 1
-        assert r["restarts"] == 1
+        assert r["input_exchanges"] == 1
+        assert r["restarts"] == 0, "the arguments were exchanged first: one trace is enough"
         assert r["first_ok"]
+
+
+def test_without_the_input_exchange_different_sizes_cost_a_preflight_and_one_restart_like_torch():
+    env = {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0"}
+    outcome = run_ranks(ranks_with_different_sizes, 2, env=env)
+    for r in outcome.results:
+        assert r["graphs"] == [[["s", 4]]]
+        assert r["compiles"] == 1
+        assert r["collectives"] == 1 and r["input_exchanges"] == 0
+        assert r["restarts"] == 1
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _from_attribute(holder: _Holder, unused: torch.Tensor) -> torch.Tensor:
+    return holder.t * 2
+
+
+def ranks_with_sizes_hidden_in_an_attribute(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    rec = GraphRecorder()
+    f = torch.compile(_from_attribute, backend=rec)
+    f(_Holder(torch.ones(3 + rank)), torch.ones(7 + rank))
+    f(_Holder(torch.ones(11)), torch.ones(2))
+    return summary(rec)
+
+
+def test_sizes_that_are_not_frame_arguments_still_agree_through_the_end_of_trace_exchange():
+    outcome = run_ranks(ranks_with_sizes_hidden_in_an_attribute, 2)
+    for r in outcome.results:
+        # L['holder'].t is only known by tracing: the first trace was static, so restart
+        assert r["graphs"] == [[["s"]]]
+        assert r["restarts"] == 1
+        assert r["compiles"] == 1
+
+
+def _uses_x_only(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def ranks_with_an_unused_argument(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    rec = GraphRecorder()
+    f = torch.compile(_uses_x_only, backend=rec)
+    f(torch.ones(4), torch.ones(5 + rank))
+    return summary(rec)
+
+
+def test_an_unused_argument_that_differs_across_ranks_does_not_force_a_restart():
+    outcome = run_ranks(ranks_with_an_unused_argument, 2)
+    for r in outcome.results:
+        assert r["graphs"] == [[[4]]]
+        assert r["restarts"] == 0 and r["restarts_skipped"] == 1
+
+
+def ranks_with_transposed_inputs(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    rec = GraphRecorder()
+    f = torch.compile(lambda x: x.sum(1), backend=rec)
+    x = torch.ones(6, 3 + rank).t()  # a non-contiguous view: strides and its base predicted
+    value = f(x)
+    out = summary(rec)
+    out["ok"] = bool(torch.equal(value, x.sum(1)))
+    return out
+
+
+def test_argument_predictions_match_dynamo_for_non_contiguous_tensors():
+    outcome = run_ranks(ranks_with_transposed_inputs, 2)
+    for r in outcome.results:
+        assert r["ok"]
+        assert r["graphs"] == [[["s", 6]]]
+        assert r["restarts"] == 0
 
 
 def ranks_with_identical_sizes(rank: int, world: int) -> dict:
@@ -127,6 +209,7 @@ def test_a_tensor_on_one_rank_and_an_int_on_another_is_dynamic_on_every_rank():
     outcome = run_ranks(ranks_with_tensor_on_one_int_on_other, 2)
     r0, r1 = outcome.results
     assert r0["value"] == [3.0, 3.0, 3.0] and r1["value"] == [6.0, 6.0, 6.0]
+    assert r0["restarts"] == r1["restarts"] == 0  # a tensor and an int are both predicted
     assert r0["compiles"] == r1["compiles"] == 1
     # rank 0's tensor y: every dim dynamic; rank 1's int y: a symbolic int
     assert ["s"] in r0["graphs"][0], r0["graphs"]
@@ -239,11 +322,20 @@ def ranks_same_new_size_after_static(rank: int, world: int) -> dict:
 
 
 def test_restart_is_not_skipped_when_the_prior_frame_state_changes_the_decision():
-    outcome = run_ranks(ranks_same_new_size_after_static, 2)
+    env = {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0"}  # the all-static preflight path
+    outcome = run_ranks(ranks_same_new_size_after_static, 2, env=env)
     for r in outcome.results:
         assert r["graphs"] == [[[8, 4]], [["s", 4]]]
         assert r["restarts_skipped"] == 1
         assert r["restarts"] == 1
+        assert r["compiles"] == 2
+
+
+def test_with_arguments_exchanged_first_the_prior_frame_state_joins_the_first_trace():
+    outcome = run_ranks(ranks_same_new_size_after_static, 2)
+    for r in outcome.results:
+        assert r["graphs"] == [[[8, 4]], [["s", 4]]]  # the same decisions as above ...
+        assert r["restarts"] == 0 and r["restarts_skipped"] == 2  # ... without the second trace
         assert r["compiles"] == 2
 
 

@@ -59,11 +59,12 @@ def test_every_rank_writes_one_valid_chrome_trace_with_an_event_per_collective(t
             events = json.load(f)  # closed at exit: strict JSON
         collectives = [e for e in events if e.get("ph") == "X"]
         kinds = [e["args"]["kind"] for e in collectives]
-        assert kinds.count("compiler") == 1
+        assert kinds.count("compiler") == 2  # the argument exchange, then the end of the trace
         assert kinds.count("guard") == CALLS - 1
-        (compiler,) = [e for e in collectives if e["args"]["kind"] == "compiler"]
+        inputs, compiler = [e for e in collectives if e["args"]["kind"] == "compiler"]
+        assert inputs["args"]["phase"] == "inputs" and compiler["args"]["phase"] == "trace"
         assert compiler["args"]["frame"].startswith("_fn at ")
-        assert compiler["args"]["restart"] is True
+        assert compiler["args"]["restart"] is False  # the differing dim was known before tracing
         assert compiler["args"]["bytes_out"] > 0 and compiler["args"]["bytes_in"] > compiler["args"]["bytes_out"]
         assert compiler["args"]["last_rank"] in (0, 1)
         assert all(e["pid"] == rank and e["dur"] >= 0 for e in collectives)
@@ -78,7 +79,7 @@ def test_the_report_merges_the_ranks_and_its_table_counts_match(trace_dir, tmp_p
     traces = report.load(trace_dir)
     rows = {(r["rank"], r["kind"]): r for r in report.table_rows(traces)}
     assert {k: r["count"] for k, r in rows.items()} == {
-        (0, "compiler"): 1, (0, "guard"): CALLS - 1, (1, "compiler"): 1, (1, "guard"): CALLS - 1,
+        (0, "compiler"): 2, (0, "guard"): CALLS - 1, (1, "compiler"): 2, (1, "guard"): CALLS - 1,
     }
     with open(merged) as f:
         events = json.load(f)["traceEvents"]
