@@ -144,8 +144,17 @@ def enabled(*, compiler: bool = True, guards: bool = False) -> Iterator[None]:
 
 
 def stats() -> dict[str, Any]:
-    """Counters of this rank: collectives run, bytes, restarts, guard outcomes, time."""
-    return _counters.snapshot()
+    """Counters of this rank: collectives run, bytes, restarts, guard outcomes, time.
+
+    With timing on (COMPILER_COLLECTIVES_TIMING / _TRACE_DIR), ``"timing"``
+    holds per kind the count, total, p50/p90/p99/max (seconds) and bytes.
+    """
+    from . import timing
+
+    out = _counters.snapshot()
+    if timing.recorder is not None:
+        out["timing"] = timing.recorder.figures()
+    return out
 
 
 def reset_stats() -> None:

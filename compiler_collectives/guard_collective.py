@@ -152,7 +152,7 @@ def hook(guard_eval_result: bool) -> bool:
                 return guard_eval_result
         _state.seq += 1
         seq = _state.seq
-        site = frame_identity(sys._getframe(1))
+        site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
         recorder = timing.recorder
         if _profiler._is_profiler_enabled:
             with _record_function("compiler_collectives.guard_collective"):

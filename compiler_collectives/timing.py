@@ -174,6 +174,17 @@ class Recorder:
 
     # -------------------------------------------------------------- summary
 
+    def figures(self) -> dict[str, dict[str, float]]:
+        """Per kind: count, total/p50/p90/p99/max in seconds, bytes (what the report shows)."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, values in self.samples.items():
+            if not values:
+                continue
+            q = quantiles(values)
+            out[kind] = {"count": len(values), "total_s": sum(values), "p50_s": q[50], "p90_s": q[90],
+                         "p99_s": q[99], "max_s": max(values), "bytes": self.bytes[kind]}
+        return out
+
     def summary(self) -> str:
         lines = [f"compiler_collectives timing, rank {self.rank}:"]
         lines.append(f"  {'kind':<9} {'count':>7} {'total ms':>10} {'p50 ms':>8} {'p90 ms':>8} "

@@ -70,9 +70,10 @@ def _rank(rank: int, world: int, store: str, reps: int, out_path: str) -> None:
     captured: dict[str, Any] = {}
     original_exchange = compiler_collective.exchange
 
-    def capturing_exchange(ds: Any, frame: Any, pg: Any = None) -> Any:
-        captured["state"] = ds.local_state
-        return original_exchange(ds, frame, pg)
+    def capturing_exchange(ds: Any, frame: Any, pg: Any = None, *, state: Any = None) -> Any:
+        if state is None:  # the end-of-trace exchange carries the full state
+            captured["state"] = ds.local_state
+        return original_exchange(ds, frame, pg, state=state)
 
     compiler_collective.exchange = capturing_exchange
 

@@ -3,7 +3,8 @@
 Modes, measured in interleaved blocks in the same rank processes:
   none   no guard collective (hook off)
   torch  torch 2.13's own guard_collectives_hook (all_gather_object per call)
-  ours   compiler_collectives' hook
+  ours   compiler_collectives' hook (hit/miss agreement + desync check)
+  ours-nocheck  ours with COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK=0 (one int64)
   ours+timing  ours with COMPILER_COLLECTIVES_TIMING-style recording on
   floor  a bare all-reduce of one int64 on a gloo group of the same kind,
          called straight through ProcessGroup.allreduce (the transport floor)
@@ -32,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "torch", "ours", "ours+timing", "floor", "hook+floor")
+MODES = ("none", "torch", "ours", "ours-nocheck", "ours+timing", "floor", "hook+floor")
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,10 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
     # give it its own gloo group as torch would create it.
     torch_guard_pg = dist.new_group(backend="gloo")
     ours_pg = groups.guard_pg()  # create our group up front, on every rank
+    from compiler_collectives.transport import GuardChannel
+
+    checking_channel = groups.guard_channel()
+    nocheck_channel = GuardChannel(ours_pg, check_desync=False)
 
     floor_pg = dist.new_group(backend="gloo")
     floor_t = torch.zeros(1, dtype=torch.int64)
@@ -69,12 +74,13 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
 
     def set_mode(mode: str) -> None:
         timing.set_enabled(mode == "ours+timing")
+        guard_collective._state.channel = nocheck_channel if mode == "ours-nocheck" else checking_channel
         if mode == "hook+floor":
             c_eval_frame.set_guard_complete_hook(bare_hook)
         elif mode == "torch":
             dynamo_distributed.get_guard_pg = lambda: torch_guard_pg
             c_eval_frame.set_guard_complete_hook(torch_hook)
-        elif mode in ("ours", "ours+timing"):
+        elif mode in ("ours", "ours-nocheck", "ours+timing"):
             c_eval_frame.set_guard_complete_hook(guard_collective.hook)
         else:
             c_eval_frame.set_guard_complete_hook(None)
@@ -128,20 +134,23 @@ def main() -> None:
         med = run(world, args.calls, args.blocks)
         rows.append((world, med))
     print()
-    print("| ranks | none | torch | ours | ours+timing | floor | hook+floor | "
-          "ours added / floor | ours added / hook+floor added | torch added / ours added | timing overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | none | torch | ours | ours-nocheck | ours+timing | floor | hook+floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for world, m in rows:
-        ours_added = m["ours"] - m["none"]
-        torch_added = m["torch"] - m["none"]
-        hook_floor_added = m["hook+floor"] - m["none"]
+        print(f"| {world} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
+    print()
+    print("| ranks | ours added / floor | ours-nocheck added / floor | ours added / hook+floor added | "
+          "torch added / ours added | torch added / ours-nocheck added | timing overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for world, m in rows:
+        added = {k: m[k] - m["none"] for k in MODES}
         print(
-            f"| {world} | {m['none']:.1f} | {m['torch']:.1f} | {m['ours']:.1f} | {m['ours+timing']:.1f} | "
-            f"{m['floor']:.1f} | {m['hook+floor']:.1f} | {ours_added / m['floor']:.2f}x | "
-            f"{ours_added / hook_floor_added:.2f}x | {torch_added / ours_added:.1f}x | "
+            f"| {world} | {added['ours'] / m['floor']:.2f}x | {added['ours-nocheck'] / m['floor']:.2f}x | "
+            f"{added['ours'] / added['hook+floor']:.2f}x | {added['torch'] / added['ours']:.1f}x | "
+            f"{added['torch'] / added['ours-nocheck']:.1f}x | "
             f"{(m['ours+timing'] - m['ours']) / m['ours'] * 100:+.1f}% |"
         )
-    print("\nmedians in µs per call; 'added' = mode minus 'none'")
+    print("\nmedians in µs per call; 'added' = mode minus 'none'; timing overhead = ours+timing vs ours")
 
 
 if __name__ == "__main__":

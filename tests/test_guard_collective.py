@@ -52,6 +52,14 @@ def test_when_one_rank_misses_its_guards_every_rank_recompiles_and_the_job_finis
     assert outcome.results[1]["forced_recompiles"] == 0
 
 
+def test_without_the_desync_check_every_rank_still_recompiles_together():
+    env = {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}
+    outcome = run_ranks(one_rank_misses_with_guards, 2, timeout=60, env=env)
+    for r in outcome.results:
+        assert r["compiles"] == 2 and r["collectives"] == 2
+    assert outcome.results[0]["forced_recompiles"] == 1
+
+
 def test_without_guard_collectives_the_same_loop_hangs():
     outcome = run_ranks(
         one_rank_misses_without_guards,

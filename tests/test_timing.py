@@ -25,6 +25,10 @@ def traced_job(rank: int, world: int) -> dict:
     for _ in range(CALLS):
         f(torch.ones(3 + rank, 2))
     s = cc.stats()
+    figures = s["timing"]
+    assert figures["guard"]["count"] == s["guard_collectives"]
+    assert figures["compiler"]["count"] == s["compiler_collectives"] + s["compiler_input_exchanges"]
+    assert 0 < figures["guard"]["p50_s"] <= figures["guard"]["max_s"]
     return {"compiler": s["compiler_collectives"], "guard": s["guard_collectives"]}
 
 
@@ -95,14 +99,15 @@ def untraced_job(rank: int, world: int) -> dict:
     f = torch.compile(_fn, backend="eager")
     for _ in range(3):
         f(torch.ones(3 + rank, 2))
-    return {"recorder": timing.recorder is not None, "files": os.listdir(os.getcwd())}
+    return {"recorder": timing.recorder is not None, "timing": "timing" in cc.stats(),
+            "files": os.listdir(os.getcwd())}
 
 
 def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     outcome = run_ranks(untraced_job, 2)
     for r in outcome.results:
-        assert r["recorder"] is False
+        assert r["recorder"] is False and r["timing"] is False
     assert os.listdir(tmp_path) == []
 
 

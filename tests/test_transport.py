@@ -293,6 +293,19 @@ def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ():
     assert outcome.results == [expected] * 3
 
 
+def guard_without_desync_check(rank: int, world: int) -> list:
+    from compiler_collectives.transport import GuardChannel, groups
+
+    channel = GuardChannel(groups.guard_pg(), check_desync=False)
+    return [channel.agree(True, 1, rank), channel.agree(rank == 0, 2 + rank, 0), channel.agree(True, 9, 9)]
+
+
+@pytest.mark.timeout(60)
+def test_guard_channel_without_the_desync_check_agrees_on_hits_only():
+    outcome = run_ranks(guard_without_desync_check, 2, timeout=45)
+    assert outcome.results == [[(True, True), (False, True), (True, True)]] * 2
+
+
 def guard_describe_all(rank: int, world: int) -> list:
     from compiler_collectives.transport import groups
 
