@@ -9,7 +9,8 @@ streams or devices. Each has the timeout from ``COMPILER_COLLECTIVES_TIMEOUT``.
   every payload fits the inline slot, two when one does not. No pickle, no
   numpy: bytes go in through ``torch.frombuffer`` and out through ``ctypes``.
 * ``GuardChannel.agree``: the guard collective's fast path, one all-reduce
-  (MIN) of a preallocated three-element int64 tensor.
+  (MIN) of a preallocated two-element int64 tensor (one element without the
+  desync check).
 """
 
 from __future__ import annotations
