@@ -57,7 +57,10 @@ class Groups:
     def _check_world(self) -> None:
         world = dist.group.WORLD
         if world is not self._world:
-            # A new init_process_group (or a destroy) invalidates our groups.
+            # A new init_process_group (or a destroy) invalidates our groups;
+            # a new generation keeps store keys from meeting the old ones.
+            if self._world is not None:
+                self._generation += 1
             self._drop()
             self._world = world
 
