@@ -138,7 +138,8 @@ def exchange(
         counters.compiler_input_exchanges += 1
     counters.compiler_rounds += rounds
     counters.compiler_bytes_sent += len(payload)
-    counters.compiler_bytes_received += sum(len(p) for p in payloads)
+    bytes_in = sum(len(p) for p in payloads)
+    counters.compiler_bytes_received += bytes_in
     counters.compiler_time_s += elapsed
     times = [e.sent_at for e in envelopes]
     counters.last_arrival_spread_s = max(times) - min(times)
@@ -152,7 +153,7 @@ def exchange(
             frame=str(frame),
             compile_id=_compile_id(),
             bytes_out=len(payload),
-            bytes_in=sum(len(p) for p in payloads),
+            bytes_in=bytes_in,
             rounds=rounds,
             phase="trace" if state is None else "inputs",
             restart=restart if state is None else None,
@@ -161,7 +162,7 @@ def exchange(
         )
     log.debug(
         "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
-        where(), len(payload), sum(len(p) for p in payloads), rounds, elapsed * 1e3,
+        where(), len(payload), bytes_in, rounds, elapsed * 1e3,
         counters.last_arrival_spread_s * 1e3, counters.last_late_rank,
     )
     return Exchange(envelopes, states, restart)

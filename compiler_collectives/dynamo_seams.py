@@ -309,20 +309,13 @@ def _frame_state_fresh(ds: DistributedState) -> bool:
     """True if this rank's frame state cannot change any preflight decision."""
     if not torch._dynamo.config.automatic_dynamic_shapes:
         return True  # update_automatic_dynamic overwrites: the entry itself wins
-    code_states = _pgo.get_code_state()
     for name, observed in ds.local_state.automatic_dynamic.items():
         if name in ds.early_names:
             continue  # decided from prior + every rank's entry already
         tx = ds.origins.get(name)
         if tx is None:
             return False
-        code_state = code_states.get(_pgo.CodeId.make(tx.f_code, tx.closure))
-        if code_state is None:
-            continue
-        prior = code_state.automatic_dynamic.get(name)
-        if prior is None:
-            continue
-        prior_entry = entry_from_torch(prior)
+        prior_entry = entry_from_torch(_prior_entry(tx, name))
         if prior_entry == SizeEntry():
             continue  # all unset: the identity of the merge
         if not (prior_entry.same_decision_as(observed) and prior_entry.excluded_sizes is None

@@ -154,17 +154,15 @@ def hook(guard_eval_result: bool) -> bool:
         seq = _state.seq
         site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
         recorder = timing.recorder
+        if recorder is not None:
+            start_ns = _time_ns()
+        started = _perf_counter()
         if _profiler._is_profiler_enabled:
             with _record_function("compiler_collectives.guard_collective"):
-                started = _perf_counter()
                 all_hit, in_step = channel.agree(guard_eval_result, seq, site)
-                elapsed = _perf_counter() - started
         else:
-            if recorder is not None:
-                start_ns = _time_ns()
-            started = _perf_counter()
             all_hit, in_step = channel.agree(guard_eval_result, seq, site)
-            elapsed = _perf_counter() - started
+        elapsed = _perf_counter() - started
         counters.guard_time_s += elapsed
         counters.guard_collectives += 1
         if not in_step:
@@ -177,8 +175,6 @@ def hook(guard_eval_result: bool) -> bool:
                 counters.forced_recompiles += 1
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)
         if recorder is not None:
-            if _profiler._is_profiler_enabled:
-                start_ns = _time_ns() - int(elapsed * 1e9)
             recorder.guard(start_ns=start_ns, duration_s=elapsed, seq=seq,
                            hit=guard_eval_result, agreed=all_hit)
         return all_hit
