@@ -60,6 +60,16 @@ def _parse_str(name: str, raw: str) -> str:
     return raw
 
 
+def _parse_guard_transport(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in GUARD_TRANSPORTS:
+        raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(GUARD_TRANSPORTS)}")
+    return value
+
+
+GUARD_TRANSPORTS = ("auto", "gloo")
+
+
 def _parse_log_level(name: str, raw: str) -> str:
     value = raw.strip().upper()
     if value and value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -89,13 +99,26 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "torch.compiler.set_enable_guard_collectives(True).",
     ),
     Setting(
+        "guard_transport",
+        "COMPILER_COLLECTIVES_GUARD_TRANSPORT",
+        "auto",
+        _parse_guard_transport,
+        "How the guard collective's ranks agree. auto: through a shared-memory segment among "
+        "the ranks of one host (same machine and torchrun agent), and between hosts by one "
+        "leader per host in log2(hosts) rounds; falls back to gloo, with one log line, where "
+        "shared memory cannot be used. gloo: one all-reduce over a gloo group of every rank. "
+        "Must match across ranks.",
+    ),
+    Setting(
         "guard_desync_check",
         "COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK",
         True,
         _parse_bool,
         "Let the guard collective also verify that every rank is entering the same compiled "
         "frame at the same call (two int64 per call instead of one; about 50 µs more per call "
-        "on a 2-core gloo host). Off: hit/miss agreement only.",
+        "on a 2-core gloo host). Off: hit/miss agreement only. Applies to the gloo guard "
+        "transport only: on shared memory the check is always on, at no cost. Must match "
+        "across ranks.",
     ),
     Setting(
         "timeout_s",
@@ -183,6 +206,7 @@ class Settings:
     """Current values; attribute names match ``Setting.attr``."""
 
     guards: bool = False
+    guard_transport: str = "auto"
     guard_desync_check: bool = True
     timeout_s: float = 300.0
     max_payload_bytes: int = 16 * 1024 * 1024

@@ -121,6 +121,12 @@ def reset_sequence() -> None:
     _state.world = None
 
 
+def use_channel(channel: Any) -> None:
+    """Make the hook use ``channel`` from its next call (benchmarks comparing mechanisms)."""
+    _state.channel = channel
+    _state.world = dist.group.WORLD
+
+
 def _channel() -> GuardChannel | None:
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is None:

@@ -2,9 +2,12 @@
 
 Modes, measured in interleaved blocks in the same rank processes:
   none   no guard collective (hook off)
-  torch  torch 2.13's own guard_collectives_hook (all_gather_object per call)
-  ours   compiler_collectives' hook (hit/miss agreement + desync check)
-  ours-nocheck  ours with COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK=0 (one int64)
+  torch  torch's own guard_collectives_hook (all_gather_object per call)
+  ours   compiler_collectives' hook on the default transport (auto: shared
+         memory within a host, one leader per host between hosts)
+  ours-gloo  ours with COMPILER_COLLECTIVES_GUARD_TRANSPORT=gloo (all-reduce
+         of two int64: hit/miss agreement + desync check)
+  ours-gloo-nocheck  ours-gloo with COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK=0 (one int64)
   ours+timing  ours with COMPILER_COLLECTIVES_TIMING-style recording on
   floor  a bare all-reduce of one int64 on a gloo group of the same kind,
          called straight through ProcessGroup.allreduce (the transport floor)
@@ -14,7 +17,11 @@ Modes, measured in interleaved blocks in the same rank processes:
 A block is `--calls` calls; a mode's figure is the median over all its calls.
 "added" is a mode's cost minus "none": what the guard collective adds.
 
-Run:  scripts/dev bench-guard [--worlds 2 4] [--calls 300] [--blocks 7]
+``--hosts H`` splits each world into H "hosts" by setting GROUP_RANK per
+rank, as torchrun does for each of its agents: ranks of one host share a
+segment, and the host leaders exchange over gloo on loopback.
+
+Run:  scripts/dev bench-guard [--worlds 2 4] [--hosts 1] [--calls 300] [--blocks 7]
 """
 
 from __future__ import annotations
@@ -33,14 +40,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "torch", "ours", "ours-nocheck", "ours+timing", "floor", "hook+floor")
+MODES = ("none", "torch", "ours", "ours-gloo", "ours-gloo-nocheck", "ours+timing", "floor", "hook+floor")
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: str) -> None:
+def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int, out_path: str) -> None:
+    os.environ["GROUP_RANK"] = str(rank * hosts // world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     import torch._C._dynamo.eval_frame as c_eval_frame
     import torch._dynamo.distributed as dynamo_distributed
@@ -54,10 +62,13 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
     # give it its own gloo group as torch would create it.
     torch_guard_pg = dist.new_group(backend="gloo")
     ours_pg = groups.guard_pg()  # create our group up front, on every rank
-    from compiler_collectives.transport import GuardChannel
+    from compiler_collectives.transport import GlooGuardChannel
 
-    checking_channel = groups.guard_channel()
-    nocheck_channel = GuardChannel(ours_pg, check_desync=False)
+    default_channel = groups.guard_channel()
+    transport = groups.guard_transport()
+    gloo_channel = GlooGuardChannel(ours_pg, check_desync=True)
+    nocheck_channel = GlooGuardChannel(ours_pg, check_desync=False)
+    channels = {"ours-gloo": gloo_channel, "ours-gloo-nocheck": nocheck_channel}
 
     floor_pg = dist.new_group(backend="gloo")
     floor_t = torch.zeros(1, dtype=torch.int64)
@@ -74,13 +85,13 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
 
     def set_mode(mode: str) -> None:
         timing.set_enabled(mode == "ours+timing")
-        guard_collective._state.channel = nocheck_channel if mode == "ours-nocheck" else checking_channel
+        guard_collective.use_channel(channels.get(mode, default_channel))
         if mode == "hook+floor":
             c_eval_frame.set_guard_complete_hook(bare_hook)
         elif mode == "torch":
             dynamo_distributed.get_guard_pg = lambda: torch_guard_pg
             c_eval_frame.set_guard_complete_hook(torch_hook)
-        elif mode in ("ours", "ours-nocheck", "ours+timing"):
+        elif mode.startswith("ours"):
             c_eval_frame.set_guard_complete_hook(guard_collective.hook)
         else:
             c_eval_frame.set_guard_complete_hook(None)
@@ -108,49 +119,51 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, out_path: 
     assert ours_pg is not None
     if rank == 0:
         with open(out_path, "w") as fh:
-            json.dump(per_call, fh)
+            json.dump({"transport": transport, "per_call": per_call}, fh)
     dist.destroy_process_group()
 
 
-def run(world: int, calls: int, blocks: int) -> dict[str, float]:
+def run(world: int, hosts: int, calls: int, blocks: int) -> tuple[str, dict[str, float]]:
     tmp = tempfile.mkdtemp(prefix="cc-bench-guard-")
     out_path = os.path.join(tmp, "result.json")
-    mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), calls, blocks, out_path), nprocs=world)
+    mp.spawn(_rank, args=(world, hosts, os.path.join(tmp, "store"), calls, blocks, out_path), nprocs=world)
     with open(out_path) as fh:
-        per_call = json.load(fh)
-    return {m: statistics.median(v) * 1e6 for m, v in per_call.items()}
+        result = json.load(fh)
+    return result["transport"], {m: statistics.median(v) * 1e6 for m, v in result["per_call"].items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes to measure")
+    parser.add_argument("--hosts", type=int, default=1, help="split each world into this many hosts (GROUP_RANK)")
     parser.add_argument("--calls", type=int, default=300, help="calls per block")
     parser.add_argument("--blocks", type=int, default=7, help="measured blocks per mode")
     args = parser.parse_args()
-    print(f"bench_guard: worlds {args.worlds}, {args.blocks} blocks x {args.calls} calls per mode, "
-          f"torch {torch.__version__}", flush=True)
+    print(f"bench_guard: worlds {args.worlds}, hosts {args.hosts}, {args.blocks} blocks x {args.calls} "
+          f"calls per mode, torch {torch.__version__}", flush=True)
     rows = []
     for world in args.worlds:
-        med = run(world, args.calls, args.blocks)
-        rows.append((world, med))
+        transport, med = run(world, args.hosts, args.calls, args.blocks)
+        rows.append((world, transport, med))
     print()
-    print("| ranks | none | torch | ours | ours-nocheck | ours+timing | floor | hook+floor |")
-    print("|---|---|---|---|---|---|---|---|")
-    for world, m in rows:
-        print(f"| {world} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
+    print("| ranks | hosts | ours on | " + " | ".join(MODES) + " |")
+    print("|---|---|---|" + "---|" * len(MODES))
+    for world, transport, m in rows:
+        print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
-    print("| ranks | ours added / floor | ours-nocheck added / floor | ours added / hook+floor added | "
-          "torch added / ours added | torch added / ours-nocheck added | timing overhead |")
+    print("| ranks | ours added | ours added / floor | ours-gloo added / floor | torch added / ours added | "
+          "ours-gloo added / ours added | timing overhead |")
     print("|---|---|---|---|---|---|---|")
-    for world, m in rows:
+    for world, transport, m in rows:
         added = {k: m[k] - m["none"] for k in MODES}
         print(
-            f"| {world} | {added['ours'] / m['floor']:.2f}x | {added['ours-nocheck'] / m['floor']:.2f}x | "
-            f"{added['ours'] / added['hook+floor']:.2f}x | {added['torch'] / added['ours']:.1f}x | "
-            f"{added['torch'] / added['ours-nocheck']:.1f}x | "
-            f"{(m['ours+timing'] - m['ours']) / m['ours'] * 100:+.1f}% |"
+            f"| {world} | {added['ours']:.1f} µs | {added['ours'] / m['floor']:.3f}x | "
+            f"{added['ours-gloo'] / m['floor']:.2f}x | {added['torch'] / added['ours']:.0f}x | "
+            f"{added['ours-gloo'] / added['ours']:.0f}x | "
+            f"{(m['ours+timing'] - m['ours']):+.1f} µs |"
         )
-    print("\nmedians in µs per call; 'added' = mode minus 'none'; timing overhead = ours+timing vs ours")
+    print("\nmedians in µs per call; 'added' = mode minus 'none'; floor = a bare gloo all-reduce of "
+          "one int64 in a tight loop; timing overhead = ours+timing minus ours")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,20 @@ TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
 
 
+# Every guard-path failure runs on both mechanisms; each rank reports which one it used.
+GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
+
+
+def _env(transport: str) -> dict[str, str]:
+    return {**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+
+
+def _with_transport(result: dict) -> dict:
+    from compiler_collectives.transport import groups
+
+    return {**result, "transport": groups.guard_transport()}
+
+
 def _step(x: torch.Tensor) -> torch.Tensor:
     return x * 3
 
@@ -58,19 +72,34 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
         f(torch.ones(2))
         return {"type": "survived?"}
     time.sleep(1.5)  # rank 1 is dead by the time we enter
-    return _caught(lambda: f(torch.ones(2)))
+    # On shared memory rank 1 published its word for this call before it died,
+    # so this call may still agree; the next one must fail.
+    start = time.monotonic()
+    for call in range(2):
+        result = _caught(lambda: f(torch.ones(2)))
+        if result["type"]:
+            return _with_transport({**result, "call": call, "seconds": time.monotonic() - start})
+    return _with_transport(result)
 
 
-def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor():
-    outcome = run_ranks(peer_killed_inside_guard_collective, 4, env=ENV, timeout=60, check=False)
+@GUARD_TRANSPORTS
+def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor(transport):
+    outcome = run_ranks(peer_killed_inside_guard_collective, 4, env=_env(transport), timeout=60, check=False)
     assert outcome.exitcodes[1] == -signal.SIGKILL
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 2, 3):
         r = outcome.results[rank]
-        assert r["type"] in ("PeerFailureError", "CollectiveTimeoutError"), r
+        assert r["transport"] == transport, r
         assert r["ranks"] == [1], r
         assert "rank 1: absent" in r["message"]
-        assert r["seconds"] < TIMEOUT_S + 5
+        assert r["call"] == (0 if transport == "gloo" else 1) or r["call"] == 0, r
+        if transport == "shm":
+            # Noticed through /proc, not the timeout: seconds, not COMPILER_COLLECTIVES_TIMEOUT.
+            assert r["type"] == "PeerFailureError", r
+            assert r["seconds"] < 5.0, r
+        else:
+            assert r["type"] in ("PeerFailureError", "CollectiveTimeoutError"), r
+            assert r["seconds"] < TIMEOUT_S + 5
 
 
 def peer_stopped(rank: int, world: int) -> dict:
@@ -86,17 +115,25 @@ def peer_stopped(rank: int, world: int) -> dict:
         os.kill(os.getpid(), signal.SIGSTOP)  # absent but alive, until rank 0 sends SIGCONT
         time.sleep(0.2)
         return {"after_cont": _caught(lambda: f(torch.ones(2)))}
-    result = _caught(lambda: f(torch.ones(2)))
+    result = _with_transport(_caught(lambda: f(torch.ones(2))))
     if rank == 0:
         os.kill(pids[1], signal.SIGCONT)
     return result
 
 
-def test_a_stopped_peer_is_named_after_the_timeout_and_raises_at_once_when_resumed():
-    outcome = run_ranks(peer_stopped, 3, env=ENV, timeout=60)
+@GUARD_TRANSPORTS
+def test_a_stopped_peer_is_named_after_the_timeout_and_raises_at_once_when_resumed(transport):
+    outcome = run_ranks(peer_stopped, 3, env=_env(transport), timeout=60)
     for rank in (0, 2):
         r = outcome.results[rank]
-        assert r["type"] == "CollectiveTimeoutError" or r["type"] == "PeerFailureError", r
+        assert r["transport"] == transport, r
+        if transport == "shm":
+            # Rank 0 and rank 2 both time out; whichever reports first, the other may
+            # learn of it through the segment's failure word, still naming rank 1 below.
+            assert r["type"] in ("CollectiveTimeoutError", "PeerFailureError"), r
+            assert r["seconds"] >= TIMEOUT_S - 0.5, r  # a stopped process is not dead: wait it out
+        else:
+            assert r["type"] == "CollectiveTimeoutError" or r["type"] == "PeerFailureError", r
         assert r["ranks"] == [1], r
         assert "rank 1: absent" in r["message"]
         assert r["seconds"] < TIMEOUT_S + 2 + 1.5  # timeout + 2 s, plus the sleep-free slack of a 2-core box
@@ -135,12 +172,14 @@ def absent_after_groups_exist(rank: int, world: int) -> dict:
     if rank == 1:
         time.sleep(TIMEOUT_S + 6)
         return {"type": "late"}
-    return _caught(lambda: f(torch.ones(2)))
+    return _with_transport(_caught(lambda: f(torch.ones(2))))
 
 
-def test_our_timeout_bounds_a_collective_after_the_groups_exist():
-    outcome = run_ranks(absent_after_groups_exist, 2, env=ENV, timeout=60)
+@GUARD_TRANSPORTS
+def test_our_timeout_bounds_a_collective_after_the_groups_exist(transport):
+    outcome = run_ranks(absent_after_groups_exist, 2, env=_env(transport), timeout=60)
     r = outcome.results[0]
+    assert r["transport"] == transport, r
     # rank 1 is alive (heartbeat fresh) but elsewhere: that is a desync
     assert r["type"] in ("CollectiveTimeoutError", "CollectiveDesyncError"), r
     assert r["ranks"] == [1]
@@ -177,16 +216,18 @@ def extra_call(rank: int, world: int) -> dict:
     for fn in ([f, f, g] if rank == 0 else [f, g]):  # rank 0 calls f one extra time
         result = _caught(lambda: fn(torch.ones(2)))
         if result["type"]:
-            return result
+            return _with_transport(result)
     return {"type": None}
 
 
-def test_a_rank_that_calls_a_compiled_function_one_extra_time_is_caught_as_a_desync():
-    outcome = run_ranks(extra_call, 2, env=ENV, timeout=60)
+@GUARD_TRANSPORTS
+def test_a_rank_that_calls_a_compiled_function_one_extra_time_is_caught_as_a_desync(transport):
+    outcome = run_ranks(extra_call, 2, env=_env(transport), timeout=60)
     # Rank 0's extra call of f meets rank 1's call of g (same line, same
     # count): both ranks see the compiled frames differ, neither call runs.
     for r in outcome.results:
         assert r["type"] == "CollectiveDesyncError", r
+        assert r["transport"] == transport, r
         assert "different compiled frames at the same guard-collective count" in r["message"]
         assert r["ranks"] == [1 - outcome.results.index(r)]  # the other rank is named
 
@@ -199,15 +240,17 @@ def fewer_calls_then_wait(rank: int, world: int) -> dict:
     for _ in range(3 if rank == 0 else 2):  # same line: the call site cannot tell
         result = _caught(lambda: f(torch.ones(2)))
         if result["type"]:
-            return result
+            return _with_transport(result)
     if rank == 1:
         time.sleep(TIMEOUT_S + 6)  # alive, heartbeating, elsewhere
     return {"type": None}
 
 
-def test_an_extra_call_from_the_same_line_is_named_as_a_desync_when_the_peer_is_alive_elsewhere():
-    outcome = run_ranks(fewer_calls_then_wait, 2, env=ENV, timeout=60)
+@GUARD_TRANSPORTS
+def test_an_extra_call_from_the_same_line_is_named_as_a_desync_when_the_peer_is_alive_elsewhere(transport):
+    outcome = run_ranks(fewer_calls_then_wait, 2, env=_env(transport), timeout=60)
     r = outcome.results[0]
+    assert r["transport"] == transport, r
     assert r["type"] == "CollectiveDesyncError", r
     assert r["ranks"] == [1]
     assert "rank 1: alive but not in this collective (last guard collective #1," in r["message"]
@@ -323,16 +366,19 @@ def guard_failure_reaches_user(rank: int, world: int) -> dict:
     cc.enable(guards=True)
     f = torch.compile(_step, backend="eager")
     f(torch.ones(2))
+    f(torch.ones(2))  # one guard collective: the guard channel exists on every rank
     if rank == 1:
         os._exit(0)  # leave without a word: rank 0's guard collective fails
     time.sleep(1.0)
-    return _caught(lambda: f(torch.ones(2)))
+    return _with_transport(_caught(lambda: f(torch.ones(2))))
 
 
-def test_a_guard_collective_failure_is_a_catchable_error_at_the_call_site_never_an_abort():
-    outcome = run_ranks(guard_failure_reaches_user, 2, env=ENV, timeout=60, check=False)
+@GUARD_TRANSPORTS
+def test_a_guard_collective_failure_is_a_catchable_error_at_the_call_site_never_an_abort(transport):
+    outcome = run_ranks(guard_failure_reaches_user, 2, env=_env(transport), timeout=60, check=False)
     assert outcome.exitcodes[0] == 0, outcome  # not -6 (SIGABRT from C++)
     r = outcome.results[0]
+    assert r["transport"] == transport, r
     assert r["type"] in ("PeerFailureError", "CollectiveTimeoutError"), r
     assert r["ranks"] == [1]
 
@@ -354,12 +400,14 @@ def random_agreement(rank: int, world: int, iterations: int) -> dict:
         before = (counters.compiler_collectives, counters.guard_agreed_misses)
         f(torch.ones(shape, dtype=dtype))
         decisions.append((counters.compiler_collectives - before[0], counters.guard_agreed_misses - before[1]))
-    return {"decisions": decisions, "compiles": counters.compiler_collectives}
+    return _with_transport({"decisions": decisions, "compiles": counters.compiler_collectives})
 
 
-def test_agreement_property_random_hits_and_sizes_give_identical_decisions_on_every_rank():
-    outcome = run_ranks(random_agreement, 4, args=(300,), env=ENV, timeout=240)
+@GUARD_TRANSPORTS
+def test_agreement_property_random_hits_and_sizes_give_identical_decisions_on_every_rank(transport):
+    outcome = run_ranks(random_agreement, 4, args=(300,), env=_env(transport), timeout=240)
     first = outcome.results[0]
+    assert first["transport"] == transport
     for r in outcome.results[1:]:
         assert r["decisions"] == first["decisions"]
         assert r["compiles"] == first["compiles"]

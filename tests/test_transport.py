@@ -66,8 +66,8 @@ def gather_with_an_oversized_rank(rank: int, world: int, culprit: int, mode: str
     import torch
     import torch.distributed as dist
 
-    from compiler_collectives import transport
     from compiler_collectives.errors import WireFormatError
+    from compiler_collectives.transport import gloo as transport
 
     allocated: list[int] = []  # every buffer all_gather_bytes allocates, in bytes
     real_empty = torch.empty
@@ -108,11 +108,12 @@ def gather_with_an_oversized_rank(rank: int, world: int, culprit: int, mode: str
     return {"type": None}
 
 
-def guard_rounds(rank: int, world: int, rounds: list[tuple]) -> list[tuple[bool, bool]]:
-    """One GuardChannel.agree per round; round = (hit per rank, seq per rank[, call site per rank])."""
+def guard_rounds(rank: int, world: int, rounds: list[tuple], transport: str) -> list[tuple[bool, bool]]:
+    """One agree per round on the guard channel; round = (hit per rank, seq per rank[, call site per rank])."""
     from compiler_collectives.transport import groups
 
     channel = groups.guard_channel()
+    assert channel.name == transport, channel.name
     out = []
     for hits, seqs, *sites in rounds:
         site = sites[0][rank] if sites else 0
@@ -244,51 +245,63 @@ def test_a_rank_announcing_more_than_max_bytes_makes_every_rank_raise_naming_it(
         assert r["largest_allocation"] <= 8 + 64, f"rank {rank} allocated {r['largest_allocation']} bytes"
 
 
-# ---------------------------------------------------------------- GuardChannel
+# ---------------------------------------------------------------- guard channels
+
+# Each guard-channel test runs on both mechanisms: (env value, name the channel reports).
+GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
+
+
+def _guard_env(transport: str) -> dict[str, str]:
+    return {"COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_all_hit_and_in_step_when_every_rank_hits():
+@GUARD_TRANSPORTS
+def test_guard_channel_agree_reports_all_hit_and_in_step_when_every_rank_hits(transport):
     rounds = [([True] * 3, [4] * 3)]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
     assert outcome.results == [[(True, True)]] * 3
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_a_miss_on_any_rank_to_every_rank():
+@GUARD_TRANSPORTS
+def test_guard_channel_agree_reports_a_miss_on_any_rank_to_every_rank(transport):
     rounds = [
         ([True, False, True], [9, 9, 9]),
         ([False, False, False], [10, 10, 10]),
         ([True, True, False], [11, 11, 11]),
         ([True, True, True], [12, 12, 12]),  # nothing carries over from earlier calls
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
     expected = [(False, True), (False, True), (False, True), (True, True)]
     assert outcome.results == [expected] * 3
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_ranks_out_of_step_when_call_numbers_differ():
+@GUARD_TRANSPORTS
+def test_guard_channel_agree_reports_ranks_out_of_step_when_call_numbers_differ(transport):
     rounds = [
         ([True, True, True], [7, 3, 5]),
         ([True, False, True], [100, 100, 2**40]),
         ([False, True, True], [0, 1, 0]),
         ([True, True, True], [6, 6, 6]),
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
     # out of step is never reported as "all hit"
     expected = [(False, False), (False, False), (False, False), (True, True)]
     assert outcome.results == [expected] * 3
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ():
+@GUARD_TRANSPORTS
+def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ(transport):
     rounds = [
         ([True] * 3, [1] * 3, [2**45, 2**45, 2**45]),
         ([True] * 3, [2] * 3, [17, 17, 18]),
         ([True] * 3, [3] * 3, [0, 5, 5]),
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds,), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
     expected = [(True, True), (False, False), (False, False)]
     assert outcome.results == [expected] * 3
 
@@ -306,15 +319,17 @@ def test_guard_channel_without_the_desync_check_agrees_on_hits_only():
     assert outcome.results == [[(True, True), (False, True), (True, True)]] * 2
 
 
-def guard_describe_all(rank: int, world: int) -> list:
+def guard_describe_all(rank: int, world: int, transport: str) -> list:
     from compiler_collectives.transport import groups
 
+    assert groups.guard_channel().name == transport
     return groups.guard_channel().describe_all(10 + rank, 7 * rank)
 
 
 @pytest.mark.timeout(60)
-def test_guard_channel_describe_all_tells_every_rank_where_each_rank_was():
-    outcome = run_ranks(guard_describe_all, 3, timeout=45)
+@GUARD_TRANSPORTS
+def test_guard_channel_describe_all_tells_every_rank_where_each_rank_was(transport):
+    outcome = run_ranks(guard_describe_all, 3, args=(transport,), env=_guard_env(transport), timeout=45)
     assert outcome.results == [[(10, 0), (11, 7), (12, 14)]] * 3
 
 

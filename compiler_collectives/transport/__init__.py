@@ -1,0 +1,30 @@
+"""The transport layer: how our collectives move bytes between ranks.
+
+One module per mechanism, and one for the groups they run on:
+
+* ``gloo``: dedicated gloo groups; the compiler collective's byte all-gather
+  and the guard collective's all-reduce path;
+* ``shm``: one shared-memory segment per host, where a host's ranks agree on
+  a guard outcome in microseconds;
+* ``hierarchy``: which ranks share a host, the segment's set-up, and the host
+  leaders' log-depth exchange; it builds the guard channel;
+* ``groups``: lazily created groups, the store side channel, and the failure
+  procedure (report, abort, diagnose).
+
+The layer above (the agreements) imports only what this module exports.
+"""
+
+from .gloo import GlooGuardChannel, GuardChannel, all_gather_bytes, guard_key, translate_failure
+from .groups import Groups, groups
+from .hierarchy import ShmGuardChannel
+
+__all__ = [
+    "GlooGuardChannel",
+    "GuardChannel",
+    "Groups",
+    "ShmGuardChannel",
+    "all_gather_bytes",
+    "groups",
+    "guard_key",
+    "translate_failure",
+]

@@ -1,0 +1,295 @@
+"""The guard collective across hosts: shared memory within a host, one leader per host.
+
+``build_guard_channel`` runs once per generation of our groups, on every rank
+together, and picks the guard mechanism (``COMPILER_COLLECTIVES_GUARD_TRANSPORT``):
+
+1. Every rank computes its host key (hostname, boot id, and the torchrun
+   agent's ``GROUP_RANK`` when set, so two agents on one machine are two
+   hosts) and whether it can use shared memory at all; one all-gather on the
+   guard group shares both.
+2. Each host's lowest rank (its leader) creates a segment under a random
+   name and publishes the name on the c10d store; the others map it and
+   register in their slots. Once every local rank has reported, each checks
+   that it sees every peer's slot and process (the probe), and the segment's
+   name is unlinked: nothing is left in /dev/shm whatever happens later.
+3. A second all-gather shares the probe results. If any rank cannot use
+   shared memory, every rank falls back to the gloo all-reduce, and rank 0
+   logs one line saying why.
+4. With several hosts, the leaders get a gloo group of their own.
+
+Per call, every rank writes one word into its host's segment. On one host
+every rank reads every word and decides alone, from the same data. Across
+hosts the leader reads its host's words, runs a MIN all-reduce of two int64
+with the other leaders by recursive doubling (ceil(log2 H) rounds of gloo
+send/recv, two more when H is not a power of two), and publishes the outcome
+in its segment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..errors import CollectiveError
+from . import shm
+from .gloo import GlooGuardChannel
+
+log = logging.getLogger("compiler_collectives.transport.hierarchy")
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+def host_key() -> int:
+    """A 63-bit id equal on ranks of one machine under one torchrun agent."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    text = f"{socket.gethostname()}|{boot}|{os.environ.get('GROUP_RANK', '')}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK63
+
+
+def _all_gather_ints(pg: dist.ProcessGroup, values: list[int]) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(pg.size())]
+    pg.allgather([out], [mine]).wait()
+    return [t.tolist() for t in out]
+
+
+class LeaderExchange:
+    """MIN all-reduce of two int64 among host leaders, by recursive doubling over send/recv.
+
+    With H leaders and P the largest power of two <= H, leader ``i >= P``
+    first gives its pair to ``i - P`` and at the end takes the result from it;
+    the P others swap with ``i ^ 2^k`` for each k, folding in what they get.
+    Buffers and ctypes views are made once, here.
+    """
+
+    __slots__ = ("pg", "index", "hosts", "_plan", "_send", "_recv", "_send_view", "_recv_view")
+
+    def __init__(self, pg: dist.ProcessGroup, index: int, hosts: int) -> None:
+        self.pg = pg
+        self.index = index
+        self.hosts = hosts
+        p = 1
+        while p * 2 <= hosts:
+            p *= 2
+        # (op, peer, tag): partners must use the same tag, so tags name the phase.
+        last = p.bit_length()
+        plan: list[tuple[str, int, int]] = []
+        if index >= p:
+            plan = [("give", index - p, 0), ("take", index - p, last)]
+        else:
+            if index + p < hosts:
+                plan.append(("fold", index + p, 0))
+            step, k = 1, 1
+            while step < p:
+                plan.append(("swap", index ^ step, k))
+                step, k = step * 2, k + 1
+            if index + p < hosts:
+                plan.append(("tell", index + p, last))
+        self._plan = tuple(plan)
+        self._send = torch.zeros(2, dtype=torch.int64)
+        self._recv = torch.zeros(2, dtype=torch.int64)
+        self._send_view = (ctypes.c_int64 * 2).from_address(self._send.data_ptr())
+        self._recv_view = (ctypes.c_int64 * 2).from_address(self._recv.data_ptr())
+
+    @property
+    def rounds(self) -> int:
+        return len(self._plan)
+
+    def min2(self, a: int, b: int) -> tuple[int, int]:
+        send, recv = self._send_view, self._recv_view
+        send_list, recv_list = [self._send], [self._recv]
+        pg = self.pg
+        for op, peer, tag in self._plan:
+            if op in ("give", "tell", "swap"):
+                send[0], send[1] = a, b
+                sent = pg.send(send_list, peer, tag)
+                if op != "swap":
+                    sent.wait()
+                    continue
+            pg.recv(recv_list, peer, tag).wait()
+            if op == "swap":
+                sent.wait()
+            if op == "take":
+                a, b = recv[0], recv[1]
+            else:
+                a, b = min(a, recv[0]), min(b, recv[1])
+        return a, b
+
+
+class ShmGuardChannel:
+    """The guard collective on shared memory, with leaders between hosts.
+
+    Same interface as ``GlooGuardChannel``: ``agree`` for the fast path,
+    ``describe_all`` for the slow path (over ``pg``, the gloo guard group of
+    every rank), ``publish_failure`` for the failure procedure.
+    """
+
+    __slots__ = ("pg", "check_desync", "name", "hosts", "local_ranks", "_n", "_local",
+                 "_leaders", "_multi_host")
+
+    def __init__(self, pg: dist.ProcessGroup, local_ranks: int, exchange: shm.LocalExchange,
+                 hosts: int, leaders: LeaderExchange | None) -> None:
+        self.pg = pg
+        self.check_desync = True  # free here: the frame id rides in the same word
+        self.hosts = hosts
+        self.local_ranks = local_ranks
+        self.name = "shm" if hosts == 1 else "shm+leaders"
+        self._n = 0
+        self._local = exchange
+        self._leaders = leaders  # this rank's exchange with other leaders, if it leads a host
+        self._multi_host = hosts > 1
+
+    def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, bool]:
+        """Returns (every rank hit, every rank at the same call of the same frame)."""
+        n = self._n = self._n + 1
+        word = shm.encode(n, (site * _GOLDEN) ^ seq, hit)
+        local = self._local
+        local.publish(n, word)
+        if not self._multi_host:
+            lo, hi = local.gather(n, word)
+            in_step = (lo >> 1) == (hi >> 1)
+            return in_step and bool(lo & 1), in_step
+        if self._leaders is None:
+            return local.wait_result(n)
+        try:
+            lo, hi = local.gather(n, word)
+        except CollectiveError as e:
+            self._tell_other_hosts(e)
+            raise
+        a, b = self._leaders.min2(lo & _MASK63, -(hi & _MASK63))
+        if a < 0:  # a leader elsewhere reported a failure in place of its host's words
+            local.publish_failed_result(n, -a - 1)
+            raise local.failed_elsewhere(n, -a - 1)
+        in_step = (a >> 1) == ((-b) >> 1)
+        all_hit = in_step and bool(a & 1)
+        local.publish_result(n, in_step, all_hit)
+        return all_hit, in_step
+
+    def _tell_other_hosts(self, error: CollectiveError) -> None:
+        """This host failed: still take part in the leaders' exchange, carrying a negative
+        marker that MIN spreads, so other hosts raise now instead of at their timeout."""
+        culprit = error.ranks[0] if error.ranks else self._local.ranks.rank
+        try:
+            self._leaders.min2(-(culprit + 1), 0)
+        except Exception as e:  # noqa: BLE001 - another host is gone too; our error stands
+            log.debug("could not tell the other hosts of the failure: %s", e)
+
+    def describe_all(self, seq: int, site: int) -> list[tuple[int, int]]:
+        """Slow path after a mismatch (every rank takes it): each rank's (seq, site)."""
+        return [(s, f) for s, f in _all_gather_ints(self.pg, [seq, site])]
+
+    def publish_failure(self, rank: int) -> None:
+        self._local.publish_failure(rank)
+
+
+def _describe_guard(rank: int):
+    from ..errors import describe
+
+    return lambda n: describe("guard", rank, None, None) + f" (shared-memory call #{n})"
+
+
+def _wait_count(store: Any, key: str, target: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while store.add(key, 0) < target:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return True
+
+
+def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float
+                 ) -> tuple[shm.Segment | None, str | None]:
+    """Create or map this host's segment and run the probe; (segment, None) or (None, why not)."""
+    index = local_ranks.index(rank)
+    n = len(local_ranks)
+    prefix = f"shm/{host}/"
+    segment: shm.Segment | None = None
+    path = None
+    why: str | None = None
+    try:
+        if index == 0:
+            path = os.path.join(shm.SHM_DIR, f"compiler_collectives-{os.getpid()}-{secrets.token_hex(8)}")
+            segment = shm.Segment.create(path, n)
+            store.set(prefix + "path", path)
+        else:
+            store.wait([prefix + "path"], datetime.timedelta(seconds=timeout_s))
+            path = store.get(prefix + "path").decode()
+            segment = shm.Segment.open(path, n)
+        segment.register(index, rank)
+    except Exception as e:  # noqa: BLE001 - any reason means: not here, use gloo
+        why = f"{type(e).__name__}: {e}"
+    finally:
+        # Counted whether or not this rank mapped it, so no rank waits for one that gave up.
+        store.add(prefix + "reported", 1)
+    if not _wait_count(store, prefix + "reported", n, timeout_s):
+        why = why or f"not every rank of this host reported on its segment within {timeout_s:.0f}s"
+    if path is not None:
+        shm.unlink(path)  # every local rank has mapped it or given up: the name can go
+    if why is None and segment is not None:
+        why = segment.probe(local_ranks)
+    return (segment, None) if why is None else (None, why)
+
+
+def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
+    """Every rank together: the guard channel the settings ask for and this job can run."""
+    settings = config.settings
+    if settings.guard_transport == "gloo":
+        return GlooGuardChannel(pg, settings.guard_desync_check)
+    rank, world = pg.rank(), pg.size()
+    reason = shm.unavailable_reason()
+    keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1])
+    hosts_order: list[int] = []
+    for key, _ in keys:
+        if key not in hosts_order:
+            hosts_order.append(key)
+    host = hosts_order.index(keys[rank][0])
+    local_ranks = [r for r in range(world) if keys[r][0] == keys[rank][0]]
+    segment = None
+    if all(ok for _, ok in keys):
+        segment, reason = _map_segment(store, host, local_ranks, rank, settings.timeout_s)
+    results = _all_gather_ints(pg, [0 if segment is None else 1])
+    refused = [r for r, (ok,) in enumerate(results) if not ok]
+    if refused:
+        if reason:
+            log.info("guard collective on rank %d: shared memory unusable here: %s", rank, reason)
+        if rank == 0:
+            log.warning("guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
+                        "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
+                        refused, f" ({reason})" if reason else "; their logs say why")
+        return GlooGuardChannel(pg, settings.guard_desync_check)
+    assert segment is not None
+    hosts = len(hosts_order)
+    leader_ranks = [min(r for r in range(world) if keys[r][0] == key) for key in hosts_order]
+    leaders = None
+    if hosts > 1:
+        # Every rank takes part in creating the group; only its members get one.
+        leaders_pg = dist.new_group(ranks=leader_ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=settings.timeout_s),
+                                    group_desc="compiler_collectives_guard_leaders")
+        if rank == leader_ranks[host]:
+            leaders = LeaderExchange(leaders_pg, host, hosts)
+    arrival = shm.Arrival(rank=rank, local_ranks=tuple(local_ranks), leader_index=0)
+    exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s,
+                                 _describe_guard(rank))
+    if rank == 0:
+        log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host",
+                 hosts, len(local_ranks))
+    return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders)

@@ -1,0 +1,362 @@
+"""The shared-memory mechanism: ranks of one host agree through one mapped segment.
+
+Layout, in 64-bit words (eight words are one 64-byte cache line, so no two
+ranks ever write the same line):
+
+* line 0: header: magic, layout version, number of local ranks, failure word;
+* line 1 + i: local rank i's slot: [0] its word for even calls, [1] for odd
+  calls, [2] pid, [3] process start time, [4] global rank;
+* line 1 + n: the host leader's result: [0] even calls, [1] odd calls
+  (used only when the job spans several hosts).
+
+**One word carries everything.** A call's word is
+``1<<63 | tag<<47 | key<<1 | hit`` with ``tag = 0x10000 | (n & 0xFFFF)`` for
+the channel's call number ``n``. A reader accepts a word only when its tag is
+the call it waits for, so it can never combine a fresh tag with stale data:
+an aligned 64-bit store is seen whole or not at all on x86-64 and AArch64,
+and no second store has to become visible in order with it. Weak memory
+ordering needs nothing more.
+
+**No overwrites.** Words are double-buffered by call parity. A rank reaches
+call n+2 (the parity of call n) only after every rank wrote call n+1, which
+each does only after reading all of call n.
+
+**Waiting** spins briefly, then yields the core (``os.sched_yield``): with
+more ranks than cores the rank being waited on gets to run. Between yields
+the waiter watches the failure word, this process's own poisoned state (set
+by the heartbeat thread when a rank on another host reports a failure), its
+deadline, and every 50 ms whether the ranks it waits for still exist, read
+from ``/proc`` and checked against their start time, so a SIGKILLed peer is
+noticed within tens of milliseconds and a SIGSTOPped one is named at the
+deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import logging
+import mmap
+import os
+import sys
+import time
+from typing import Callable
+
+from .. import health
+from ..errors import CollectiveTimeoutError, PeerFailureError
+
+log = logging.getLogger("compiler_collectives.transport.shm")
+
+MAGIC = 0x63635F73686D3031  # "cc_shm01"
+LAYOUT_VERSION = 1
+LINE = 8  # words per cache line
+
+_HDR_MAGIC, _HDR_VERSION, _HDR_NRANKS, _HDR_FAIL = 0, 1, 2, 3
+_SLOT_PID, _SLOT_START, _SLOT_RANK = 2, 3, 4
+
+WRITTEN = 1 << 63
+TAG_SHIFT = 47
+KEY_MASK = (1 << 46) - 1
+_TAG_BIT = 0x10000
+
+SPIN_READS = 400  # about 20-40 µs of reads before the first yield
+LIVENESS_PERIOD_S = 0.05
+
+SHM_DIR = "/dev/shm"
+
+
+def tag(n: int) -> int:
+    """The tag of call ``n``: never zero, so an unwritten word matches no call."""
+    return _TAG_BIT | (n & 0xFFFF)
+
+
+def encode(n: int, key: int, hit: bool) -> int:
+    return WRITTEN | (tag(n) << TAG_SHIFT) | ((key & KEY_MASK) << 1) | (1 if hit else 0)
+
+
+def segment_words(local_ranks: int) -> int:
+    return LINE * (local_ranks + 2)
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot use a shared-memory segment, or None if it can."""
+    if not sys.platform.startswith("linux"):
+        return f"shared-memory guard transport needs Linux (this is {sys.platform})"
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK | os.X_OK):
+        return f"{SHM_DIR} is missing or not writable"
+    if process_identity(os.getpid()) is None:
+        return "/proc/<pid>/stat is not readable, so peers' liveness cannot be watched"
+    return None
+
+
+def process_identity(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+class Segment:
+    """One host's mapped segment. Creation and mapping only; the protocol is ``LocalExchange``."""
+
+    def __init__(self, path: str, local_ranks: int, fd: int) -> None:
+        self.path = path
+        self.local_ranks = local_ranks
+        size = segment_words(local_ranks) * 8
+        try:
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.words = (ctypes.c_uint64 * segment_words(local_ranks)).from_buffer(self._map)
+
+    @classmethod
+    def create(cls, path: str, local_ranks: int) -> "Segment":
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, segment_words(local_ranks) * 8)
+        except BaseException:
+            os.close(fd)
+            unlink(path)
+            raise
+        seg = cls(path, local_ranks, fd)
+        seg.words[_HDR_NRANKS] = local_ranks
+        seg.words[_HDR_VERSION] = LAYOUT_VERSION
+        seg.words[_HDR_MAGIC] = MAGIC
+        return seg
+
+    @classmethod
+    def open(cls, path: str, local_ranks: int) -> "Segment":
+        fd = os.open(path, os.O_RDWR)
+        if os.fstat(fd).st_size < segment_words(local_ranks) * 8:
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"segment {path} is smaller than {local_ranks} slots need")
+        seg = cls(path, local_ranks, fd)
+        if seg.words[_HDR_MAGIC] != MAGIC or seg.words[_HDR_VERSION] != LAYOUT_VERSION:
+            raise OSError(errno.EINVAL, f"segment {path} has no compiler_collectives header")
+        return seg
+
+    def register(self, index: int, global_rank: int) -> None:
+        """Publish this process in its slot, for the probe and for peers' liveness checks."""
+        ident = process_identity(os.getpid())
+        base = LINE * (1 + index)
+        self.words[base + _SLOT_RANK] = global_rank
+        self.words[base + _SLOT_START] = ident[1] if ident else 0
+        self.words[base + _SLOT_PID] = os.getpid()
+
+    def peer(self, index: int) -> tuple[int, int, int]:
+        """(pid, start time, global rank) a local rank registered; pid 0 if none."""
+        base = LINE * (1 + index)
+        return self.words[base + _SLOT_PID], self.words[base + _SLOT_START], self.words[base + _SLOT_RANK]
+
+    def probe(self, global_ranks: list[int]) -> str | None:
+        """After every local rank registered: None if this segment is really shared with them."""
+        for index, rank in enumerate(global_ranks):
+            pid, start, registered_rank = self.peer(index)
+            if pid == 0 or registered_rank != rank:
+                return (f"rank {rank}'s slot in {self.path} stays empty: /dev/shm is not shared "
+                        "between these ranks (a container with a private /dev/shm?)")
+            ident = process_identity(pid)
+            if ident is None or ident[1] != start:
+                return (f"rank {rank} registered pid {pid}, which this process cannot see in /proc "
+                        "(another pid namespace?), so its liveness cannot be watched")
+        return None
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """Rank numbers the exchange needs for its messages."""
+
+    rank: int  # this process's global rank
+    local_ranks: tuple[int, ...]  # global rank of each local index
+    leader_index: int = 0
+
+
+class LocalExchange:
+    """The per-call protocol over one ``Segment``. Fast path: one store, n-1 loads."""
+
+    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "_mine", "_peers",
+                 "_result", "_pids", "_starts", "_describe", "_yield", "_monotonic")
+
+    def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
+                 describe: Callable[[int], str]) -> None:
+        self.words = segment.words
+        self.index = index
+        self.n = segment.local_ranks
+        self.ranks = arrival
+        self.timeout_s = timeout_s
+        self._mine = LINE * (1 + index)
+        self._peers = tuple(LINE * (1 + j) for j in range(self.n) if j != index)
+        self._result = LINE * (1 + self.n)
+        peers = [segment.peer(j) for j in range(self.n)]
+        self._pids = tuple(p[0] for p in peers)
+        self._starts = tuple(p[1] for p in peers)
+        self._describe = describe  # call number -> "guard collective #s on rank r" prefix
+        self._yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+        self._monotonic = time.monotonic
+
+    # ------------------------------------------------------------------ fast path
+
+    def publish(self, n: int, word: int) -> None:
+        self.words[self._mine + (n & 1)] = word
+
+    def gather(self, n: int, word: int) -> tuple[int, int]:
+        """Wait for every local rank's word of call ``n``; returns (lowest, highest) word."""
+        words = self.words
+        want = tag(n)
+        parity = n & 1
+        lo = hi = word
+        for base in self._peers:
+            w = words[base + parity]
+            if w >> TAG_SHIFT != want:
+                w = self._wait(base + parity, want, n)
+            if w < lo:
+                lo = w
+            elif w > hi:
+                hi = w
+        return lo, hi
+
+    def publish_result(self, n: int, in_step: bool, all_hit: bool) -> None:
+        self.words[self._result + (n & 1)] = (WRITTEN | (tag(n) << TAG_SHIFT)
+                                              | (2 if in_step else 0) | (1 if all_hit else 0))
+
+    def publish_failed_result(self, n: int, failed_rank: int) -> None:
+        self.words[self._result + (n & 1)] = (WRITTEN | (tag(n) << TAG_SHIFT)
+                                              | ((failed_rank + 1) << 3) | 4)
+
+    def wait_result(self, n: int) -> tuple[bool, bool]:
+        """Non-leaders on a multi-host job: the leader's (all hit, in step) for call ``n``."""
+        index = self._result + (n & 1)
+        want = tag(n)
+        w = self.words[index]
+        if w >> TAG_SHIFT != want:
+            w = self._wait(index, want, n)
+        if w & 4:
+            raise self.failed_elsewhere(n, ((w >> 3) & 0xFFFFFFFF) - 1)
+        return bool(w & 2) and bool(w & 1), bool(w & 2)
+
+    def failed_elsewhere(self, n: int, failed_rank: int) -> PeerFailureError:
+        return PeerFailureError(
+            f"{self._describe(n)}: rank {failed_rank}, on another host, failed during this guard "
+            "collective (its host's leader reported it); that rank's log names the cause.",
+            kind="guard", rank=self.ranks.rank, ranks=(failed_rank,),
+        )
+
+    # ------------------------------------------------------------------ waiting
+
+    def _wait(self, index: int, want: int, n: int) -> int:
+        words = self.words
+        for _ in range(SPIN_READS):
+            w = words[index]
+            if w >> TAG_SHIFT == want:
+                return w
+        return self._wait_long(index, want, n)
+
+    def _wait_long(self, index: int, want: int, n: int) -> int:
+        words = self.words
+        monotonic = self._monotonic
+        yield_ = self._yield
+        start = monotonic()
+        deadline = start + self.timeout_s
+        next_check = start + LIVENESS_PERIOD_S
+        while True:
+            yield_()
+            w = words[index]
+            if w >> TAG_SHIFT == want:
+                return w
+            if words[_HDR_FAIL]:
+                raise self._peer_reported(n)
+            if health.poisoned() is not None:
+                raise self._poisoned(n)
+            now = monotonic()
+            if now >= next_check:
+                next_check = now + LIVENESS_PERIOD_S
+                self._check_waited(index, n)
+            if now >= deadline:
+                raise self._timed_out(index, n)
+
+    def _slot_owner(self, index: int) -> int | None:
+        """Local index of the slot holding word ``index``; None for the result line (the leader's)."""
+        line = index // LINE - 1
+        return line if line < self.n else None
+
+    def _check_waited(self, index: int, n: int) -> None:
+        owner = self._slot_owner(index)
+        waited = [owner] if owner is not None else [self.ranks.leader_index]
+        for j in range(self.n):  # a dead rank anywhere on the host stalls us too, via the leader
+            if j != self.index and j not in waited:
+                waited.append(j)
+        for j in waited:
+            ident = process_identity(self._pids[j])
+            if ident is None or ident[0] in ("Z", "X") or ident[1] != self._starts[j]:
+                raise self._dead(j, n)
+
+    # ------------------------------------------------------------------ failures
+
+    def publish_failure(self, rank: int) -> None:
+        """Tell every local rank that this one failed: they stop waiting at once."""
+        if not self.words[_HDR_FAIL]:
+            self.words[_HDR_FAIL] = rank + 1
+
+    def _peer_reported(self, n: int) -> PeerFailureError:
+        failed = self.words[_HDR_FAIL] - 1
+        return PeerFailureError(
+            f"{self._describe(n)}: rank {failed} reported a failure on this host's shared-memory "
+            "channel while this rank waited; its own error names the cause.",
+            kind="guard", rank=self.ranks.rank, ranks=(failed,),
+        )
+
+    def _poisoned(self, n: int) -> PeerFailureError:
+        first = health.poisoned()
+        return PeerFailureError(
+            f"{self._describe(n)}: stopped waiting: {first}",
+            kind="guard", rank=self.ranks.rank,
+        )
+
+    def _dead(self, j: int, n: int) -> PeerFailureError:
+        rank = self.ranks.local_ranks[j]
+        return PeerFailureError(
+            f"{self._describe(n)}: rank {rank} (pid {self._pids[j]}, same host) exited or was "
+            "killed while this rank waited for it; check that rank's log and exit status "
+            "(SIGKILL often means the out-of-memory killer).",
+            kind="guard", rank=self.ranks.rank, ranks=(rank,),
+        )
+
+    def _timed_out(self, index: int, n: int) -> CollectiveTimeoutError:
+        owner = self._slot_owner(index)
+        missing = []
+        for j in range(self.n):
+            if j == self.index:
+                continue
+            if self.words[LINE * (1 + j) + (n & 1)] >> TAG_SHIFT != tag(n):
+                missing.append(j)
+        if owner is None and not missing:
+            missing = [self.ranks.leader_index]
+        notes = []
+        for j in missing:
+            ident = process_identity(self._pids[j])
+            state = "stopped (SIGSTOP or a debugger)" if ident and ident[0] in ("T", "t") else "running"
+            notes.append(f"rank {self.ranks.local_ranks[j]} (pid {self._pids[j]}): {state}")
+        ranks = tuple(self.ranks.local_ranks[j] for j in missing)
+        return CollectiveTimeoutError(
+            f"{self._describe(n)} timed out after {self.timeout_s:.0f}s waiting on this host's "
+            f"shared-memory channel for {'; '.join(notes) or 'the host leader'}. A rank is stuck, "
+            "much slower, or took another code path. Raise COMPILER_COLLECTIVES_TIMEOUT if ranks "
+            "legitimately run at very different speeds.",
+            kind="guard", rank=self.ranks.rank, ranks=ranks,
+        )

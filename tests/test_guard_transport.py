@@ -1,0 +1,336 @@
+"""The guard collective's shared-memory transport and host leaders (multi-process).
+
+Ranks are split into "hosts" the way torchrun splits them into agents: by
+``GROUP_RANK``, set in each rank before our groups exist. Ranks with the same
+value share a segment; one leader per value exchanges with the others.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.harness import run_ranks
+
+TIMEOUT_S = 6.0
+ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
+SEGMENT_PREFIX = "compiler_collectives-"
+
+
+def _hosts(rank: int, world: int, hosts: int) -> None:
+    os.environ["GROUP_RANK"] = str(rank * hosts // world)
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    """Names in /dev/shm that one of these processes created."""
+    return [name for name in os.listdir("/dev/shm")
+            if any(name.startswith(f"{SEGMENT_PREFIX}{pid}-") for pid in pids)]
+
+
+def _expected(pattern: list[tuple[list[bool], list[int]]]) -> list[tuple[bool, bool]]:
+    out = []
+    for hits, sites in pattern:
+        in_step = len(set(sites)) == 1
+        out.append((in_step and all(hits), in_step))
+    return out
+
+
+def _random_pattern(seed: int, world: int, calls: int) -> list[tuple[list[bool], list[int]]]:
+    rng = random.Random(seed)
+    pattern = []
+    for _ in range(calls):
+        hits = [rng.random() > 0.15 for _ in range(world)]
+        sites = [7] * world
+        if rng.random() < 0.05:
+            sites[rng.randrange(world)] = 8  # one rank enters another frame
+        pattern.append((hits, sites))
+    return pattern
+
+
+# ---------------------------------------------------------------- rank functions
+
+
+def agree_pattern(rank: int, world: int, hosts: int, pattern: list) -> dict:
+    _hosts(rank, world, hosts)
+    from compiler_collectives.transport import groups
+
+    channel = groups.guard_channel()
+    outcomes = [channel.agree(hits[rank], seq, sites[rank]) for seq, (hits, sites) in enumerate(pattern, 1)]
+    return {"transport": channel.name, "outcomes": outcomes}
+
+
+def one_sided_miss(rank: int, world: int, hosts: int, misser: int) -> dict:
+    _hosts(rank, world, hosts)
+    import compiler_collectives as cc
+    from compiler_collectives.transport import groups
+
+    cc.enable(guards=True)
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    compiles = []
+    for step in range(6):
+        rows = 5 if (rank == misser and step >= 3) else 4  # one rank changes shape at step 3
+        before = cc.stats()["compiler_collectives"]
+        f(torch.ones(rows))
+        compiles.append(cc.stats()["compiler_collectives"] - before)
+    return {"transport": groups.guard_transport(), "compiles": compiles,
+            "forced": cc.stats()["forced_recompiles"]}
+
+
+def list_segments_after_setup(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from compiler_collectives.transport import groups
+
+    channel = groups.guard_channel()
+    channel.agree(True, 1, 0)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    return {"transport": channel.name, "pids": pids, "left": _segments_of(pids)}
+
+
+def killed_mid_collective(rank: int, world: int, hosts: int, victim: int) -> dict:
+    _hosts(rank, world, hosts)
+    import torch.distributed as dist
+
+    import compiler_collectives as cc
+    from compiler_collectives.transport import groups
+
+    cc.enable(guards=True)
+    f = torch.compile(lambda x: x + 1, backend="eager")
+    f(torch.ones(2))
+    f(torch.ones(2))
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            f(torch.ones(2))
+    except cc.CollectiveError as e:
+        return {"transport": groups.guard_transport(), "type": type(e).__name__, "ranks": list(e.ranks),
+                "message": str(e), "seconds": time.monotonic() - start, "pids": pids}
+    return {"transport": groups.guard_transport(), "type": None, "pids": pids}
+
+
+def private_dev_shm(rank: int, world: int) -> dict:
+    """Rank 1 gets a /dev/shm of its own, as in a container that does not share it."""
+    if rank == 1:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if (libc.unshare(0x00020000) != 0  # CLONE_NEWNS
+                or libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0  # MS_REC | MS_PRIVATE
+                or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None) != 0):
+            return {"skip": f"cannot make a private /dev/shm here (errno {ctypes.get_errno()})"}
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("compiler_collectives").addHandler(Keep(level=logging.INFO))
+    logging.getLogger("compiler_collectives").setLevel(logging.INFO)
+    result = one_sided_miss(rank, world, 1, misser=1)
+    return {**result, "logs": records}
+
+
+# ---------------------------------------------------------------- one host
+
+
+@pytest.mark.timeout(90)
+def test_ranks_of_one_host_agree_through_shared_memory_by_default():
+    pattern = _random_pattern(1, 2, 200)
+    outcome = run_ranks(agree_pattern, 2, args=(1, pattern), env=ENV, timeout=60)
+    for r in outcome.results:
+        assert r["transport"] == "shm"
+        assert r["outcomes"] == _expected(pattern)
+
+
+@pytest.mark.timeout(150)
+def test_four_ranks_on_two_cores_agree_on_every_call_of_a_long_run():
+    pattern = _random_pattern(2, 4, 3000)
+    outcome = run_ranks(agree_pattern, 4, args=(1, pattern), env=ENV, timeout=120)
+    for r in outcome.results:
+        assert r["transport"] == "shm"
+        assert r["outcomes"] == _expected(pattern)
+
+
+@pytest.mark.timeout(90)
+def test_a_one_sided_miss_on_shared_memory_makes_every_rank_recompile():
+    outcome = run_ranks(one_sided_miss, 2, args=(1, 1), env=ENV, timeout=60)
+    for r in outcome.results:
+        assert r["transport"] == "shm"
+        assert r["compiles"] == [1, 0, 0, 1, 0, 0], r
+    assert outcome.results[0]["forced"] == 1  # rank 0 hit, yet recompiled with rank 1
+
+
+# ---------------------------------------------------------------- several hosts
+
+
+@pytest.mark.timeout(90)
+def test_a_one_sided_miss_on_the_second_host_makes_every_rank_of_both_hosts_recompile():
+    outcome = run_ranks(one_sided_miss, 4, args=(2, 3), env=ENV, timeout=75)
+    for r in outcome.results:
+        assert r["transport"] == "shm+leaders"
+        assert r["compiles"] == [1, 0, 0, 1, 0, 0], r
+    assert [r["forced"] for r in outcome.results] == [1, 1, 1, 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,hosts", [(3, 3), (5, 5), (6, 3)])
+def test_host_counts_that_are_not_powers_of_two_reach_one_outcome_on_every_rank(world, hosts):
+    pattern = _random_pattern(world * 10 + hosts, world, 300)
+    outcome = run_ranks(agree_pattern, world, args=(hosts, pattern), env=ENV, timeout=100)
+    for r in outcome.results:
+        assert r["transport"] == "shm+leaders"
+        assert r["outcomes"] == _expected(pattern)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.sampled_from([(2, 1), (4, 2), (3, 3), (4, 4)]),
+    calls=st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4), st.integers(-1, 3)),
+                   min_size=1, max_size=120),
+)
+def test_property_random_hit_patterns_give_every_rank_the_outcome_all_hit(layout, calls):
+    world, hosts = layout
+    # Each call: per-rank hit flags, and which rank (if any) enters another frame.
+    pattern = [(hits[:world], [9 if r == odd else 4 for r in range(world)]) for hits, odd in calls]
+    outcome = run_ranks(agree_pattern, world, args=(hosts, pattern), env=ENV, timeout=60)
+    for r in outcome.results:
+        assert r["outcomes"] == _expected(pattern)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
+    outcome = run_ranks(killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False)
+    assert outcome.exitcodes[3] == -signal.SIGKILL
+    assert not outcome.timed_out and not outcome.errors, outcome
+    for rank in (0, 1, 2):
+        r = outcome.results[rank]
+        assert r["transport"] == "shm+leaders", r
+        assert r["type"] == "PeerFailureError", r
+        assert r["ranks"] == [3], r
+        assert r["seconds"] < 5.0, r
+
+
+# ---------------------------------------------------------------- segment lifecycle
+
+
+@pytest.mark.timeout(90)
+def test_the_segment_name_is_gone_from_dev_shm_once_every_local_rank_mapped_it():
+    outcome = run_ranks(list_segments_after_setup, 3, env=ENV, timeout=60)
+    for r in outcome.results:
+        assert r["transport"] == "shm"
+        assert r["left"] == [], r
+    assert _segments_of(outcome.results[0]["pids"]) == []  # nor after a normal exit
+
+
+@pytest.mark.timeout(90)
+def test_no_segment_is_left_in_dev_shm_after_the_leader_is_sigkilled_mid_collective():
+    outcome = run_ranks(killed_mid_collective, 3, args=(1, 0), env=ENV, timeout=60, check=False)
+    assert outcome.exitcodes[0] == -signal.SIGKILL
+    survivor = outcome.results[1]
+    assert survivor["type"] == "PeerFailureError" and survivor["ranks"] == [0], survivor
+    assert _segments_of(survivor["pids"]) == []
+
+
+# ---------------------------------------------------------------- fallback
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_with_a_private_dev_shm_makes_every_rank_fall_back_to_gloo_with_one_log_line():
+    outcome = run_ranks(private_dev_shm, 2, env=ENV, timeout=60)
+    if outcome.results[1].get("skip"):
+        pytest.skip(outcome.results[1]["skip"])
+    for r in outcome.results:
+        assert r["transport"] == "gloo"
+        assert r["compiles"] == [1, 0, 0, 1, 0, 0], r  # still agreeing, on gloo
+    fallback = [line for line in outcome.results[0]["logs"] if "falls back to gloo" in line]
+    assert len(fallback) == 1, outcome.results[0]["logs"]
+    # Neither side can share with the other; rank 0's probe names the rank it cannot see.
+    assert "rank(s) [0, 1]" in fallback[0]
+    assert "rank 1's slot" in fallback[0] and "/dev/shm is not shared" in fallback[0]
+    assert not any("falls back to gloo" in line for line in outcome.results[1]["logs"])
+
+
+def test_the_gloo_setting_keeps_the_all_reduce_path():
+    pattern = _random_pattern(3, 2, 50)
+    outcome = run_ranks(agree_pattern, 2, args=(1, pattern),
+                        env={**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "gloo"}, timeout=60)
+    for r in outcome.results:
+        assert r["transport"] == "gloo"
+        assert r["outcomes"] == _expected(pattern)
+
+
+# ---------------------------------------------------------------- torchrun: two agents, two hosts
+
+TWO_AGENTS_SCRIPT = """
+import json, os, torch, torch.distributed as dist
+import compiler_collectives as cc
+from compiler_collectives.transport import groups
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch._dynamo.config.automatic_dynamic_shapes = False
+f = torch.compile(lambda x: x * 2, backend="eager")
+compiles = []
+for step in range(5):
+    rows = 5 if (rank == 3 and step >= 2) else 4
+    before = cc.stats()["compiler_collectives"]
+    f(torch.ones(rows))
+    compiles.append(cc.stats()["compiler_collectives"] - before)
+with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as fh:
+    json.dump({"transport": groups.guard_transport(), "compiles": compiles,
+               "group_rank": os.environ["GROUP_RANK"]}, fh)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_second_recompiles_all(tmp_path):
+    import json
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TWO_AGENTS_SCRIPT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    env.update(TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1", OMP_NUM_THREADS="1",
+               RESULT_DIR=str(tmp_path), COMPILER_COLLECTIVES_TIMEOUT="60")
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        logs = [a.communicate(timeout=170)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
+    for r in results:
+        assert r["transport"] == "shm+leaders", r
+        assert r["compiles"] == [1, 0, 1, 0, 0], r
