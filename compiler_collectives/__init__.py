@@ -144,14 +144,19 @@ def enabled(*, compiler: bool = True, guards: bool = False) -> Iterator[None]:
 
 
 def stats() -> dict[str, Any]:
-    """Counters of this rank: collectives run, bytes, restarts, guard outcomes, time.
+    """Counters of this rank: collectives run, bytes, restarts, guard outcomes, time,
+    and the guard collective's transport.
 
     With timing on (COMPILER_COLLECTIVES_TIMING / _TRACE_DIR), ``"timing"``
     holds per kind the count, total, p50/p90/p99/max (seconds) and bytes.
     """
     from . import timing
+    from .transport import groups
 
     out = _counters.snapshot()
+    # Which mechanism the guard collective runs on ("shm", "shm+leaders", "gloo"),
+    # None before the first guard collective of this generation.
+    out["guard_transport"] = groups.guard_transport()
     if timing.recorder is not None:
         out["timing"] = timing.recorder.figures()
     return out

@@ -82,6 +82,7 @@ def _groups_facts() -> dict[str, Any]:
         "default_backend": str(dist.get_backend()),
     }
     out["ours"] = {name: str(dist.get_backend(pg)) for name, pg in groups.existing().items()}
+    out["guard_transport"] = groups.guard_transport()
     return out
 
 
@@ -157,6 +158,8 @@ def render(facts: dict[str, Any]) -> str:
         ours = ", ".join(f"{k}: {b}" for k, b in pg["ours"].items()) or "not created yet"
         lines.append(f"process group: rank {pg['rank']} of {pg['world_size']}, default backend "
                      f"{pg['default_backend']}; ours: {ours}")
+        if pg.get("guard_transport"):
+            lines.append(f"guard collective transport: {pg['guard_transport']}")
     else:
         lines.append("process group: not initialized (run under torchrun to check the groups)")
     found = problems(facts)

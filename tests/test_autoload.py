@@ -194,3 +194,5 @@ def test_doctor_under_torchrun_reports_the_default_group_and_our_gloo_groups():
     for line in lines:
         assert "default backend gloo" in line
         assert "ours: compile: gloo, guard: gloo" in line
+    # both ranks run under one agent: one host, agreeing through shared memory
+    assert proc.stdout.count("guard collective transport: shm\n") == 2, proc.stdout
