@@ -122,8 +122,12 @@ class SideChannel:
         )
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """Stop the heartbeat; with ``join_s``, wait that long for the thread to finish."""
         self._stop.set()
+        thread = self._thread
+        if join_s > 0 and thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
 
     def _beat(self) -> None:
         record = dict(self._progress())

@@ -124,7 +124,7 @@ def guard_rounds(rank: int, world: int, rounds: list[tuple], transport: str) -> 
 def describe_groups(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from compiler_collectives.transport import GuardChannel, all_gather_bytes, groups
+    from compiler_collectives.transport import all_gather_bytes, groups
 
     compile_pg = groups.compile_pg()
     guard_pg = groups.guard_pg()
@@ -141,7 +141,7 @@ def describe_groups(rank: int, world: int) -> dict:
         and compile_pg.group_name != guard_pg.group_name,
         "not_world": compile_pg is not dist.group.WORLD and guard_pg is not dist.group.WORLD,
         "cached": groups.compile_pg() is compile_pg and groups.guard_pg() is guard_pg,
-        "channel_cached": isinstance(groups.guard_channel(), GuardChannel)
+        "channel_cached": groups.guard_channel().name == "shm"
         and groups.guard_channel() is groups.guard_channel(),
         "sizes": [compile_pg.size(), guard_pg.size()],
         "existing": sorted(groups.existing()),

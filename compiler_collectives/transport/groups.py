@@ -9,6 +9,7 @@ mechanism ``COMPILER_COLLECTIVES_GUARD_TRANSPORT`` selects (see
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -133,6 +134,19 @@ class Groups:
                 except Exception as e:  # noqa: BLE001
                     log.debug("aborting a group failed: %s", e)
 
+    def shutdown(self) -> None:
+        """At interpreter exit: stop the heartbeat thread and wait for it (bounded).
+
+        A daemon thread still inside a c10d store call when the interpreter
+        finalizes is ended by CPython as it takes the GIL back, from inside a
+        pybind11 frame that may not unwind: the process then dies of SIGABRT
+        ("terminate called without an active exception") after the user's
+        code finished. Joining it first avoids that.
+        """
+        side = self.side
+        if side is not None:
+            side.stop(join_s=5.0)
+
     def forget(self) -> None:
         """Drop our groups; the next collective creates new ones (all ranks must do this together)."""
         with self._lock:
@@ -184,3 +198,4 @@ def _peer_failed(rank: int, message: str) -> None:
 
 
 groups = Groups()
+atexit.register(groups.shutdown)

@@ -58,7 +58,7 @@ _SLOT_PID, _SLOT_START, _SLOT_RANK = 2, 3, 4
 WRITTEN = 1 << 63
 TAG_SHIFT = 47
 KEY_MASK = (1 << 46) - 1
-_TAG_BIT = 0x10000
+TAG_BIT = 0x10000
 
 SPIN_READS = 400  # about 20-40 µs of reads before the first yield
 LIVENESS_PERIOD_S = 0.05
@@ -68,11 +68,7 @@ SHM_DIR = "/dev/shm"
 
 def tag(n: int) -> int:
     """The tag of call ``n``: never zero, so an unwritten word matches no call."""
-    return _TAG_BIT | (n & 0xFFFF)
-
-
-def encode(n: int, key: int, hit: bool) -> int:
-    return WRITTEN | (tag(n) << TAG_SHIFT) | ((key & KEY_MASK) << 1) | (1 if hit else 0)
+    return TAG_BIT | (n & 0xFFFF)
 
 
 def segment_words(local_ranks: int) -> int:
@@ -188,10 +184,14 @@ class Arrival:
 
 
 class LocalExchange:
-    """The per-call protocol over one ``Segment``. Fast path: one store, n-1 loads."""
+    """The protocol over one ``Segment`` beyond the fast path: waiting, results, failures.
 
-    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "_mine", "_peers",
-                 "_result", "_pids", "_starts", "_describe", "_yield", "_monotonic")
+    The fast path itself (one store of this rank's word, one load of each
+    peer's) is inlined in ``hierarchy.ShmGuardChannel.agree``.
+    """
+
+    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "_result", "_pids", "_starts",
+                 "_describe", "_yield", "_monotonic")
 
     def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
                  describe: Callable[[int], str]) -> None:
@@ -200,8 +200,6 @@ class LocalExchange:
         self.n = segment.local_ranks
         self.ranks = arrival
         self.timeout_s = timeout_s
-        self._mine = LINE * (1 + index)
-        self._peers = tuple(LINE * (1 + j) for j in range(self.n) if j != index)
         self._result = LINE * (1 + self.n)
         peers = [segment.peer(j) for j in range(self.n)]
         self._pids = tuple(p[0] for p in peers)
@@ -210,26 +208,12 @@ class LocalExchange:
         self._yield = getattr(os, "sched_yield", lambda: time.sleep(0))
         self._monotonic = time.monotonic
 
-    # ------------------------------------------------------------------ fast path
+    # ------------------------------------------------------------------ per call
 
-    def publish(self, n: int, word: int) -> None:
-        self.words[self._mine + (n & 1)] = word
-
-    def gather(self, n: int, word: int) -> tuple[int, int]:
-        """Wait for every local rank's word of call ``n``; returns (lowest, highest) word."""
-        words = self.words
-        want = tag(n)
-        parity = n & 1
-        lo = hi = word
-        for base in self._peers:
-            w = words[base + parity]
-            if w >> TAG_SHIFT != want:
-                w = self._wait(base + parity, want, n)
-            if w < lo:
-                lo = w
-            elif w > hi:
-                hi = w
-        return lo, hi
+    @staticmethod
+    def slot_word(index: int) -> int:
+        """Word offset of local rank ``index``'s slot; its call-parity words are +0 and +1."""
+        return LINE * (1 + index)
 
     def publish_result(self, n: int, in_step: bool, all_hit: bool) -> None:
         self.words[self._result + (n & 1)] = (WRITTEN | (tag(n) << TAG_SHIFT)
@@ -245,7 +229,7 @@ class LocalExchange:
         want = tag(n)
         w = self.words[index]
         if w >> TAG_SHIFT != want:
-            w = self._wait(index, want, n)
+            w = self.wait(index, want, n)
         if w & 4:
             raise self.failed_elsewhere(n, ((w >> 3) & 0xFFFFFFFF) - 1)
         return bool(w & 2) and bool(w & 1), bool(w & 2)
@@ -259,7 +243,8 @@ class LocalExchange:
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait(self, index: int, want: int, n: int) -> int:
+    def wait(self, index: int, want: int, n: int) -> int:
+        """Until word ``index`` carries tag ``want``: spin, then yield while watching for failures."""
         words = self.words
         for _ in range(SPIN_READS):
             w = words[index]
