@@ -285,28 +285,30 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
     rank, world = pg.rank(), pg.size()
     reason = shm.unavailable_reason()
     keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1])
-    hosts_order: list[int] = []
-    for key, _ in keys:
-        if key not in hosts_order:
-            hosts_order.append(key)
+    members: dict[int, list[int]] = {}  # host key -> its ranks, hosts in order of their lowest rank
+    for r, (key, _) in enumerate(keys):
+        members.setdefault(key, []).append(r)
+    hosts_order = list(members)
     host = hosts_order.index(keys[rank][0])
-    local_ranks = [r for r in range(world) if keys[r][0] == keys[rank][0]]
+    local_ranks = members[keys[rank][0]]
+    # Every rank sees the same lists, so every rank takes the same branch and runs the same collectives.
+    unable = [r for r, (_, ok) in enumerate(keys) if not ok]
     segment = None
-    if all(ok for _, ok in keys):
+    if not unable:
         segment, reason = _map_segment(store, host, local_ranks, rank, settings.timeout_s)
-    results = _all_gather_ints(pg, [0 if segment is None else 1])
-    refused = [r for r, (ok,) in enumerate(results) if not ok]
-    if refused:
+        results = _all_gather_ints(pg, [0 if segment is None else 1])
+        unable = [r for r, (ok,) in enumerate(results) if not ok]
+    if unable:
         if reason:
             log.info("guard collective on rank %d: shared memory unusable here: %s", rank, reason)
         if rank == 0:
             log.warning("guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
                         "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
-                        refused, f" ({reason})" if reason else "; their logs say why")
+                        unable, f" ({reason})" if reason else "; their logs say why")
         return GlooGuardChannel(pg, settings.guard_desync_check)
     assert segment is not None
     hosts = len(hosts_order)
-    leader_ranks = [min(r for r in range(world) if keys[r][0] == key) for key in hosts_order]
+    leader_ranks = [members[key][0] for key in hosts_order]
     leaders = None
     if hosts > 1:
         # Every rank takes part in creating the group; only its members get one.

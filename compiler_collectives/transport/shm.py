@@ -60,7 +60,8 @@ TAG_SHIFT = 47
 KEY_MASK = (1 << 46) - 1
 TAG_BIT = 0x10000
 
-SPIN_READS = 400  # about 20-40 µs of reads before the first yield
+SPIN_READS = 400  # about 20-40 µs of reads before the first yield, with a core per rank
+SPIN_READS_OVERSUBSCRIBED = 8  # more local ranks than cores: yield almost at once
 LIVENESS_PERIOD_S = 0.05
 
 SHM_DIR = "/dev/shm"
@@ -191,7 +192,7 @@ class LocalExchange:
     """
 
     __slots__ = ("words", "index", "n", "ranks", "timeout_s", "_result", "_pids", "_starts",
-                 "_describe", "_yield", "_monotonic")
+                 "_describe", "_yield", "_monotonic", "_spin")
 
     def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
                  describe: Callable[[int], str]) -> None:
@@ -206,6 +207,9 @@ class LocalExchange:
         self._starts = tuple(p[1] for p in peers)
         self._describe = describe  # call number -> "guard collective #s on rank r" prefix
         self._yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+        # Spinning only pays when the rank we wait for has a core of its own.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._spin = SPIN_READS if self.n <= cores else SPIN_READS_OVERSUBSCRIBED
         self._monotonic = time.monotonic
 
     # ------------------------------------------------------------------ per call
@@ -246,7 +250,7 @@ class LocalExchange:
     def wait(self, index: int, want: int, n: int) -> int:
         """Until word ``index`` carries tag ``want``: spin, then yield while watching for failures."""
         words = self.words
-        for _ in range(SPIN_READS):
+        for _ in range(self._spin):
             w = words[index]
             if w >> TAG_SHIFT == want:
                 return w
