@@ -394,8 +394,9 @@ def _divergence(
         f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n"
         + "\n".join(lines) + "\n"
         f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
-        "Make the decision the same on every rank (branch on something every rank shares, "
-        "or mark the size static with torch._dynamo.mark_static), then rerun. "
+        "Make the decision the same on every rank (branch on something every rank shares, such "
+        "as a setting or a size agreed before the call, and keep rank-dependent code out of "
+        "compiled regions), then rerun. "
         "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
     )
     return ProgramDivergenceError(

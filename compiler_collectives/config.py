@@ -149,7 +149,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "at the first backward of a graph whose backward compiles lazily) the ranks exchange a "
         "fingerprint of the collectives the graph will run (op, group, reduce op, dtype, shape, "
         "in order); if they differ, every rank raises ProgramDivergenceError before any rank runs "
-        "the graph. One small all-gather per compiled graph. Must match across ranks. 0: off.",
+        "the graph. One small all-gather per compiled graph; must match across ranks. 0: off.",
     ),
     Setting(
         "heartbeat_s",
