@@ -290,6 +290,7 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
     finally:
         elapsed = time.perf_counter() - started
         counters.audit_time_s += elapsed + record.spent_s
+        counters.audit_fingerprint_s += record.spent_s
         log.debug("audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
                   seq, record.frame, record.phase, len(record.graphs), record.spent_s * 1e3, elapsed * 1e3)
 
