@@ -228,6 +228,8 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
     try:
         with _open(record, stage):
             result = compile()
+    except CollectiveError:
+        raise  # our collectives already failed on this rank: no exchange can be trusted
     except Exception as e:
         # Peers are about to exchange for this graph: take part, so that they
         # learn this rank has no program instead of waiting for it.
@@ -310,7 +312,7 @@ def _exchange(
             wire.decode_audit(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
             for i, p in enumerate(payloads)
         ]
-        _check_agreement(envelopes, rank=rank, kind=type(body).__name__)
+        _check_agreement(envelopes, rank=rank)
     except CollectiveError as e:
         e.kind, e.rank, e.seq, e.frame = "audit", rank, seq, str(frame)
         if isinstance(e, WireFormatError):
@@ -333,7 +335,7 @@ def _exchange(
     return envelopes
 
 
-def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int, kind: str) -> None:
+def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> None:
     first = envelopes[0]
 
     def same(e: wire.AuditEnvelope) -> bool:
@@ -365,8 +367,8 @@ def _divergence(
 ) -> ProgramDivergenceError:
     longest = max(len(c) for c in lists)
     index = next(
-        i for i in range(longest + 1)
-        if len({c[i].key() if i < len(c) else None for c in lists}) > 1
+        (i for i in range(longest + 1) if len({c[i].key() if i < len(c) else None for c in lists}) > 1),
+        0,  # the digests differed but the (clipped) descriptions do not: show the first
     )
     versions: dict[int, str | None] = {}
     groups_of: dict[Any, list[int]] = {}
