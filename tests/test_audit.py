@@ -269,6 +269,26 @@ def test_a_backward_compiled_with_its_forward_is_audited_in_the_forward_exchange
         assert s["audit_graphs"] == 3
 
 
+def levels_differ(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    # As after an AOTAutograd cache hit on some ranks only: rank 1 produces
+    # Dynamo's graph alone, rank 0 also the AOTAutograd graphs and a lazy backward.
+    compiled = torch.compile(_branch_on_size, backend="aot_eager" if rank == 0 else "eager")
+    x = torch.ones(6, 4, requires_grad=True)
+    compiled(x).sum().backward()
+    return cc.stats()
+
+
+def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones_and_skip_the_lazy_backward():
+    outcome = run_ranks(levels_differ, 2, env=ENV, timeout=120)
+    s0, s1 = outcome.results
+    assert s0["audit_divergences"] == s1["audit_divergences"] == 0
+    assert s0["audit_exchanges"] == s1["audit_exchanges"] == 1  # no backward exchange rank 1 would never join
+    assert (s0["audit_graphs"], s1["audit_graphs"]) == (2, 1)  # the lazy backward is compiled unaudited
+
+
 # ---------------------------------------------------------------- one rank fails to compile
 
 
