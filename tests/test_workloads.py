@@ -265,13 +265,17 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
     import compiler_collectives as cc
     from compiler_collectives import audit
 
+    # Caches off: a cache hit skips AOTAutograd and inductor, and with them
+    # their levels (set here: the environment is read when torch is imported).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     cc.enable(guards=True)
     group = dist.group.WORLD
 
     def f(x: torch.Tensor) -> torch.Tensor:
         local = torch.relu(x).sum(0)
         summed = funcol.all_reduce(local, "sum", group)
-        gathered = funcol.all_gather_tensor(summed * 2, 0, group)
+        gathered = funcol.all_gather_single(summed * 2, 0, group)
         return gathered.sum() + summed
 
     compiled = torch.compile(f, backend="inductor")
@@ -286,9 +290,7 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
 
 
 def test_inductor_graphs_with_functional_collectives_pass_the_audit_at_every_level():
-    # Caches off: a cache hit skips AOTAutograd and inductor, and with it their levels.
-    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-    outcome = run_ranks(functional_collectives_under_inductor, 2, env=env, timeout=240)
+    outcome = run_ranks(functional_collectives_under_inductor, 2, timeout=240)
     for s in outcome.results:
         assert s["results"] == [True, True]
         assert s["audit_divergences"] == 0 and s["reports"] == []
