@@ -150,6 +150,30 @@ def test_graphs_that_differ_only_in_a_rank_dependent_constant_run_and_are_report
         assert "differ across ranks outside their collectives" in line
 
 
+def rank_constant_traced(rank: int, world: int) -> None:
+    import compiler_collectives as cc
+
+    cc.enable()
+    torch.compile(_scaled_by_rank, backend="eager")(torch.ones(3))
+
+
+def test_each_audit_is_a_structured_trace_artifact_that_names_the_report_only_levels(tmp_path):
+    import json
+
+    env = dict(ENV, TORCH_TRACE=str(tmp_path))  # read when torch is imported: spawn
+    run_ranks(rank_constant_traced, 2, env=env, timeout=120, start_method="spawn")
+    payloads = []
+    for log_file in sorted(tmp_path.glob("*rank_*")):
+        lines = log_file.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if '"name": "compiler_collectives_audit"' in line:
+                payloads.append(json.loads(lines[i + 1].strip()))
+    assert [p["rank"] for p in payloads] == [0, 1]
+    for p in payloads:
+        assert p["report_only_levels"] == ["dynamo"]
+        assert p["collectives"]["dynamo"][0].startswith("_c10d_functional.all_reduce.default(sum) on ranks [0, 1]")
+
+
 def agreeing_ranks(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
