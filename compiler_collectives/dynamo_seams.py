@@ -612,6 +612,7 @@ def _audited_aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: An
     scope = audit.aot_scope() if not rest else None
     if scope is None:
         return original(mod, args, *rest, **kwargs)
+    _ensure_audit_backend_seams()  # inductor's backend imports compile_fx only once called
     for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"),
                        ("bw_compiler", "backward")):
         if kwargs.get(key) is not None:
