@@ -272,17 +272,23 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
     cc.enable(guards=True)
     group = dist.group.WORLD
 
-    def f(x: torch.Tensor) -> torch.Tensor:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         local = torch.relu(x).sum(0)
         summed = funcol.all_reduce(local, "sum", group)
         gathered = funcol.all_gather_single(summed * 2, 0, group)
-        return gathered.sum() + summed
+        return (x @ w).tanh().sum(0) + gathered.sum() + summed
 
     compiled = torch.compile(f, backend="inductor")
     results = []
     for n in (3 + rank, 8 + 2 * rank):
-        x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) - 5
-        results.append(bool(torch.allclose(compiled(x), f(x))))
+        x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) / 10 - 1
+        w_compiled, w_eager = (torch.eye(4).requires_grad_() for _ in range(2))
+        out = compiled(x, w_compiled)
+        out.sum().backward()
+        expected = f(x, w_eager)
+        expected.sum().backward()
+        results.append(bool(torch.allclose(out, expected, atol=1e-5)
+                            and torch.allclose(w_compiled.grad, w_eager.grad, atol=1e-5)))
     out = cc.stats()
     out["results"] = results
     out["reports"] = audit.reports()
@@ -294,5 +300,8 @@ def test_inductor_graphs_with_functional_collectives_pass_the_audit_at_every_lev
     for s in outcome.results:
         assert s["results"] == [True, True]
         assert s["audit_divergences"] == 0 and s["reports"] == []
-        assert s["audit_exchanges"] == 1  # the dim is dynamic from the first compile
-        assert s["audit_graphs"] == 3  # Dynamo's graph, the AOTAutograd inference graph, inductor's post-grad graph
+        # The dim is dynamic from the first compile, so AOTAutograd compiles the
+        # backward with the forward: one exchange, five graphs (Dynamo's; the
+        # AOTAutograd forward and backward; inductor's post-grad forward and backward).
+        assert s["audit_exchanges"] == 1
+        assert s["audit_graphs"] == 5
