@@ -23,6 +23,7 @@ from .errors import (
     CollectivePoisonedError,
     CollectiveTimeoutError,
     PeerFailureError,
+    ProgramDivergenceError,
     UnsupportedTorchError,
     WireFormatError,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "CollectiveDesyncError",
     "CollectivePoisonedError",
     "PeerFailureError",
+    "ProgramDivergenceError",
     "WireFormatError",
     "UnsupportedTorchError",
 ]
@@ -168,10 +170,11 @@ def reset_stats() -> None:
 
 def reset() -> None:
     """Clear a failure on this rank and forget our groups; call on every rank together."""
-    from . import compiler_collective, guard_collective
+    from . import audit, compiler_collective, guard_collective
     from .transport import groups
 
     health.clear()
     groups.forget()
     compiler_collective.reset_sequence()
     guard_collective.reset_sequence()
+    audit.reset_sequence()

@@ -164,6 +164,17 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "trace is an all-static preflight, as in torch.",
     ),
     Setting(
+        "audit",
+        "COMPILER_COLLECTIVES_AUDIT",
+        True,
+        _parse_bool,
+        "While compiler collectives are on, audit every compiled graph: after each compile (and "
+        "at the first backward of a graph whose backward compiles lazily) the ranks exchange a "
+        "fingerprint of the collectives the graph will run (op, group, reduce op, dtype, shape, "
+        "in order); if they differ, every rank raises ProgramDivergenceError before any rank runs "
+        "the graph. One small all-gather per compiled graph; must match across ranks. 0: off.",
+    ),
+    Setting(
         "heartbeat_s",
         "COMPILER_COLLECTIVES_HEARTBEAT_S",
         1.0,
@@ -213,6 +224,7 @@ class Settings:
     inline_slot_bytes: int = 4096
     skip_needless_restart: bool = True
     exchange_inputs_first: bool = True
+    audit: bool = True
     heartbeat_s: float = 1.0
     timing: bool = False
     trace_dir: str = ""

@@ -97,6 +97,7 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
 
     facts["package_version"] = package.__version__
     facts["missing_seams"] = dynamo_seams.missing_seams()
+    facts["missing_audit_backend_seams"] = dynamo_seams.missing_audit_backend_seams()
     facts["installed"] = dynamo_seams.installed()
     if package.install_error is not None:
         facts["install_error"] = str(package.install_error)
@@ -140,6 +141,10 @@ def render(facts: dict[str, Any]) -> str:
     lines.append(f"compiler_collectives {facts['package_version']}: {state}")
     lines.append("Dynamo seams: " + ("all present" if not facts["missing_seams"]
                                      else "MISSING " + ", ".join(facts["missing_seams"])))
+    missing_audit = facts.get("missing_audit_backend_seams", [])
+    lines.append("program audit levels beyond Dynamo's graph (AOTAutograd, inductor): "
+                 + ("seams present" if not missing_audit else
+                    "NOT audited, missing " + ", ".join(missing_audit)))
     a = facts["autoload"]
     lines.append(
         "autoload: entry point " + ("registered" if a["entry_point_registered"] else "NOT registered")

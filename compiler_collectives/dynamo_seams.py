@@ -14,6 +14,10 @@ torch's originals back. The seams, all checked before anything is patched:
 * ``eval_frame.guard_collectives_hook`` and ``distributed.get_guard_pg``:
   what ``torch.compiler.set_enable_guard_collectives`` installs.
 * ``torch._C._dynamo.eval_frame.set_guard_complete_hook``: the C++ hook slot.
+* ``OutputGraph.call_user_compiler`` (and, once their modules are imported,
+  ``backends.common.aot_module_simplified`` and inductor's
+  ``compile_fx._recursive_post_grad_passes``): the program audit's view of
+  each graph (see the section at the end and ``audit.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import compiler_collective, config, guard_collective, health
+from . import audit, compiler_collective, config, fingerprint, guard_collective, health
 from .errors import CollectiveError, UnsupportedTorchError
 from .state import DYNAMIC, UNSET, DistributedState, FrameId, InferStride, LocalState, Marker, SizeEntry
 from .stats import counters
@@ -425,6 +429,7 @@ def install() -> None:
     pgo.process_automatic_dynamic = _process_automatic_dynamic
     builder.process_automatic_dynamic = _process_automatic_dynamic
     eval_frame.guard_collectives_hook = guard_collective.hook
+    _install_audit(output_graph)
     orig_code_map = dynamo_utils.orig_code_map
     guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
     guard_collective._wrapper_locals.update(_wrapper_locals())
@@ -463,6 +468,7 @@ def uninstall() -> None:
     pgo.process_automatic_dynamic = _originals["process_automatic_dynamic"]
     builder.process_automatic_dynamic = _originals["builder_process_automatic_dynamic"]
     eval_frame.guard_collectives_hook = _originals["guard_collectives_hook"]
+    _uninstall_audit(output_graph)
     previous = c_eval_frame.set_guard_complete_hook(None)
     if previous is guard_collective.hook:
         c_eval_frame.set_guard_complete_hook(_originals["guard_collectives_hook"])
@@ -494,3 +500,189 @@ def compiler_collectives_flag() -> bool:
 
 def set_compiler_collectives_flag(value: bool) -> None:
     torch._dynamo.config.enable_compiler_collectives = value
+
+
+# ------------------------------------------------------------ program audit seams
+#
+# The audit (audit.py) sees each graph Dynamo hands to a backend and the graphs
+# AOTAutograd and inductor derive from it. Dynamo's level is a required seam.
+# The AOTAutograd and inductor levels are patched when an audited compile first
+# finds their modules imported (importing them here would add about a second
+# to `import compiler_collectives` for users of the eager backend); they are
+# optional: on a torch without them the audit covers fewer levels and says so.
+
+AUDIT_REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
+    ("torch._dynamo.output_graph", "OutputGraph.call_user_compiler"),
+    ("torch._guards", "CompileContext.try_get"),
+)
+REQUIRED_SEAMS = REQUIRED_SEAMS + AUDIT_REQUIRED_SEAMS
+
+# (seam name, module, attribute path) of the optional levels.
+AUDIT_BACKEND_SEAMS: tuple[tuple[str, str, str], ...] = (
+    ("aot", "torch._dynamo.backends.common", "aot_module_simplified"),
+    ("aot", "torch._functorch.aot_autograd", "SerializableAOTDispatchCompiler"),
+    ("inductor", "torch._inductor.compile_fx", "_recursive_post_grad_passes"),
+)
+
+_audit_backends: dict[str, bool] = {}  # "aot"/"inductor" -> patched (False: seam missing)
+_post_grad = threading.local()  # depth: post-grad passes recurse into subgraphs through our wrapper
+
+
+def missing_audit_backend_seams() -> list[str]:
+    """Optional audit seams the installed torch lacks (imports the backend modules)."""
+    missing = []
+    for _, module, path in AUDIT_BACKEND_SEAMS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}:{path}")
+    return missing
+
+
+def _audit_applies(output_graph: Any) -> bool:
+    if not (config.settings.audit and torch._dynamo.config.enable_compiler_collectives):
+        return False
+    if getattr(output_graph, "export", False) or not compiler_collective.groups.available():
+        return False
+    from torch._guards import CompileContext
+
+    # A backend call outside a frame compile (a specialization compiled at run
+    # time) happens on whichever ranks take that path: no exchange there.
+    if CompileContext.try_get() is None:
+        return False
+    return torch.distributed.get_world_size() > 1
+
+
+def _audited_call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+    original = _originals["call_user_compiler"]
+    if not _audit_applies(self):
+        return original(self, gm, example_inputs)
+    _ensure_audit_backend_seams()
+    code = getattr(getattr(self, "root_tx", None), "f_code", None)
+    frame = (FrameId(code.co_name, code.co_filename, code.co_firstlineno) if code is not None
+             else FrameId("<unknown>", "<unknown>", 0))
+    return audit.audit_graph(frame, gm, lambda: original(self, gm, example_inputs))
+
+
+def _patch_backend(name: str, module_name: str) -> Any:
+    """The module if every seam of ``name`` resolves in it, else None (logged once)."""
+    import sys
+
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    missing = [f"{m}:{p}" for n, m, p in AUDIT_BACKEND_SEAMS if n == name and not _resolves(m, p)]
+    if missing:
+        _audit_backends[name] = False
+        log.warning("program audit: torch %s lacks %s; the %s graphs are not audited",
+                    torch.__version__, ", ".join(missing), name)
+        return None
+    _audit_backends[name] = True
+    return module
+
+
+def _resolves(module: str, path: str) -> bool:
+    try:
+        _resolve(module, path)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _ensure_audit_backend_seams() -> None:
+    if len(_audit_backends) == 2:
+        return
+    if "aot" not in _audit_backends:
+        common = _patch_backend("aot", "torch._dynamo.backends.common")
+        if common is not None:
+            from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
+
+            _originals["aot_module_simplified"] = common.aot_module_simplified
+            _originals["SerializableAOTDispatchCompiler"] = SerializableAOTDispatchCompiler
+            common.aot_module_simplified = _audited_aot_module_simplified
+    if "inductor" not in _audit_backends:
+        compile_fx = _patch_backend("inductor", "torch._inductor.compile_fx")
+        if compile_fx is not None:
+            _originals["recursive_post_grad_passes"] = compile_fx._recursive_post_grad_passes
+            compile_fx._recursive_post_grad_passes = _audited_post_grad_passes
+
+
+def _audited_aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+    original = _originals["aot_module_simplified"]
+    scope = audit.aot_scope() if not rest else None
+    if scope is None:
+        return original(mod, args, *rest, **kwargs)
+    _ensure_audit_backend_seams()  # inductor's backend imports compile_fx only once called
+    for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"),
+                       ("bw_compiler", "backward")):
+        if kwargs.get(key) is not None:
+            kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
+    return original(mod, args, **kwargs)
+
+
+def _audited_aot_compiler(compiler: Any, scope: Any, stage: str) -> Any:
+    serializable = _originals["SerializableAOTDispatchCompiler"]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def audited_compiler(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return audit.aot_compile(scope, stage, gm, lambda: fn(gm, example_inputs, *args, **kwargs))
+
+        return audited_compiler
+
+    # Keep inductor's compiler serializable: AOTAutograd's cache only serves those.
+    if isinstance(compiler, serializable):
+        return serializable(compiler.output_code_ty, wrap(compiler.compiler_fn))
+    return wrap(compiler)
+
+
+def _audited_post_grad_passes(gm: Any, *args: Any, **kwargs: Any) -> Any:
+    depth = getattr(_post_grad, "depth", 0)
+    _post_grad.depth = depth + 1
+    try:
+        result = _originals["recursive_post_grad_passes"](gm, *args, **kwargs)
+    finally:
+        _post_grad.depth = depth
+    if depth == 0:  # subgraphs are walked as part of their parent
+        audit.inductor_graph(gm)
+    return result
+
+
+def _group_text(group_name: Any) -> str:
+    """A functional collective's group as its member ranks (names are per-process bookkeeping)."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+        return f"ranks {list(get_process_group_ranks(_resolve_process_group(group_name)))}"
+    except Exception:  # noqa: BLE001 - an unknown name still compares by name
+        return f"group {group_name!r}"
+
+
+def _emit_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=payload_fn,
+        expect_trace_id=False,
+    )
+
+
+def _install_audit(output_graph: Any) -> None:
+    _originals["call_user_compiler"] = output_graph.OutputGraph.call_user_compiler
+    output_graph.OutputGraph.call_user_compiler = _audited_call_user_compiler
+    fingerprint.set_group_resolver(_group_text)
+    audit.set_artifact_sink(_emit_artifact)
+
+
+def _uninstall_audit(output_graph: Any) -> None:
+    output_graph.OutputGraph.call_user_compiler = _originals["call_user_compiler"]
+    if _audit_backends.get("aot"):
+        import torch._dynamo.backends.common as common
+
+        common.aot_module_simplified = _originals["aot_module_simplified"]
+    if _audit_backends.get("inductor"):
+        import torch._inductor.compile_fx as compile_fx
+
+        compile_fx._recursive_post_grad_passes = _originals["recursive_post_grad_passes"]
+    _audit_backends.clear()
+    fingerprint.set_group_resolver(None)
+    audit.set_artifact_sink(None)

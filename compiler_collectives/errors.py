@@ -12,8 +12,8 @@ from __future__ import annotations
 class CollectiveError(RuntimeError):
     """Raised when a compiler or guard collective cannot reach agreement.
 
-    Attributes give the context in machine-readable form: ``kind`` ("compiler"
-    or "guard"), ``rank`` (this rank), ``seq`` (this rank's sequence number for
+    Attributes give the context in machine-readable form: ``kind`` ("compiler",
+    "guard" or "audit"), ``rank`` (this rank), ``seq`` (this rank's sequence number for
     that kind of collective), ``frame`` (``co_name at file:line`` or None) and
     ``ranks`` (the peers implicated, e.g. the sender of a bad payload).
     """
@@ -60,6 +60,22 @@ class CollectivePoisonedError(CollectiveError):
     """Raised by every collective after an earlier one failed on this rank;
     the original failure is chained as ``__cause__``. Recover with
     ``compiler_collectives.reset()`` on every rank."""
+
+
+class ProgramDivergenceError(CollectiveError):
+    """Raised on every rank, before any rank runs the graph, when the ranks
+    compiled different collectives for the same compiled graph (the program
+    audit). Attributes: ``level`` (the graph level that differed first, e.g.
+    ``"dynamo"`` or ``"aot_backward"``), ``index`` (0-based position of the
+    first differing collective at that level) and ``versions`` (rank -> that
+    rank's rendering of it, or None where the rank has no collective there)."""
+
+    def __init__(self, message: str, *, level: str | None = None, index: int | None = None,
+                 versions: dict[int, str | None] | None = None, **context: object) -> None:
+        super().__init__(message, **context)  # type: ignore[arg-type]
+        self.level = level
+        self.index = index
+        self.versions = dict(versions or {})
 
 
 class UnsupportedTorchError(ImportError):

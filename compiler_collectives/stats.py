@@ -33,6 +33,18 @@ class Counters:
     guard_agreed_misses: int = 0
     forced_recompiles: int = 0
     guard_time_s: float = 0.0
+    # program audit (audit.py): graphs fingerprinted, exchanges run (one per
+    # compiled graph, one per lazily compiled backward), graphs whose
+    # whole-graph hash differed across ranks while their collectives agreed
+    # (report only), divergences raised; time in the audit (fingerprinting and
+    # exchanging, the exchange including any wait for the slowest rank) and the
+    # fingerprinting part of it
+    audit_graphs: int = 0
+    audit_exchanges: int = 0
+    audit_report_only_differences: int = 0
+    audit_divergences: int = 0
+    audit_time_s: float = 0.0
+    audit_fingerprint_s: float = 0.0
     # failures
     errors: int = 0
 

@@ -24,6 +24,12 @@ An entry is ``[scalar, size, stride]`` optionally followed by
 
 ``size`` and ``stride`` are either a marker atom or a list of atoms.
 
+The program audit (``audit.py``) sends a second kind of envelope on the same
+group, tagged ``"audit"`` at position 7 (see ``encode_audit``). Each decoder
+recognises the other kind and raises ``CollectiveDesyncError`` naming the
+sender: the ranks are then in different collectives, which is a desync, not
+a corrupt payload.
+
 Version rule: any change to the envelope or the entry encoding bumps
 ``FORMAT_VERSION``; ranks must run the same format version, and a payload of
 another version is rejected with ``WireFormatError`` naming the sender and
@@ -39,7 +45,8 @@ from typing import Any
 import msgpack
 
 from . import __version__
-from .errors import WireFormatError
+from .errors import CollectiveDesyncError, WireFormatError
+from .fingerprint import Collective
 from .state import (
     DYNAMIC,
     UNSET,
@@ -330,6 +337,11 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
                 f"version {FORMAT_VERSION} (package {__version__}); install the same "
                 "compiler_collectives version on every rank"
             )
+        if len(obj) == 9 and obj[7] == AUDIT:
+            raise _OutOfStep(
+                f"rank {sender} sent a program-audit payload ({_peer_position(obj)}) while this "
+                "rank runs a compiler collective"
+            )
         _expect(len(obj) == 8, f"envelope must have 8 items, got {len(obj)}")
         _, pkg, rank, world, frame, seq, sent_at, state = obj
         _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
@@ -346,6 +358,8 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
         local_state = _state_in(state)
     except _Bad as e:
         raise fail(str(e)) from None
+    except _OutOfStep as e:
+        raise _desync(str(e), sender) from None
     return Envelope(
         format_version=version,
         package_version=pkg,
@@ -356,3 +370,234 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
         sent_at=sent_at,
         state=local_state,
     )
+
+
+# ---------------------------------------------------------------- program audit
+#
+# [format_version, package_version, sender_rank, world_size,
+#  [co_name, co_filename, co_firstlineno], seq, sent_at, "audit", body]
+#
+# body is one of
+#   ["summary", phase, failure, levels, pending_backwards]
+#       failure: nil, or "ExcType: message" when this rank's compile raised
+#       levels: [[level, graphs, collectives, collectives_digest, graph_digest], ...]
+#       pending_backwards: [bool, ...], one per AOTAutograd training graph
+#   ["details", phase, level, [[op, group, reduce_op, [tensor, ...], args, where], ...]]
+# Digests are 8-byte binaries. Only "details" carries text from the graphs,
+# and only after the summaries disagreed.
+
+AUDIT = "audit"
+AUDIT_PHASES = ("forward", "backward")
+_MAX_LEVELS = 32
+_MAX_TEXT = 4096
+_MAX_ITEMS = 1_000_000
+
+
+class _OutOfStep(Exception):
+    """Internal: the peer sent the other kind of envelope."""
+
+
+def _desync(why: str, sender: int) -> CollectiveDesyncError:
+    return CollectiveDesyncError(
+        f"{why}: the ranks are out of step (one finished compiling a graph while the other "
+        "started compiling another frame). Compiler collectives need every rank to compile the "
+        "same frames in the same order; look for rank-dependent control flow around compiled calls.",
+        ranks=(sender,),
+    )
+
+
+def _peer_position(obj: list[Any]) -> str:
+    frame = obj[4] if type(obj[4]) is list and len(obj[4]) == 3 else None
+    where = f"frame {_show(frame[0])} at {_show(frame[1])}:{_show(frame[2])}" if frame else "unknown frame"
+    return f"#{_show(obj[5])}, {where}"
+
+
+@dataclasses.dataclass
+class AuditLevel:
+    """One graph level of one rank's compile, as exchanged."""
+
+    level: str
+    graphs: int
+    collectives: int
+    collectives_digest: bytes
+    graph_digest: bytes
+
+
+@dataclasses.dataclass
+class AuditSummary:
+    phase: str
+    failure: str | None
+    levels: list[AuditLevel]
+    pending_backwards: list[bool]
+
+
+@dataclasses.dataclass
+class AuditDetails:
+    phase: str
+    level: str
+    collectives: list[Collective]
+
+
+@dataclasses.dataclass
+class AuditEnvelope:
+    format_version: int
+    package_version: str
+    rank: int
+    world_size: int
+    frame: FrameId
+    seq: int
+    sent_at: float
+    body: AuditSummary | AuditDetails
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
+
+
+def encode_audit(
+    body: AuditSummary | AuditDetails,
+    *,
+    rank: int,
+    world_size: int,
+    frame: FrameId,
+    seq: int,
+    sent_at: float,
+) -> bytes:
+    """Serialize one rank's audit summary or details into the tagged envelope."""
+    if isinstance(body, AuditSummary):
+        out: list[Any] = [
+            "summary",
+            body.phase,
+            None if body.failure is None else _clip(body.failure),
+            [[lv.level, lv.graphs, lv.collectives, lv.collectives_digest, lv.graph_digest] for lv in body.levels],
+            [bool(p) for p in body.pending_backwards],
+        ]
+    else:
+        out = [
+            "details",
+            body.phase,
+            body.level,
+            [[_clip(c.op), _clip(c.group), _clip(c.reduce_op), [_clip(t) for t in c.tensors],
+              _clip(c.args), _clip(c.where)] for c in body.collectives],
+        ]
+    envelope = [
+        FORMAT_VERSION, __version__, rank, world_size,
+        [frame.name, frame.filename, frame.line], seq, float(sent_at), AUDIT, out,
+    ]
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _text(v: Any, what: str) -> str:
+    _expect(type(v) is str and len(v) <= _MAX_TEXT, f"{what} must be a string of at most {_MAX_TEXT} characters")
+    return v
+
+
+def _digest(v: Any, what: str) -> bytes:
+    _expect(type(v) is bytes and len(v) == 8, f"{what} must be 8 bytes")
+    return v
+
+
+def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
+    _expect(type(v) is list and len(v) in (4, 5), "audit body must be a list of 4 or 5 items")
+    _expect(v[1] in AUDIT_PHASES, f"audit phase must be one of {AUDIT_PHASES}, got {_show(v[1])}")
+    if v[0] == "summary" and len(v) == 5:
+        _, phase, failure, raw_levels, raw_pending = v
+        _expect(failure is None or type(failure) is str, "audit failure must be nil or a string")
+        _expect(type(raw_levels) is list and len(raw_levels) <= _MAX_LEVELS,
+                f"audit levels must be a list of at most {_MAX_LEVELS}")
+        levels = []
+        seen: set[str] = set()
+        for i, lv in enumerate(raw_levels):
+            _expect(type(lv) is list and len(lv) == 5, f"audit level {i} must have 5 items")
+            name = _text(lv[0], f"audit level {i} name")
+            _expect(name not in seen, f"audit level {name!r} appears twice")
+            seen.add(name)
+            levels.append(AuditLevel(
+                name,
+                _int(lv[1], f"audit level {name!r} graph count", lo=0),
+                _int(lv[2], f"audit level {name!r} collective count", lo=0),
+                _digest(lv[3], f"audit level {name!r} collectives digest"),
+                _digest(lv[4], f"audit level {name!r} graph digest"),
+            ))
+        _expect(type(raw_pending) is list and len(raw_pending) <= _MAX_ITEMS
+                and all(type(p) is bool for p in raw_pending), "audit pending backwards must be a list of bools")
+        return AuditSummary(phase, None if failure is None else _text(failure, "audit failure"), levels, raw_pending)
+    if v[0] == "details" and len(v) == 4:
+        _, phase, level, raw = v
+        _text(level, "audit details level")
+        _expect(type(raw) is list and len(raw) <= _MAX_ITEMS, "audit collectives must be a list")
+        collectives = []
+        for i, c in enumerate(raw):
+            what = f"audit collective {i}"
+            _expect(type(c) is list and len(c) == 6, f"{what} must have 6 items")
+            _expect(type(c[3]) is list and len(c[3]) <= _MAX_ITEMS, f"{what} tensors must be a list")
+            collectives.append(Collective(
+                op=_text(c[0], f"{what} op"),
+                group=_text(c[1], f"{what} group"),
+                reduce_op=_text(c[2], f"{what} reduce op"),
+                tensors=tuple(_text(t, f"{what} tensor") for t in c[3]),
+                args=_text(c[4], f"{what} args"),
+                where=_text(c[5], f"{what} source line"),
+            ))
+        return AuditDetails(phase, level, collectives)
+    raise _Bad(f"unknown audit body {_show(v[0])}")
+
+
+def decode_audit(
+    data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None
+) -> AuditEnvelope:
+    """Parse and validate one rank's audit payload; ``WireFormatError`` on anything wrong,
+    ``CollectiveDesyncError`` if the sender is in a compiler collective instead."""
+
+    def fail(why: str) -> WireFormatError:
+        return WireFormatError(
+            f"bad program-audit payload from rank {sender}: {why}. Check that every rank runs "
+            "the same compiler_collectives and torch versions; if they do, this is a bug or a "
+            "corrupted transport.",
+            kind="audit",
+            ranks=(sender,),
+        )
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise fail(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+    try:
+        _expect(type(obj) is list and len(obj) > 0, "envelope must be a non-empty list")
+        version = obj[0]
+        _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
+        if version != FORMAT_VERSION:
+            pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
+            raise _Bad(
+                f"wire format version {version} (package {pkg}), this rank speaks version "
+                f"{FORMAT_VERSION} (package {__version__}); install the same compiler_collectives "
+                "version on every rank"
+            )
+        if len(obj) == 8:
+            raise _OutOfStep(
+                f"rank {sender} is in a compiler collective ({_peer_position(obj)}) while this rank "
+                "audits a compiled graph"
+            )
+        _expect(len(obj) == 9 and obj[7] == AUDIT, "audit envelope must have 9 items tagged 'audit'")
+        _, pkg, rank, world, frame, seq, sent_at, _, body = obj
+        _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
+        _int(rank, "sender rank", lo=0)
+        _expect(rank == sender, f"payload claims to come from rank {rank}")
+        _int(world, "world size", lo=1)
+        if expected_world_size is not None:
+            _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+        _expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
+        _expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
+        line = _int(frame[2], "frame line", lo=0)
+        _int(seq, "sequence number", lo=0)
+        _expect(type(sent_at) is float, "sent_at must be a float")
+        parsed = _audit_body_in(body)
+    except _Bad as e:
+        raise fail(str(e)) from None
+    except _OutOfStep as e:
+        raise _desync(str(e), sender) from None
+    return AuditEnvelope(version, pkg, rank, world, FrameId(frame[0], frame[1], line), seq, sent_at, parsed)

@@ -58,4 +58,6 @@ def summary(recorder: GraphRecorder) -> dict[str, Any]:
         "guard_collectives": s["guard_collectives"],
         "forced_recompiles": s["forced_recompiles"],
         "bytes_sent": s["compiler_bytes_sent"],
+        "audit_exchanges": s["audit_exchanges"],
+        "audit_divergences": s["audit_divergences"],
     }

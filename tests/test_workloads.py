@@ -71,9 +71,13 @@ def test_ddp_with_the_ddp_optimizer_gets_the_same_graphs_and_bucket_split_on_eve
     # DDP's own forward graph-breaks, so several frames compile: the same on every rank
     assert r0["collectives"] == r1["collectives"] >= 1
     assert r0["compiles"] == r1["compiles"]
+    # the program audit ran once per Dynamo graph (its buckets are compiled
+    # inside that one backend call) and found nothing
+    assert r0["audit_exchanges"] == r1["audit_exchanges"] >= 1
+    assert r0["audit_divergences"] == r1["audit_divergences"] == 0
 
 
-def functional_collectives(rank: int, world: int) -> list[bool]:
+def functional_collectives(rank: int, world: int) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     import compiler_collectives as cc
@@ -93,12 +97,14 @@ def functional_collectives(rank: int, world: int) -> list[bool]:
     for n in (3 + rank, 8, 5 + 2 * rank):
         x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
         results.append(bool(torch.allclose(compiled(x), f(x))))
-    return results
+    return {"results": results, "stats": cc.stats()}
 
 
 def test_graphs_with_functional_collectives_on_varying_local_shapes_finish_and_match_eager():
     outcome = run_ranks(functional_collectives, 2, timeout=120)
-    assert outcome.results == [[True] * 3] * 2
+    for r in outcome.results:
+        assert r["results"] == [True] * 3
+        assert r["stats"]["audit_exchanges"] >= 1 and r["stats"]["audit_divergences"] == 0
 
 
 def dtensor_redistribute(rank: int, world: int) -> dict:
@@ -119,13 +125,16 @@ def dtensor_redistribute(rank: int, world: int) -> dict:
     for rows in (2, 4, 3, 6):
         x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + 100 * rank
         results.append(bool(torch.allclose(compiled(x), f(x))))
-    return {"results": results, "collectives": cc.stats()["compiler_collectives"]}
+    s = cc.stats()
+    return {"results": results, "collectives": s["compiler_collectives"],
+            "audit_exchanges": s["audit_exchanges"], "audit_divergences": s["audit_divergences"]}
 
 
 def test_dtensor_from_local_and_redistribute_with_varying_shard_sizes_finish_and_match_eager():
     outcome = run_ranks(dtensor_redistribute, 2, timeout=120)
     for r in outcome.results:
         assert r["results"] == [True] * 4
+        assert r["audit_exchanges"] >= 1 and r["audit_divergences"] == 0
     assert outcome.results[0]["collectives"] == outcome.results[1]["collectives"]
 
 
@@ -172,3 +181,127 @@ def test_when_one_rank_changes_shapes_mid_run_every_rank_recompiles_together_and
     assert r0["compiles"] == r1["compiles"]
     assert r0["collectives"] == r1["collectives"]
     assert r0["forced_recompiles"] >= 1  # rank 0 hit, was overruled, recompiled with rank 1
+    assert r0["audit_exchanges"] == r1["audit_exchanges"] >= 1 and r0["audit_divergences"] == 0
+
+
+# ---------------------------------------------------------------- the program audit on these workloads
+
+
+def ddp_optimizer_under_aot_eager(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    torch._dynamo.config.optimize_ddp = True
+    model = DDP(_mlp(), bucket_cap_mb=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, batch in enumerate((5 + rank, 9 + 3 * rank, 7)):
+        x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return cc.stats()
+
+
+def test_ddp_optimizer_bucket_graphs_under_aot_eager_pass_the_audit_forward_and_backward():
+    outcome = run_ranks(ddp_optimizer_under_aot_eager, 2, timeout=180)
+    s0, s1 = outcome.results
+    assert s0["audit_divergences"] == s1["audit_divergences"] == 0
+    assert s0["audit_exchanges"] == s1["audit_exchanges"] >= 1
+    # every DDPOptimizer bucket is its own AOTAutograd forward (and backward) graph
+    assert s0["audit_graphs"] == s1["audit_graphs"] > 3 * s0["audit_exchanges"]
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Small() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fsdp2_per_block_compile(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+        block.compile(backend="aot_eager")
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4 + rank + step, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = cc.stats()
+    out["steps"] = len(losses)
+    return out
+
+
+def test_fsdp2_with_per_block_compile_passes_the_audit_on_every_step():
+    outcome = run_ranks(fsdp2_per_block_compile, 2, timeout=180)
+    s0, s1 = outcome.results
+    assert s0["steps"] == s1["steps"] == 3
+    assert s0["audit_exchanges"] == s1["audit_exchanges"] >= 1
+    assert s0["audit_divergences"] == s1["audit_divergences"] == 0
+
+
+def functional_collectives_under_inductor(rank: int, world: int) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
+    import compiler_collectives as cc
+    from compiler_collectives import audit
+
+    # Caches off: a cache hit skips AOTAutograd and inductor, and with them
+    # their levels (set here: the environment is read when torch is imported).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    cc.enable(guards=True)
+    group = dist.group.WORLD
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        local = torch.relu(x).sum(0)
+        summed = funcol.all_reduce(local, "sum", group)
+        gathered = funcol.all_gather_single(summed * 2, 0, group)
+        return (x @ w).tanh().sum(0) + gathered.sum() + summed
+
+    compiled = torch.compile(f, backend="inductor")
+    results = []
+    for n in (3 + rank, 8 + 2 * rank):
+        x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) / 10 - 1
+        w_compiled, w_eager = (torch.eye(4).requires_grad_() for _ in range(2))
+        out = compiled(x, w_compiled)
+        out.sum().backward()
+        expected = f(x, w_eager)
+        expected.sum().backward()
+        results.append(bool(torch.allclose(out, expected, atol=1e-5)
+                            and torch.allclose(w_compiled.grad, w_eager.grad, atol=1e-5)))
+    out = cc.stats()
+    out["results"] = results
+    out["reports"] = audit.reports()
+    return out
+
+
+def test_inductor_graphs_with_functional_collectives_pass_the_audit_at_every_level():
+    outcome = run_ranks(functional_collectives_under_inductor, 2, timeout=240)
+    for s in outcome.results:
+        assert s["results"] == [True, True]
+        assert s["audit_divergences"] == 0 and s["reports"] == []
+        # The dim is dynamic from the first compile, so AOTAutograd compiles the
+        # backward with the forward: one exchange, five graphs (Dynamo's; the
+        # AOTAutograd forward and backward; inductor's post-grad forward and backward).
+        assert s["audit_exchanges"] == 1
+        assert s["audit_graphs"] == 5

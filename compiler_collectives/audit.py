@@ -1,0 +1,483 @@
+"""The program audit: before a compiled graph runs, every rank checks that all ranks compiled the same collectives.
+
+Compiler collectives make ranks agree on which dims are dynamic; the ranks can
+still compile different programs (a branch on a size traced with each rank's
+own size hint, Python code that depends on the rank, partitioner or inductor
+decisions taken from size hints). Graphs whose collectives differ hang, crash,
+or silently pair the wrong messages. The audit turns that into an error at
+compile time, on every rank, before any rank runs the graph.
+
+Flow, per graph Dynamo hands to a backend (the seams module calls in):
+
+* ``audit_graph`` fingerprints the Dynamo graph, then runs the backend with a
+  record open on this thread. AOTAutograd's compilers (forward, inference, and
+  a backward compiled eagerly) and inductor's post-grad graphs add their
+  fingerprints to it (``aot_compile``, ``inductor_graph``).
+* After the backend returns (or raises), one all-gather on our compile group
+  exchanges a summary: per graph level, an 8-byte digest of the ordered
+  collective list and one of the whole graph. Levels every rank produced are
+  compared (a level missing on some rank, e.g. after a cache hit there, is not).
+* Collective digests differ: every rank sends that level's collective list in
+  a second all-gather, and every rank raises the same ``ProgramDivergenceError``
+  naming the frame, the first differing collective, each rank's version of it
+  and its user source line. Only the whole-graph digest differs: logged at INFO
+  and kept in ``reports()`` (report only).
+* A backward AOTAutograd compiles lazily gets its own exchange at its first
+  backward. It is armed only if every rank announced the same pending
+  backwards in the forward exchange, so no rank ever waits for an exchange
+  its peers will not run.
+
+Plain Python over ``torch.distributed``; the graph walk is ``fingerprint.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import torch
+
+from . import config, health, wire
+from .errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, WireFormatError, describe
+from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
+from .state import FrameId
+from .stats import counters
+from .transport import all_gather_bytes, groups, translate_failure
+
+log = logging.getLogger("compiler_collectives.audit")
+
+T = TypeVar("T")
+
+# Graph levels, in the order a difference is reported (the earliest is the
+# closest to the user's code).
+LEVELS = ("dynamo", "aot_forward", "aot_backward", "inductor_forward", "inductor_backward")
+_LEVEL_NAMES = {
+    "dynamo": "the graph Dynamo handed to the backend",
+    "aot_forward": "the AOTAutograd forward graph(s)",
+    "aot_backward": "the AOTAutograd backward graph(s)",
+    "inductor_forward": "inductor's post-grad forward graph(s)",
+    "inductor_backward": "inductor's post-grad backward graph(s)",
+}
+
+_seq = 0
+_local = threading.local()  # record: GraphAudit | None, stage: str | None
+_reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
+_artifact_sink: Callable[[str, Callable[[], str]], None] | None = None
+
+
+def _progress() -> dict[str, Any]:
+    return {"audit_seq": _seq}
+
+
+groups.progress_sources.append(_progress)
+
+
+def set_artifact_sink(sink: Callable[[str, Callable[[], str]], None] | None) -> None:
+    """Where each audit's JSON summary goes (the seams module points this at torch's structured trace)."""
+    global _artifact_sink
+    _artifact_sink = sink
+
+
+def reset_sequence() -> None:
+    global _seq
+    _seq = 0
+
+
+def reports() -> list[dict[str, Any]]:
+    """The latest report-only differences on this rank (at most 64), oldest first."""
+    return list(_reports)
+
+
+# ------------------------------------------------------------------ records
+
+
+@dataclasses.dataclass
+class AotScope:
+    """One AOTAutograd compile inside an audited Dynamo graph."""
+
+    frame: FrameId
+    training: bool = False  # the forward compiler ran: there is a backward graph
+    backward_compiled: bool = False  # ... and it was compiled with the forward
+    lazy_backward_armed: bool = False  # every rank will audit its lazy compile
+
+
+class GraphAudit:
+    """Fingerprints gathered for one exchange: a Dynamo graph's compile, or a lazy backward."""
+
+    def __init__(self, frame: FrameId, phase: str) -> None:
+        self.frame = frame
+        self.phase = phase
+        self.graphs: list[GraphFingerprint] = []
+        self.broken: set[str] = set()  # levels this rank could not fingerprint
+        self.scopes: list[AotScope] = []
+        self.spent_s = 0.0
+
+    def add(self, gm: torch.fx.GraphModule, level: str) -> None:
+        started = time.perf_counter()
+        try:
+            self.graphs.append(fingerprint(gm, level))
+            counters.audit_graphs += 1
+        except Exception as e:  # noqa: BLE001 - never fail a compile over the audit itself
+            # Dropping the level keeps the comparison honest: a level this rank
+            # cannot describe is left out of the exchange, so it is compared nowhere.
+            self.broken.add(level)
+            log.warning("program audit: cannot fingerprint a %s graph of %s (%s: %s); that level is "
+                        "not compared for this compile", level, self.frame, type(e).__name__, e)
+        self.spent_s += time.perf_counter() - started
+
+    def collectives(self, level: str) -> list[Collective]:
+        return [c for g in self.graphs if g.level == level for c in g.collectives]
+
+    def levels(self) -> list[wire.AuditLevel]:
+        out = []
+        for level in LEVELS:
+            graphs = [g for g in self.graphs if g.level == level]
+            if not graphs or level in self.broken:
+                continue
+            collectives = [c for g in graphs for c in g.collectives]
+            h = hashlib.blake2b(digest_size=8)
+            for g in graphs:
+                h.update(g.graph_hash)
+            out.append(wire.AuditLevel(level, len(graphs), len(collectives),
+                                       collectives_digest(collectives), h.digest()))
+        return out
+
+
+def current() -> GraphAudit | None:
+    return getattr(_local, "record", None)
+
+
+@contextlib.contextmanager
+def _open(record: GraphAudit | None, stage: str | None) -> Iterator[None]:
+    saved = (getattr(_local, "record", None), getattr(_local, "stage", None))
+    _local.record, _local.stage = record, stage
+    try:
+        yield
+    finally:
+        _local.record, _local.stage = saved
+
+
+# ------------------------------------------------------------------ entry points (seams)
+
+
+def audit_graph(frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], T]) -> T:
+    """Run Dynamo's backend call ``compile`` for ``gm`` under audit; raises before returning a divergent graph."""
+    record = GraphAudit(frame, "forward")
+    record.add(gm, "dynamo")
+    return _audited(record, compile, stage=None)
+
+
+def aot_scope() -> AotScope | None:
+    """A scope for one AOTAutograd compile, if it belongs to an audited graph."""
+    record = current()
+    if record is None or record.phase != "forward":
+        return None
+    scope = AotScope(record.frame)
+    record.scopes.append(scope)
+    return scope
+
+
+def aot_compile(scope: AotScope, stage: str, gm: torch.fx.GraphModule, compile: Callable[[], T]) -> T:
+    """One call of AOTAutograd's forward/inference/backward compiler for ``gm``."""
+    record = current()
+    if record is not None:
+        if stage == "forward":
+            scope.training = True
+        elif stage == "backward":
+            scope.backward_compiled = True
+        record.add(gm, "aot_backward" if stage == "backward" else "aot_forward")
+        with _open(record, stage):
+            return compile()
+    if stage == "backward" and scope.lazy_backward_armed:
+        scope.lazy_backward_armed = False  # one exchange per graph, at its first backward
+        lazy = GraphAudit(scope.frame, "backward")
+        lazy.add(gm, "aot_backward")
+        return _audited(lazy, compile, stage="backward")
+    return compile()
+
+
+def inductor_graph(gm: torch.fx.GraphModule) -> None:
+    """Inductor finished its post-grad passes on ``gm``: the order it will run."""
+    record = current()
+    if record is not None:
+        stage = getattr(_local, "stage", None)
+        record.add(gm, "inductor_backward" if stage == "backward" else "inductor_forward")
+
+
+def _failure_text(error: BaseException) -> str:
+    """'ValueError: first line' of the innermost exception (backends' errors arrive wrapped)."""
+    inner = error
+    for _ in range(16):
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None) -> T:
+    try:
+        with _open(record, stage):
+            result = compile()
+    except CollectiveError:
+        raise  # our collectives already failed on this rank: no exchange can be trusted
+    except Exception as e:
+        # Peers are about to exchange for this graph: take part, so that they
+        # learn this rank has no program instead of waiting for it.
+        settle(record, failure=_failure_text(e))
+        raise
+    settle(record)
+    return result
+
+
+# ------------------------------------------------------------------ the exchange
+
+
+def _frame_key(frame: FrameId) -> tuple[str, str, int]:
+    return (frame.name, os.path.basename(frame.filename), frame.line)
+
+
+def settle(record: GraphAudit, *, failure: str | None = None) -> None:
+    """Exchange ``record`` with every rank and act on the comparison (identically on every rank)."""
+    global _seq
+    health.check("audit")
+    pg = groups.compile_pg()
+    rank, world = pg.rank(), pg.size()
+    _seq += 1
+    seq = _seq
+    started = time.perf_counter()
+    pending = [s.training and not s.backward_compiled for s in record.scopes]
+    summary = wire.AuditSummary(record.phase, failure, record.levels(), pending)
+    try:
+        envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
+        counters.audit_exchanges += 1
+        summaries: list[wire.AuditSummary] = [e.body for e in envelopes]  # type: ignore[misc]
+        failed = [e.rank for e, s in zip(envelopes, summaries) if s.failure is not None]
+        if failed:
+            if len(failed) < world:
+                _fail_partial(record, summaries, failed, rank, seq, this_rank_failed=failure is not None)
+            return  # every rank failed: each raises its own error
+        by_rank = [{lv.level: lv for lv in s.levels} for s in summaries]
+        common = [lv for lv in LEVELS if all(lv in d for d in by_rank)]
+        diverged = [lv for lv in common if len({d[lv].collectives_digest for d in by_rank}) > 1]
+        if diverged:
+            level = diverged[0]
+            details = _exchange(pg, wire.AuditDetails(record.phase, level, record.collectives(level)),
+                                record.frame, seq, rank, world)
+            lists = [e.body.collectives for e in details]  # type: ignore[union-attr]
+            err = _divergence(record, level, lists, rank, seq)
+            counters.audit_divergences += 1
+            counters.errors += 1
+            health.poison(err)
+            raise err
+        report_only = [lv for lv in common if len({d[lv].graph_digest for d in by_rank}) > 1]
+        if report_only:
+            _report(record, report_only, by_rank, seq)
+        skipped = sorted(set().union(*by_rank) - set(common))
+        if skipped:
+            log.debug("audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
+                      seq, record.frame, ", ".join(skipped))
+        if record.phase == "forward":
+            _arm_lazy_backwards(record, [s.pending_backwards for s in summaries], seq)
+        _emit(record, seq, rank, summaries, report_only)
+    finally:
+        elapsed = time.perf_counter() - started
+        counters.audit_time_s += elapsed + record.spent_s
+        counters.audit_fingerprint_s += record.spent_s
+        log.debug("audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
+                  seq, record.frame, record.phase, len(record.graphs), record.spent_s * 1e3, elapsed * 1e3)
+
+
+def _exchange(
+    pg: Any, body: wire.AuditSummary | wire.AuditDetails, frame: FrameId, seq: int, rank: int, world: int
+) -> list[wire.AuditEnvelope]:
+    where = lambda: describe("audit", rank, seq, str(frame))  # noqa: E731
+    payload = wire.encode_audit(body, rank=rank, world_size=world, frame=frame, seq=seq, sent_at=time.time())
+    settings = config.settings
+    try:
+        with torch.profiler.record_function("compiler_collectives.audit"):
+            payloads, _ = all_gather_bytes(
+                pg, payload, max_bytes=settings.max_payload_bytes, slot_bytes=settings.inline_slot_bytes
+            )
+        envelopes = [
+            wire.decode_audit(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            for i, p in enumerate(payloads)
+        ]
+        _check_agreement(envelopes, rank=rank)
+    except CollectiveError as e:
+        e.kind, e.rank, e.seq, e.frame = "audit", rank, seq, str(frame)
+        if isinstance(e, WireFormatError):
+            e.args = (f"{where()}: {e.args[0]}",)
+        # Seen identically by every rank: no diagnosis needed. Anything else
+        # (a timeout, a dead peer) gets the side channel's.
+        err = e if isinstance(e, (WireFormatError, CollectiveDesyncError)) else groups.fail(e, seq=seq)
+        counters.errors += 1
+        health.poison(err)
+        if err is e:
+            raise
+        raise err from e.__cause__
+    except RuntimeError as e:
+        err = translate_failure(e, kind="audit", describe=where, rank=rank, seq=seq, frame=str(frame))
+        err.__cause__ = e
+        err = groups.fail(err, seq=seq)
+        counters.errors += 1
+        health.poison(err)
+        raise err from e
+    return envelopes
+
+
+def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> None:
+    first = envelopes[0]
+
+    def same(e: wire.AuditEnvelope) -> bool:
+        return (_frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq
+                and e.body.phase == first.body.phase and type(e.body) is type(first.body))
+
+    if all(same(e) for e in envelopes):
+        return
+    lines = "\n".join(f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}"
+                      for e in envelopes)
+    mine = envelopes[rank]
+    raise CollectiveDesyncError(
+        f"{describe('audit', rank, mine.seq, str(mine.frame))}: ranks are auditing different "
+        f"compiled graphs:\n{lines}\nThe ranks compiled different graphs or a different number of "
+        "them (e.g. a graph break on one rank only, or a backward run on some ranks only). "
+        "Compiler collectives need every rank to compile and run the same code (SPMD).",
+        ranks=tuple(e.rank for e in envelopes if not (
+            _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq
+            and e.body.phase == mine.body.phase)),
+    )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _divergence(
+    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int
+) -> ProgramDivergenceError:
+    longest = max(len(c) for c in lists)
+    index = next(
+        (i for i in range(longest + 1) if len({c[i].key() if i < len(c) else None for c in lists}) > 1),
+        0,  # the digests differed but the (clipped) descriptions do not: show the first
+    )
+    versions: dict[int, str | None] = {}
+    groups_of: dict[Any, list[int]] = {}
+    for r, c in enumerate(lists):
+        versions[r] = c[index].render() if index < len(c) else None
+        groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(r)
+    lines = []
+    for key, ranks in groups_of.items():
+        c = lists[ranks[0]]
+        text = (c[index].render() if key is not None
+                else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)")
+        lines.append(f"  {_ranks_text(ranks)}: {text}")
+    # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
+    largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
+    implicated = tuple(r for r in range(len(lists)) if r not in largest)
+    causes = (
+        "a branch on a size (`if x.shape[0] > 32:`) traced with each rank's own size hint, Python "
+        "code that depends on the rank, or a compiler decision taken from size hints"
+    )
+    if level.endswith("backward"):
+        causes += (" (here in the backward: e.g. an activation-checkpointing policy or the "
+                   "partitioner recomputing a collective on some ranks only)")
+    message = (
+        f"{describe('audit', rank, seq, str(record.frame))}: the ranks compiled different "
+        f"collectives for the same {record.phase} graph; no rank has run it.\n"
+        f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n"
+        + "\n".join(lines) + "\n"
+        f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
+        "Make the decision the same on every rank (branch on something every rank shares, such "
+        "as a setting or a size agreed before the call, and keep rank-dependent code out of "
+        "compiled regions), then rerun. "
+        "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
+    )
+    return ProgramDivergenceError(
+        message, kind="audit", rank=rank, seq=seq, frame=str(record.frame), ranks=implicated,
+        level=level, index=index, versions=versions,
+    )
+
+
+def _fail_partial(
+    record: GraphAudit, summaries: list[wire.AuditSummary], failed: list[int], rank: int, seq: int,
+    *, this_rank_failed: bool,
+) -> None:
+    first = summaries[failed[0]].failure
+    err = ProgramDivergenceError(
+        f"{describe('audit', rank, seq, str(record.frame))}: {_ranks_text(failed)} failed to compile "
+        f"this {record.phase} graph ({first}) while the other ranks compiled it; no rank has run "
+        "it. Read the failing rank's own error first; the ranks cannot go on with different programs.",
+        kind="audit", rank=rank, seq=seq, frame=str(record.frame), ranks=tuple(failed),
+    )
+    counters.errors += 1
+    health.poison(err)
+    if not this_rank_failed:
+        raise err
+    # This rank re-raises its own compile error; later collectives refuse to run.
+
+
+def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.AuditLevel]], seq: int) -> None:
+    counters.audit_report_only_differences += 1
+    entry = {
+        "seq": seq,
+        "frame": str(record.frame),
+        "phase": record.phase,
+        "levels": {lv: [d[lv].graph_digest.hex() for d in by_rank] for lv in levels},
+    }
+    _reports.append(entry)
+    log.info(
+        "audit #%d of %s (%s graph): the graphs differ across ranks outside their collectives at "
+        "level(s) %s (per-rank digests %s); the collectives agree, so this is reported only. "
+        "Usual cause: a constant that depends on the rank.",
+        seq, record.frame, record.phase, ", ".join(levels),
+        "; ".join(f"{lv}: {' '.join(d)}" for lv, d in entry["levels"].items()),
+    )
+
+
+def _arm_lazy_backwards(record: GraphAudit, pendings: list[list[bool]], seq: int) -> None:
+    if all(p == pendings[0] for p in pendings):
+        for scope, pending in zip(record.scopes, pendings[0]):
+            scope.lazy_backward_armed = pending
+    elif any(any(p) for p in pendings):
+        log.info("audit #%d of %s: the ranks' AOTAutograd compiles differ in which backward graphs "
+                 "compile lazily (a cache hit on some ranks?); those backward graphs are not audited",
+                 seq, record.frame)
+
+
+def _emit(record: GraphAudit, seq: int, rank: int, summaries: list[wire.AuditSummary],
+          report_only: list[str]) -> None:
+    sink = _artifact_sink
+    if sink is None:
+        return
+
+    def payload() -> str:
+        return json.dumps({
+            "seq": seq,
+            "rank": rank,
+            "frame": str(record.frame),
+            "phase": record.phase,
+            "report_only_levels": report_only,
+            "collectives": {lv: [c.render() for c in record.collectives(lv)]
+                            for lv in LEVELS if any(g.level == lv for g in record.graphs)},
+            "ranks": [
+                {lv.level: {"graphs": lv.graphs, "collectives": lv.collectives,
+                            "collectives_digest": lv.collectives_digest.hex(),
+                            "graph_digest": lv.graph_digest.hex()} for lv in s.levels}
+                for s in summaries
+            ],
+        })
+
+    try:
+        sink("compiler_collectives_audit", payload)
+    except Exception as e:  # noqa: BLE001 - tracing must never fail a compile
+        log.debug("could not emit the audit artifact: %s", e)

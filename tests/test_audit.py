@@ -1,0 +1,489 @@
+"""The program audit: ranks that compiled different collectives fail at compile time, together (issue 13)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
+
+
+def _line_of(marker: str) -> int:
+    """Line number in this file of the line ending with ``# <marker>``."""
+    with open(__file__) as f:
+        for number, line in enumerate(f, start=1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return number
+    raise AssertionError(marker)
+
+
+def _attempt(call) -> dict:
+    """Run ``call``; describe what it raised and how long it took."""
+    import compiler_collectives as cc
+
+    start = time.monotonic()
+    try:
+        call()
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
+                "level": getattr(e, "level", None), "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start}
+
+
+# ---------------------------------------------------------------- divergence at the first compile
+
+
+def _branch_on_size(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    y = funcol.all_reduce(x.sum(0), "sum", dist.group.WORLD)
+    if x.shape[0] > 32:
+        y = y + funcol.all_reduce(y, "avg", dist.group.WORLD)  # size-branch all_reduce
+    return y * 2
+
+
+def size_hint_branch(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_branch_on_size, backend="aot_eager")
+    out = _attempt(lambda: compiled(torch.ones(24 if rank == 0 else 40, 4)))
+    # What the new user did next: a collective of their own on the default group.
+    # Without the audit, rank 1's extra all_reduce meets this one and gloo aborts rank 0.
+    if out["type"] is None:
+        dist.all_reduce(torch.ones(4))
+    out["stats"] = cc.stats()
+    return out
+
+
+def test_a_branch_on_a_size_hint_makes_every_rank_raise_program_divergence_naming_the_all_reduce_line():
+    outcome = run_ranks(size_hint_branch, 2, env=ENV, timeout=120)
+    line = _line_of("size-branch all_reduce")
+    for r in outcome.results:
+        assert r["type"] == "ProgramDivergenceError", r
+        assert r["seconds"] < 60
+        assert r["level"] == "dynamo"
+        assert "_branch_on_size at " in r["message"]  # the frame
+        assert "First difference: collective #2" in r["message"]
+        assert "rank 0: no collective #2" in r["message"]
+        assert "rank 1: _c10d_functional.all_reduce.default(avg) on ranks [0, 1]" in r["message"]
+        assert f"test_audit.py:{line} in _branch_on_size" in r["message"]
+        assert r["ranks"] == [0] or r["ranks"] == [1]
+        assert r["stats"]["audit_divergences"] == 1
+
+
+def _branch_on_rank(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    y = x * 2
+    if dist.get_rank() == 1:
+        y = funcol.all_reduce(y, "sum", dist.group.WORLD)  # rank-branch all_reduce
+    return y + 1
+
+
+def rank_branch(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_branch_on_rank, backend="eager")
+    return _attempt(lambda: compiled(torch.ones(4)))
+
+
+def test_a_collective_under_a_rank_dependent_branch_is_caught_before_any_rank_runs_it():
+    outcome = run_ranks(rank_branch, 3, env=ENV, timeout=120)
+    line = _line_of("rank-branch all_reduce")
+    for r in outcome.results:
+        assert r["type"] == "ProgramDivergenceError", r
+        assert "ranks 0, 2: no collective #1 (its graph has 0 collective(s) in all)" in r["message"]
+        assert "rank 1: _c10d_functional.all_reduce.default(sum) on ranks [0, 1, 2]" in r["message"]
+        assert f"test_audit.py:{line} in _branch_on_rank" in r["message"]
+        assert r["ranks"] == [1]  # the odd one out
+
+
+def _scaled_by_rank(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x * (dist.get_rank() + 2), "sum", dist.group.WORLD)
+
+
+def rank_constant(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+    from compiler_collectives import audit
+
+    lines: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("compiler_collectives.audit")
+    logger.addHandler(Catch(level=logging.INFO))
+    logger.setLevel(logging.INFO)
+    cc.enable()
+    compiled = torch.compile(_scaled_by_rank, backend="aot_eager")
+    value = compiled(torch.ones(3))
+    return {
+        "value": value.tolist(),
+        "stats": cc.stats(),
+        "reports": audit.reports(),
+        "lines": [ln for ln in lines if "reported only" in ln],
+    }
+
+
+def test_graphs_that_differ_only_in_a_rank_dependent_constant_run_and_are_reported_only():
+    outcome = run_ranks(rank_constant, 2, env=ENV, timeout=120)
+    for r in outcome.results:
+        assert r["value"] == [5.0, 5.0, 5.0]  # 2 + 3: every rank ran its graph
+        assert r["stats"]["audit_divergences"] == 0
+        assert r["stats"]["audit_report_only_differences"] == 1
+        (report,) = r["reports"]
+        assert "_scaled_by_rank" in report["frame"]
+        assert set(report["levels"]) == {"dynamo", "aot_forward"}
+        (line,) = r["lines"]
+        assert "differ across ranks outside their collectives" in line
+
+
+def rank_constant_traced(rank: int, world: int) -> None:
+    import compiler_collectives as cc
+
+    cc.enable()
+    torch.compile(_scaled_by_rank, backend="eager")(torch.ones(3))
+
+
+def test_each_audit_is_a_structured_trace_artifact_that_names_the_report_only_levels(tmp_path):
+    import json
+
+    env = dict(ENV, TORCH_TRACE=str(tmp_path))  # read when torch is imported: spawn
+    run_ranks(rank_constant_traced, 2, env=env, timeout=120, start_method="spawn")
+    payloads = []
+    for log_file in sorted(tmp_path.glob("*rank_*")):
+        lines = log_file.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if '"name": "compiler_collectives_audit"' in line:
+                payloads.append(json.loads(lines[i + 1].strip()))
+    assert [p["rank"] for p in payloads] == [0, 1]
+    for p in payloads:
+        assert p["report_only_levels"] == ["dynamo"]
+        assert p["collectives"]["dynamo"][0].startswith("_c10d_functional.all_reduce.default(sum) on ranks [0, 1]")
+
+
+def agreeing_ranks(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_branch_on_size, backend="aot_eager")
+    for n in (8 + rank, 12, 5 + 3 * rank):  # sizes differ, branches agree (all <= 32)
+        compiled(torch.ones(n, 4))
+    return cc.stats()
+
+
+def test_ranks_with_different_sizes_but_the_same_program_pass_the_audit_with_one_exchange_per_graph():
+    outcome = run_ranks(agreeing_ranks, 2, env=ENV, timeout=120)
+    for s in outcome.results:
+        assert s["audit_divergences"] == 0 and s["audit_report_only_differences"] == 0
+        # one compile (the dim is dynamic from the start); aot_eager compiles
+        # the backward lazily but nothing here needs a gradient
+        assert s["audit_exchanges"] == 1
+        assert s["audit_graphs"] == 2  # the Dynamo graph and the AOTAutograd inference graph
+
+
+def audit_switched_off(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_branch_on_size, backend="aot_eager")
+    compiled(torch.ones(5 + rank, 4))
+    return cc.stats()
+
+
+def test_with_the_audit_switched_off_compiles_run_no_audit_exchange():
+    env = dict(ENV, COMPILER_COLLECTIVES_AUDIT="0")
+    outcome = run_ranks(audit_switched_off, 2, env=env, timeout=120)
+    for s in outcome.results:
+        assert s["compiler_collectives"] == 1  # compiler collectives stay on
+        assert s["audit_exchanges"] == 0 and s["audit_graphs"] == 0
+
+
+# ---------------------------------------------------------------- the backward
+
+
+def _checkpointed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = funcol.all_reduce(x @ w, "sum", dist.group.WORLD)  # recomputed all_reduce
+        return y * y
+
+    def policy(ctx, op, *args, **kwargs):
+        # Rank 1 alone recomputes the all_reduce in the backward instead of saving it.
+        if op in (torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default):
+            return CheckpointPolicy.MUST_RECOMPUTE if dist.get_rank() == 1 else CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_SAVE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(block, x, w, use_reentrant=False, context_fn=context)
+
+
+def backward_differs(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_checkpointed, backend="aot_eager")
+    w = torch.ones(4, 4, requires_grad=True)
+    out = compiled(torch.ones(2, 4), w)
+    after_forward = cc.stats()
+    result = _attempt(lambda: out.sum().backward())
+    result["after_forward"] = after_forward
+    result["stats"] = cc.stats()
+    return result
+
+
+def test_a_forward_that_agrees_and_a_backward_that_differs_raise_at_the_first_backward():
+    outcome = run_ranks(backward_differs, 2, env=ENV, timeout=120)
+    line = _line_of("recomputed all_reduce")
+    for r in outcome.results:
+        assert r["after_forward"]["audit_exchanges"] == 1 and r["after_forward"]["audit_divergences"] == 0
+        assert r["type"] == "ProgramDivergenceError", r
+        assert r["level"] == "aot_backward"
+        assert "for the same backward graph; no rank has run it" in r["message"]
+        # Both backwards reduce the gradient; rank 1 also recomputes the forward's all_reduce.
+        assert "rank 0: no collective #2 (its graph has 1 collective(s) in all)" in r["message"]
+        assert f"test_audit.py:{line} in block" in r["message"]
+        assert r["stats"]["audit_exchanges"] == 2  # the forward's, then the backward's
+
+
+def backward_agrees(rank: int, world: int, rows: tuple[int, int]) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_branch_on_size, backend="aot_eager")
+    for step in range(2):
+        x = torch.ones(rows[rank] + step, 4, requires_grad=True)
+        compiled(x).sum().backward()
+    return cc.stats()
+
+
+def test_a_lazily_compiled_backward_is_audited_at_its_first_backward_with_one_more_exchange():
+    # Static shapes: AOTAutograd compiles the backward at the first backward.
+    outcome = run_ranks(backward_agrees, 2, args=((6, 6),), env=ENV, timeout=120)
+    for s in outcome.results:
+        assert s["audit_divergences"] == 0
+        # step 0: the forward's exchange, then the backward's at its first
+        # backward; step 1 (7 rows) recompiles with the dim dynamic, which
+        # compiles its backward with the forward: one exchange for both
+        assert s["audit_exchanges"] == 3
+        assert s["audit_graphs"] == 6  # per compile: Dynamo, AOT forward, AOT backward
+
+
+def test_a_backward_compiled_with_its_forward_is_audited_in_the_forward_exchange():
+    # Sizes differ: the dim is dynamic, and AOTAutograd compiles the backward
+    # together with the forward (it saves a symbolic size for the backward).
+    outcome = run_ranks(backward_agrees, 2, args=((6, 9),), env=ENV, timeout=120)
+    for s in outcome.results:
+        assert s["audit_divergences"] == 0
+        assert s["audit_exchanges"] == 1
+        assert s["audit_graphs"] == 3
+
+
+def levels_differ(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    # As after an AOTAutograd cache hit on some ranks only: rank 1 produces
+    # Dynamo's graph alone, rank 0 also the AOTAutograd graphs and a lazy backward.
+    compiled = torch.compile(_branch_on_size, backend="aot_eager" if rank == 0 else "eager")
+    x = torch.ones(6, 4, requires_grad=True)
+    compiled(x).sum().backward()
+    return cc.stats()
+
+
+def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones_and_skip_the_lazy_backward():
+    outcome = run_ranks(levels_differ, 2, env=ENV, timeout=120)
+    s0, s1 = outcome.results
+    assert s0["audit_divergences"] == s1["audit_divergences"] == 0
+    assert s0["audit_exchanges"] == s1["audit_exchanges"] == 1  # no backward exchange rank 1 would never join
+    assert (s0["audit_graphs"], s1["audit_graphs"]) == (2, 1)  # the lazy backward is compiled unaudited
+
+
+# ---------------------------------------------------------------- one rank fails to compile
+
+
+def backend_fails_on_rank_1(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    def backend(gm, example_inputs):
+        if dist.get_rank() == 1:
+            raise ValueError("this backend does not like rank 1")
+        return gm.forward
+
+    cc.enable()
+    compiled = torch.compile(lambda x: x * 3, backend=backend)
+    start = time.monotonic()
+    try:
+        compiled(torch.ones(2))
+    except Exception as e:  # noqa: BLE001 - rank 1 gets the backend's own error
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start,
+                "ranks": list(getattr(e, "ranks", ()))}
+    return {"type": None}
+
+
+def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_waiting():
+    outcome = run_ranks(backend_fails_on_rank_1, 2, env=ENV, timeout=120)
+    r0, r1 = outcome.results
+    assert r1["type"] == "BackendCompilerFailed" and "does not like rank 1" in r1["message"]
+    assert r0["type"] == "ProgramDivergenceError", r0
+    assert ("rank 1 failed to compile this forward graph (ValueError: this backend does not like rank 1) "
+            "while the other ranks compiled it") in r0["message"]
+    assert r0["ranks"] == [1]
+    assert r0["seconds"] < 20  # well under COMPILER_COLLECTIVES_TIMEOUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-x", "-q"])
+
+
+# ---------------------------------------------------------------- the fingerprint of one graph
+
+
+def _two_symbolic_inputs() -> tuple:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda a, b: a.sum() + b.sum(), tracing_mode="symbolic")(torch.ones(5), torch.ones(7))
+    return tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _graph_reducing_second_input(first, second, *, device=None, scale=2):
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    a.meta["val"] = first
+    b = g.placeholder("b")
+    b.meta["val"] = second
+    ones = g.call_function(torch.ones, (3,), {"device": device})
+    scaled = g.call_function(torch.mul, (b, scale))
+    scaled.meta["val"] = second
+    reduced = g.call_function(torch.ops._c10d_functional.all_reduce.default, (scaled, "sum", "0"))
+    reduced.meta["val"] = second
+    waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+    g.output((waited, ones, a))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_symbols_are_named_in_order_of_first_use_so_differently_named_symbols_compare_equal():
+    from compiler_collectives.fingerprint import fingerprint
+
+    u, v = _two_symbolic_inputs()  # raw symbols, e.g. s75 and s57
+    one = fingerprint(_graph_reducing_second_input(u, v), "aot_forward")
+    other = fingerprint(_graph_reducing_second_input(v, u), "aot_forward")  # the raw names swapped
+    assert [c.key() for c in one.collectives] == [c.key() for c in other.collectives]
+    (c,) = one.collectives  # the wait is not a collective: it moves no data
+    assert (c.op, c.reduce_op, c.tensors) == ("_c10d_functional.all_reduce.default", "sum", ("float32[s1]",))
+    assert one.graph_hash == other.graph_hash
+
+
+def test_a_device_index_is_left_out_of_the_graph_hash_but_a_constant_is_not():
+    from compiler_collectives.fingerprint import fingerprint
+
+    u, v = _two_symbolic_inputs()
+    on = lambda **kw: fingerprint(_graph_reducing_second_input(u, v, **kw), "dynamo").graph_hash  # noqa: E731
+    assert on(device=torch.device("cuda", 0)) == on(device=torch.device("cuda", 1))
+    assert on(scale=2) != on(scale=3)
+
+
+def test_the_source_line_is_the_innermost_frame_outside_torch():
+    from compiler_collectives.fingerprint import user_line
+
+    torch_file = torch.__file__.replace("__init__.py", "distributed/_functional_collectives.py")
+    trace = (
+        '  File "/job/train.py", line 20, in step\n    y = funcol.all_reduce(x, "sum", group)\n'
+        '        ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n'
+        f'  File "{torch_file}", line 179, in all_reduce\n    tensor = torch.ops._c10d_functional.all_reduce(\n'
+    )
+    assert user_line(trace) == '/job/train.py:20 in step: y = funcol.all_reduce(x, "sum", group)'
+    assert user_line(None) == ""
+
+
+# ---------------------------------------------------------------- the audit's wire format
+
+
+def _summary(**overrides):
+    from compiler_collectives import wire
+
+    body = wire.AuditSummary(
+        phase="forward",
+        failure=None,
+        levels=[wire.AuditLevel("dynamo", 1, 2, b"\x01" * 8, b"\x02" * 8)],
+        pending_backwards=[True, False],
+    )
+    for key, value in overrides.items():
+        setattr(body, key, value)
+    return body
+
+
+def _audit_bytes(body, rank=1):
+    from compiler_collectives import wire
+    from compiler_collectives.state import FrameId
+
+    return wire.encode_audit(body, rank=rank, world_size=2, frame=FrameId("f", "/a/b.py", 3), seq=4, sent_at=1.5)
+
+
+def test_audit_summaries_and_details_round_trip():
+    from compiler_collectives import wire
+    from compiler_collectives.fingerprint import Collective
+
+    summary = _summary()
+    env = wire.decode_audit(_audit_bytes(summary), sender=1, max_bytes=1 << 20, expected_world_size=2)
+    assert env.body == summary and env.seq == 4 and env.frame.name == "f"
+    c = Collective("_c10d_functional.all_reduce.default", "ranks [0, 1]", "sum", ("float32[s0]",), "", "b.py:9 in f")
+    details = wire.AuditDetails("backward", "aot_backward", [c])
+    assert wire.decode_audit(_audit_bytes(details), sender=1, max_bytes=1 << 20).body == details
+
+
+def test_an_audit_payload_and_a_compiler_payload_meeting_in_one_all_gather_are_a_desync_not_corruption():
+    import compiler_collectives as cc
+    from compiler_collectives import wire
+    from compiler_collectives.state import FrameId, LocalState
+
+    compiler = wire.encode(LocalState(), rank=1, world_size=2, frame=FrameId("g", "/a/c.py", 7), seq=9, sent_at=2.0)
+    with pytest.raises(cc.CollectiveDesyncError, match=r"rank 1 is in a compiler collective \(#9, frame 'g'"):
+        wire.decode_audit(compiler, sender=1, max_bytes=1 << 20)
+    with pytest.raises(cc.CollectiveDesyncError, match=r"rank 1 sent a program-audit payload \(#4, frame 'f'"):
+        wire.decode(_audit_bytes(_summary()), sender=1, max_bytes=1 << 20)
+
+
+def _set(path, value):
+    def edit(envelope):
+        target = envelope
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return edit
+
+
+# Positions in the envelope: [..., 7: "audit", 8: ["summary", phase, failure, levels, pending]].
+@pytest.mark.parametrize("edit, why", [
+    (_set((8, 1), "sideways"), "audit phase must be one of"),
+    (_set((8, 3, 0, 3), b"\x01"), "audit level 'dynamo' collectives digest must be 8 bytes"),
+    (_set((8, 3, 0, 1), -1), "audit level 'dynamo' graph count must be an int in range"),
+    (_set((8, 4), [1]), "audit pending backwards must be a list of bools"),
+    (_set((8, 0), "verdict"), "unknown audit body 'verdict'"),
+])
+def test_a_malformed_audit_summary_is_rejected_naming_the_sender(edit, why):
+    import msgpack
+
+    import compiler_collectives as cc
+    from compiler_collectives import wire
+
+    envelope = msgpack.unpackb(_audit_bytes(_summary()))
+    edit(envelope)
+    with pytest.raises(cc.WireFormatError, match=f"bad program-audit payload from rank 1: {why}"):
+        wire.decode_audit(msgpack.packb(envelope, use_bin_type=True), sender=1, max_bytes=1 << 20)
