@@ -1,6 +1,6 @@
 """Every touch of ``torch._dynamo`` internals lives here.
 
-``install()`` swaps our implementation into the places where torch 2.13's
+``install()`` swaps our implementation into the places where torch 2.13-2.15's
 Dynamo calls its own compiler and guard collectives; ``uninstall()`` puts
 torch's originals back. The seams, all checked before anything is patched:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import re
 import threading
 from typing import Any, Callable
 
@@ -61,6 +62,11 @@ REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
     ("torch.compiler", "set_enable_guard_collectives"),
 )
 
+# The torch releases this package supports, [from, to) as (major, minor),
+# matching pyproject's requirement; CI runs the suite on each of TESTED_TORCH.
+SUPPORTED_TORCH = ((2, 13), (2, 16))
+TESTED_TORCH = ("2.13.0", "2.14.1", "2.15.0")
+
 
 def _resolve(module: str, path: str) -> Any:
     obj: Any = importlib.import_module(module)
@@ -80,12 +86,35 @@ def missing_seams() -> list[str]:
     return missing
 
 
+def supported_range() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    return f"torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor - 1} (tested: {', '.join(TESTED_TORCH)})"
+
+
+def version_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed torch) is a release in ``SUPPORTED_TORCH``.
+
+    Only major.minor counts: 2.16.0a0 nightlies are 2.16, outside the range.
+    """
+    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__ if version is None else version))
+    if m is None:
+        return False
+    release = (int(m.group(1)), int(m.group(2)))
+    return SUPPORTED_TORCH[0] <= release < SUPPORTED_TORCH[1]
+
+
 def check_seams() -> None:
     missing = missing_seams()
+    fix = f"It supports {supported_range()}; install one of those, e.g. torch=={TESTED_TORCH[-1]}."
     if missing:
         raise UnsupportedTorchError(
             f"compiler_collectives cannot hook into torch {torch.__version__}: missing Dynamo "
-            f"seam(s) {', '.join(missing)}. It supports torch 2.13; install torch==2.13.0."
+            f"seam(s) {', '.join(missing)}. {fix}"
+        )
+    if not version_supported():
+        raise UnsupportedTorchError(
+            f"compiler_collectives does not support torch {torch.__version__}: the Dynamo "
+            f"internals it replaces are only known to match in the supported releases. {fix}"
         )
 
 
