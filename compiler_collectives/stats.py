@@ -33,6 +33,8 @@ class Counters:
     guard_agreed_misses: int = 0
     forced_recompiles: int = 0
     guard_time_s: float = 0.0
+    # slow path: recompile reasons exchanged after an agreed miss
+    guard_reason_exchanges: int = 0
     # failures
     errors: int = 0
 
