@@ -175,15 +175,25 @@ def test_when_every_rank_hits_no_reasons_are_exchanged():
     assert outcome.results == [{"guard": 4, "exchanges": 0}] * 2
 
 
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "COMPILER_COLLECTIVES_"))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env})
+
+
 @pytest.mark.parametrize("spec, level", [("compiler_collectives", "INFO"), ("+compiler_collectives", "DEBUG")])
 def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
-    code = ("import logging, torch\n"
-            "print(logging.getLevelName(logging.getLogger('compiler_collectives.guard').getEffectiveLevel()))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "COMPILER_COLLECTIVES_"))}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**env, "TORCH_LOGS": spec})
+    proc = _python("import logging, torch\n"
+                   "print(logging.getLevelName(logging.getLogger('compiler_collectives.guard').getEffectiveLevel()))",
+                   TORCH_LOGS=spec)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-1] == level
+
+
+def test_the_retired_log_level_variable_points_to_torch_logs():
+    proc = _python("import compiler_collectives", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
+    assert proc.returncode == 0, proc.stderr
+    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives" in proc.stderr
 
 
 # ---------------------------------------------------------------- artifact content
