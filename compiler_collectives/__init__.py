@@ -34,20 +34,6 @@ from .stats import reset_counters as _reset_counters
 from . import dynamo_seams as _seams  # noqa: E402  (after __version__: wire imports it)
 
 
-def _configure_logging() -> None:
-    import logging
-
-    level = config.settings.log_level.strip().upper()
-    if not level:
-        return
-    logger = logging.getLogger("compiler_collectives")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level)
-
-
 def _running_doctor() -> bool:
     # `python -m compiler_collectives doctor` (argv[0] is "-m" while the package
     # imports) or the console script: doctor must report a broken install,
@@ -60,8 +46,19 @@ def _running_doctor() -> bool:
     )
 
 
+def _warn_retired_variables() -> None:
+    import logging
+    import os
+
+    if "COMPILER_COLLECTIVES_LOG_LEVEL" in os.environ:
+        logging.getLogger("compiler_collectives").warning(
+            "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives "
+            "(INFO) or TORCH_LOGS=+compiler_collectives (DEBUG) instead"
+        )
+
+
 install_error: UnsupportedTorchError | None = None
-_configure_logging()
+_warn_retired_variables()
 try:
     _seams.install()
 except UnsupportedTorchError as _e:

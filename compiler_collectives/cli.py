@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.verbose:
-        # Without -v, logging is left as configured (e.g. COMPILER_COLLECTIVES_LOG_LEVEL).
+        # Without -v, logging is left as configured (e.g. TORCH_LOGS=+compiler_collectives).
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("compiler_collectives").setLevel(logging.INFO if args.verbose == 1 else logging.DEBUG)
     # A SIGTERM (a CI job cancelled, `timeout`, ...) unwinds like Ctrl-C, so the

@@ -52,11 +52,19 @@ def reset_sequence() -> None:
 
 @dataclasses.dataclass
 class Exchange:
-    """What one compiler collective produced, identical on every rank."""
+    """What one compiler collective produced, identical on every rank (but the cost figures)."""
 
     envelopes: list[wire.Envelope]
     states: list[LocalState]
     restart: bool
+    # "inputs" (before the first trace) or "trace" (at its end)
+    phase: str = "trace"
+    # Why a restart is or is not needed; empty for the input exchange.
+    restart_why: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    elapsed_s: float = 0.0
 
 
 def exchange(
@@ -131,7 +139,7 @@ def exchange(
     elapsed = time.perf_counter() - started
 
     states = [e.state for e in envelopes]
-    restart = restart_needed(states, ds.early_states) if state is None else False
+    restart, why = restart_decision(states, ds.early_states) if state is None else (False, "")
     if state is None:
         counters.compiler_collectives += 1
     else:
@@ -165,7 +173,15 @@ def exchange(
         where(), len(payload), bytes_in, rounds, elapsed * 1e3,
         counters.last_arrival_spread_s * 1e3, counters.last_late_rank,
     )
-    return Exchange(envelopes, states, restart)
+    return Exchange(
+        envelopes, states, restart,
+        phase="trace" if state is None else "inputs",
+        restart_why=why,
+        bytes_sent=len(payload),
+        bytes_received=bytes_in,
+        rounds=rounds,
+        elapsed_s=elapsed,
+    )
 
 
 def _compile_id() -> str | None:
@@ -201,7 +217,14 @@ def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
 
 
 def restart_needed(states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None) -> bool:
-    """Whether Dynamo must trace the frame again after the exchange.
+    """Whether Dynamo must trace the frame again after the exchange (see ``restart_decision``)."""
+    return restart_decision(states, early_states)[0]
+
+
+def restart_decision(
+    states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None
+) -> tuple[bool, str]:
+    """Whether Dynamo must trace the frame again after the exchange, and why.
 
     The first trace decided every source from one of two things:
 
@@ -215,26 +238,52 @@ def restart_needed(states: Sequence[LocalState], early_states: Sequence[LocalSta
       anything else.
 
     ``states`` and ``early_states`` are identical on every rank, so every
-    rank reaches the same answer.
+    rank reaches the same answer, and the same explanation.
     """
     if not config.settings.skip_needless_restart:
-        return True
+        return True, "COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART=0: always restart, as torch does"
     early_names: set[str] = set()
     if early_states is not None:
         for early in early_states:
             early_names.update(early.automatic_dynamic)
-        for name in early_names:
-            if any(name in s.automatic_dynamic for s in states) and any(
-                s.automatic_dynamic.get(name) != e.automatic_dynamic.get(name)
-                for s, e in zip(states, early_states)
-            ):
-                return True
+        for name in sorted(early_names):
+            if not any(name in s.automatic_dynamic for s in states):
+                continue
+            for rank, (s, e) in enumerate(zip(states, early_states)):
+                recorded, predicted = s.automatic_dynamic.get(name), e.automatic_dynamic.get(name)
+                if recorded != predicted:
+                    return True, (
+                        f"rank {rank}'s trace recorded {name} as {_shown(recorded)} but its "
+                        f"exchanged argument was {_shown(predicted)}"
+                    )
 
     def rest(state: LocalState) -> dict[str, Any]:
         return {k: v for k, v in state.automatic_dynamic.items() if k not in early_names}
 
     first = rest(states[0])
-    return not all(s.frame_state_fresh and rest(s) == first for s in states)
+    for rank, s in enumerate(states):
+        if not s.frame_state_fresh:
+            return True, (
+                f"rank {rank}'s frame state from earlier compiles could change a decision "
+                "for a source outside the frame's arguments"
+            )
+        other = rest(s)
+        if other != first:
+            name = min(n for n in set(first) | set(other) if first.get(n) != other.get(n))
+            return True, (
+                f"{name}, which is not a frame argument and was traced as static, differs: "
+                f"rank 0 recorded {_shown(first.get(name))}, rank {rank} {_shown(other.get(name))}"
+            )
+    if early_names:
+        return False, (
+            "every rank's trace recorded its frame arguments exactly as exchanged before "
+            "the trace, and the same values for every other source"
+        )
+    return False, "every rank recorded the same sources with the same values"
+
+
+def _shown(entry: Any) -> str:
+    return "nothing" if entry is None else entry.render()
 
 
 def group_for_compile() -> Any:

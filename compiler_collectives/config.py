@@ -8,6 +8,8 @@ first imported, and can be changed from Python afterwards through ``settings``
 Torch's own switch for compiler collectives, ``TORCH_COMPILER_COLLECTIVES``,
 is not ours: torch reads it into ``torch._dynamo.config.enable_compiler_collectives``
 and we read that flag directly, so there is exactly one source of truth for it.
+Likewise our log levels: ``TORCH_LOGS=compiler_collectives`` (INFO) or
+``TORCH_LOGS=+compiler_collectives`` (DEBUG) configures our loggers.
 """
 
 from __future__ import annotations
@@ -68,13 +70,6 @@ def _parse_guard_transport(name: str, raw: str) -> str:
 
 
 GUARD_TRANSPORTS = ("auto", "gloo")
-
-
-def _parse_log_level(name: str, raw: str) -> str:
-    value = raw.strip().upper()
-    if value and value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ConfigError(f"{name}={raw!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,14 +196,6 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "chrome://tracing) with one event per collective. Implies recording. Merge with "
         "`python -m compiler_collectives report DIR`.",
     ),
-    Setting(
-        "log_level",
-        "COMPILER_COLLECTIVES_LOG_LEVEL",
-        "",
-        _parse_log_level,
-        "If set (DEBUG, INFO, WARNING, ...), attach a stderr handler to the "
-        "compiler_collectives loggers at that level. Unset: leave logging to the application.",
-    ),
 )
 
 
@@ -228,7 +215,6 @@ class Settings:
     heartbeat_s: float = 1.0
     timing: bool = False
     trace_dir: str = ""
-    log_level: str = ""
     # Where each value came from ("default", "env", "api"), for `doctor`.
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 

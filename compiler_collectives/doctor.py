@@ -98,6 +98,8 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
     facts["package_version"] = package.__version__
     facts["missing_seams"] = dynamo_seams.missing_seams()
     facts["missing_audit_backend_seams"] = dynamo_seams.missing_audit_backend_seams()
+    facts["torch_supported"] = dynamo_seams.version_supported()
+    facts["supported_range"] = dynamo_seams.supported_range()
     facts["installed"] = dynamo_seams.installed()
     if package.install_error is not None:
         facts["install_error"] = str(package.install_error)
@@ -118,11 +120,13 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
 def problems(facts: dict[str, Any]) -> list[str]:
     """Each problem with its fix."""
     out = []
+    fix = f"Fix: install a supported torch ({facts['supported_range']})."
     if facts["missing_seams"]:
         out.append(
-            f"torch {facts['torch_version']} lacks Dynamo seam(s) {', '.join(facts['missing_seams'])}. "
-            "Fix: install torch==2.13.0."
+            f"torch {facts['torch_version']} lacks Dynamo seam(s) {', '.join(facts['missing_seams'])}. {fix}"
         )
+    elif not facts["torch_supported"]:
+        out.append(f"torch {facts['torch_version']} is outside the supported releases. {fix}")
     auto = facts["autoload"]
     if not auto["entry_point_registered"]:
         out.append("the torch.backends entry point is not registered, so env vars alone cannot "
@@ -136,7 +140,8 @@ def problems(facts: dict[str, Any]) -> list[str]:
 
 
 def render(facts: dict[str, Any]) -> str:
-    lines = [f"torch {facts['torch_version']}"]
+    lines = [f"torch {facts['torch_version']}"
+             + ("" if facts["torch_supported"] else f" (NOT supported: {facts['supported_range']})")]
     state = "installed into torch._dynamo" if facts["installed"] else "NOT installed"
     lines.append(f"compiler_collectives {facts['package_version']}: {state}")
     lines.append("Dynamo seams: " + ("all present" if not facts["missing_seams"]

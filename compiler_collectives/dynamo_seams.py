@@ -1,6 +1,6 @@
 """Every touch of ``torch._dynamo`` internals lives here.
 
-``install()`` swaps our implementation into the places where torch 2.13's
+``install()`` swaps our implementation into the places where torch 2.13-2.15's
 Dynamo calls its own compiler and guard collectives; ``uninstall()`` puts
 torch's originals back. The seams, all checked before anything is patched:
 
@@ -18,19 +18,27 @@ torch's originals back. The seams, all checked before anything is patched:
   ``backends.common.aot_module_simplified`` and inductor's
   ``compile_fx._recursive_post_grad_passes``): the program audit's view of
   each graph (see the section at the end and ``audit.py``).
+* ``convert_frame.get_and_maybe_log_recompilation_reasons``: after an agreed
+  guard miss, every rank's reasons, recorded where Dynamo records its own
+  (its ``recompiles`` log, the ``recompile_reasons`` artifact, the metrics).
+* ``torch._logging.trace_structured``: our ``compiler_collective`` and
+  ``guard_collective`` artifacts in ``TORCH_TRACE``, under the compile's id.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
+import re
 import threading
 from typing import Any, Callable
 
 import torch
 
-from . import audit, compiler_collective, config, fingerprint, guard_collective, health
+from . import (artifacts, audit, compiler_collective, config, fingerprint, guard_collective, health,
+               recompile_reasons)
 from .errors import CollectiveError, UnsupportedTorchError
 from .state import DYNAMIC, UNSET, DistributedState, FrameId, InferStride, LocalState, Marker, SizeEntry
 from .stats import counters
@@ -63,7 +71,21 @@ REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.distributed", "get_guard_pg"),
     ("torch._C._dynamo.eval_frame", "set_guard_complete_hook"),
     ("torch.compiler", "set_enable_guard_collectives"),
+    # PT2 tooling: recompile reasons and the structured trace
+    ("torch._dynamo.convert_frame", "get_and_maybe_log_recompilation_reasons"),
+    ("torch._dynamo.guards", "recompiles_log"),
+    ("torch._dynamo.guards", "recompiles_verbose_log"),
+    ("torch._dynamo.guards", "is_recompiles_enabled"),
+    ("torch._dynamo.guards", "is_recompiles_verbose_enabled"),
+    ("torch._dynamo.config", "error_on_recompile"),
+    ("torch._dynamo.exc", "RecompileError"),
+    ("torch._logging", "trace_structured"),
 )
+
+# The torch releases this package supports, [from, to) as (major, minor),
+# matching pyproject's requirement; CI runs the suite on each of TESTED_TORCH.
+SUPPORTED_TORCH = ((2, 13), (2, 16))
+TESTED_TORCH = ("2.13.0", "2.14.1", "2.15.0")
 
 
 def _resolve(module: str, path: str) -> Any:
@@ -84,12 +106,35 @@ def missing_seams() -> list[str]:
     return missing
 
 
+def supported_range() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    return f"torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor - 1} (tested: {', '.join(TESTED_TORCH)})"
+
+
+def version_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed torch) is a release in ``SUPPORTED_TORCH``.
+
+    Only major.minor counts: 2.16.0a0 nightlies are 2.16, outside the range.
+    """
+    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__ if version is None else version))
+    if m is None:
+        return False
+    release = (int(m.group(1)), int(m.group(2)))
+    return SUPPORTED_TORCH[0] <= release < SUPPORTED_TORCH[1]
+
+
 def check_seams() -> None:
     missing = missing_seams()
+    fix = f"It supports {supported_range()}; install one of those, e.g. torch=={TESTED_TORCH[-1]}."
     if missing:
         raise UnsupportedTorchError(
             f"compiler_collectives cannot hook into torch {torch.__version__}: missing Dynamo "
-            f"seam(s) {', '.join(missing)}. It supports torch 2.13; install torch==2.13.0."
+            f"seam(s) {', '.join(missing)}. {fix}"
+        )
+    if not version_supported():
+        raise UnsupportedTorchError(
+            f"compiler_collectives does not support torch {torch.__version__}: the Dynamo "
+            f"internals it replaces are only known to match in the supported releases. {fix}"
         )
 
 
@@ -306,6 +351,7 @@ def _new_distributed_state(compile_pg: Any, local_state: LocalState) -> Distribu
     result = compiler_collective.exchange(ds, frame, state=predicted)
     ds.early_states = result.states
     ds.early_names = frozenset(n for s in result.states for n in s.automatic_dynamic)
+    _trace_exchange(result, ds)
     return ds
 
 
@@ -353,6 +399,7 @@ def _run_compiler_collective(self: Any) -> None:
     with _dynamo_timed("compiler_collective", log_pt2_compile_event=True):
         result = compiler_collective.exchange(ds, frame)
     ds.all_states = result.states
+    _trace_exchange(result, ds)
     if result.restart:
         counters.restarts += 1
         tx.speculation_log.clear()
@@ -386,16 +433,115 @@ def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     return _compile
 
 
+# ------------------------------------------------------------ PT2 tooling
+#
+# What TORCH_TRACE/tlparse and TORCH_LOGS show of us: our artifacts under
+# the compile they belong to, and every rank's recompile reasons where
+# Dynamo records its own.
+
+_compiler_log = logging.getLogger("compiler_collectives.compiler")
+
+
+def _structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
+    """A JSON artifact in torch's structured trace; ``payload_fn`` runs only if TORCH_TRACE is on.
+
+    Inside a compile, torch files it under that compile's id (and attempt).
+    """
+    _trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=lambda: json.dumps(payload_fn(), indent=1),
+    )
+
+
+def _trace_exchange(result: Any, ds: DistributedState) -> None:
+    """The ``compiler_collective`` artifact and the INFO line for one exchange."""
+    built: dict[str, Any] = {}
+
+    def payload() -> dict[str, Any]:
+        if not built:
+            times = [e.sent_at for e in result.envelopes]
+            built.update(artifacts.compiler_collective(
+                phase=result.phase,
+                rank=ds.compile_pg.rank(),
+                frame=str(ds.frame),
+                seq=ds.seq or 0,
+                states=result.states,
+                restart=None if result.phase == "inputs" else result.restart,
+                restart_why=result.restart_why,
+                bytes_sent=result.bytes_sent,
+                bytes_received=result.bytes_received,
+                rounds=result.rounds,
+                elapsed_s=result.elapsed_s,
+                arrival_spread_s=max(times) - min(times),
+                last_rank=max(range(len(times)), key=lambda r: times[r]),
+            ))
+        return built
+
+    _structured_artifact("compiler_collective", payload)
+    level = logging.INFO if result.phase == "trace" else logging.DEBUG
+    if _compiler_log.isEnabledFor(level):
+        _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
+
+
+def _recompilation_reasons(
+    cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False
+) -> list[str]:
+    """Dynamo's recompile reasons; after an agreed guard miss, every rank's, on every rank."""
+    original = _originals["get_and_maybe_log_recompilation_reasons"]
+    miss = None if skip_logging else guard_collective.take_agreed_miss()
+    if miss is None:
+        return original(cache_entries, frame, backend, skip_logging=skip_logging)
+    seq, missed, pg = miss
+    code = frame.f_code
+    where = str(FrameId(code.co_name, code.co_filename, code.co_firstlineno))
+    # A rank that hit has no failing guard to report; Dynamo would say it
+    # cannot find a reason.
+    own = original(cache_entries, frame, backend, skip_logging=True) if missed else []
+    shared = recompile_reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)
+    _structured_artifact("guard_collective", lambda: artifacts.guard_collective(shared, where))
+    _record_recompile_reasons(code, shared.reasons)
+    return shared.reasons
+
+
+def _record_recompile_reasons(code: Any, reasons: list[str]) -> None:
+    """Where Dynamo records recompile reasons: its recompile logs and ``recompile_reasons`` artifact.
+
+    The returned list also becomes the compile's metrics ``recompile_reason``
+    (its first item), which tlparse shows in the compile's metrics.
+    """
+    listed = "\n".join("    - " + r.replace("\n", "\n      ") for r in reasons)
+    message = (
+        f"Recompiling function {code.co_name} in {code.co_filename}:{code.co_firstlineno} "
+        f"with every rank (guard collective); guard failures:\n{listed}"
+    )
+    if _guards.is_recompiles_verbose_enabled():
+        _guards.recompiles_verbose_log.debug(message)
+    elif _guards.is_recompiles_enabled():
+        _guards.recompiles_log.debug(message)
+    _trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "recompile_reasons", "encoding": "json"},
+        # the shape Dynamo writes: one reason as a string, several as a list
+        payload_fn=lambda: reasons[0] if len(reasons) == 1 else reasons,
+    )
+    if torch._dynamo.config.error_on_recompile:
+        raise _exc.RecompileError(message)
+
+
 _exc: Any = None
 _dynamo_timed: Any = None
+_guards: Any = None
+_trace_structured: Any = None
 
 
 def install() -> None:
     """Swap our implementation in (idempotent)."""
-    global _installed, _pgo, _exc, _dynamo_timed
+    global _installed, _pgo, _exc, _dynamo_timed, _guards, _trace_structured
     if _installed:
         return
     check_seams()
+    import torch._dynamo.guards as guards
     import torch._C._dynamo.eval_frame as c_eval_frame
     import torch._dynamo.convert_frame as convert_frame
     import torch._dynamo.distributed as dynamo_distributed
@@ -407,6 +553,7 @@ def install() -> None:
     import torch._dynamo.variables.builder as builder
 
     _pgo, _exc, _dynamo_timed = pgo, exc, dynamo_utils.dynamo_timed
+    _guards, _trace_structured = guards, torch._logging.trace_structured
     _originals.update(
         get_compile_pg=convert_frame.get_compile_pg,
         distributed_get_compile_pg=dynamo_distributed.get_compile_pg,
@@ -418,6 +565,7 @@ def install() -> None:
         process_automatic_dynamic=pgo.process_automatic_dynamic,
         builder_process_automatic_dynamic=builder.process_automatic_dynamic,
         guard_collectives_hook=eval_frame.guard_collectives_hook,
+        get_and_maybe_log_recompilation_reasons=convert_frame.get_and_maybe_log_recompilation_reasons,
     )
     convert_frame.get_compile_pg = _get_compile_pg
     dynamo_distributed.get_compile_pg = _get_compile_pg
@@ -430,6 +578,7 @@ def install() -> None:
     builder.process_automatic_dynamic = _process_automatic_dynamic
     eval_frame.guard_collectives_hook = guard_collective.hook
     _install_audit(output_graph)
+    convert_frame.get_and_maybe_log_recompilation_reasons = _recompilation_reasons
     orig_code_map = dynamo_utils.orig_code_map
     guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
     guard_collective._wrapper_locals.update(_wrapper_locals())
@@ -469,6 +618,7 @@ def uninstall() -> None:
     builder.process_automatic_dynamic = _originals["builder_process_automatic_dynamic"]
     eval_frame.guard_collectives_hook = _originals["guard_collectives_hook"]
     _uninstall_audit(output_graph)
+    convert_frame.get_and_maybe_log_recompilation_reasons = _originals["get_and_maybe_log_recompilation_reasons"]
     previous = c_eval_frame.set_guard_complete_hook(None)
     if previous is guard_collective.hook:
         c_eval_frame.set_guard_complete_hook(_originals["guard_collectives_hook"])

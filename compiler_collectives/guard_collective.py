@@ -36,12 +36,15 @@ _time_ns = time.time_ns
 
 
 class _GuardState:
-    __slots__ = ("seq", "channel", "world")
+    __slots__ = ("seq", "channel", "world", "agreed_miss")
 
     def __init__(self) -> None:
         self.seq = 0
         self.channel: GuardChannel | None = None
         self.world: object | None = None
+        # (seq, this rank missed) of the last call where some rank missed;
+        # the compile that follows exchanges why (take_agreed_miss).
+        self.agreed_miss: tuple[int, bool] | None = None
 
 
 _state = _GuardState()
@@ -119,6 +122,21 @@ def reset_sequence() -> None:
     _state.seq = 0
     _state.channel = None
     _state.world = None
+    _state.agreed_miss = None
+
+
+def take_agreed_miss() -> tuple[int, bool, Any] | None:
+    """The miss every rank just agreed on, once: (guard seq, this rank missed, its gloo group).
+
+    None unless the last guard collective ended in a miss: a miss followed by
+    another guard collective produced no compile (e.g. the frame now runs
+    eagerly after the recompile limit) and is stale. Every rank gets the same
+    answer, so the exchange that follows pairs up.
+    """
+    miss, _state.agreed_miss = _state.agreed_miss, None
+    if miss is None or miss[0] != _state.seq or _state.channel is None:
+        return None
+    return miss[0], miss[1], _state.channel.pg
 
 
 def use_channel(channel: Any) -> None:
@@ -177,6 +195,7 @@ def hook(guard_eval_result: bool) -> bool:
             counters.guard_local_misses += 1
         if not all_hit:
             counters.guard_agreed_misses += 1
+            _state.agreed_miss = (seq, not guard_eval_result)
             if guard_eval_result:
                 counters.forced_recompiles += 1
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)

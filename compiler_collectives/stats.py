@@ -45,6 +45,8 @@ class Counters:
     audit_divergences: int = 0
     audit_time_s: float = 0.0
     audit_fingerprint_s: float = 0.0
+    # slow path: recompile reasons exchanged after an agreed miss
+    guard_reason_exchanges: int = 0
     # failures
     errors: int = 0
 

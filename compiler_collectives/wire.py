@@ -601,3 +601,90 @@ def decode_audit(
     except _OutOfStep as e:
         raise _desync(str(e), sender) from None
     return AuditEnvelope(version, pkg, rank, world, FrameId(frame[0], frame[1], line), seq, sent_at, parsed)
+
+
+# ------------------------------------------------ recompile-reason payloads
+#
+# After the guard collective agreed on a miss, each rank sends why it missed
+# (nothing if it hit), on the slow path only:
+#
+#     [REASONS_FORMAT_VERSION, "recompile_reasons", sender_rank, world_size,
+#      guard_seq, missed, [reason, ...]]
+#
+# Reasons are Dynamo's guard-failure texts, cut to MAX_REASON_CHARS each and
+# MAX_REASONS in all by the sender; the decoder enforces both.
+
+REASONS_FORMAT_VERSION = 1
+REASONS_TAG = "recompile_reasons"
+MAX_REASONS = 64
+MAX_REASON_CHARS = 4096
+
+
+@dataclasses.dataclass
+class ReasonsEnvelope:
+    """A decoded recompile-reason payload."""
+
+    rank: int
+    world_size: int
+    seq: int
+    missed: bool
+    reasons: list[str]
+
+
+def encode_reasons(*, rank: int, world_size: int, seq: int, missed: bool, reasons: list[str]) -> bytes:
+    kept = [r[:MAX_REASON_CHARS] for r in reasons[:MAX_REASONS]]
+    return msgpack.packb(
+        [REASONS_FORMAT_VERSION, REASONS_TAG, rank, world_size, seq, bool(missed), kept],
+        use_bin_type=True,
+    )
+
+
+def decode_reasons(
+    data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None
+) -> ReasonsEnvelope:
+    """Parse and validate one rank's recompile reasons; raise ``WireFormatError`` naming the sender."""
+
+    def fail(why: str) -> WireFormatError:
+        return WireFormatError(
+            f"bad recompile-reason payload from rank {sender}: {why}. Check that every rank "
+            "runs the same compiler_collectives version; if it does, this is a bug or a "
+            "corrupted transport.",
+            kind="guard",
+            ranks=(sender,),
+        )
+
+    if len(data) > max_bytes:
+        raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+    try:
+        _expect(type(obj) is list and len(obj) > 0, "payload must be a non-empty list")
+        version = obj[0]
+        _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
+        _expect(
+            version == REASONS_FORMAT_VERSION,
+            f"recompile-reason format version {version}, this rank speaks version "
+            f"{REASONS_FORMAT_VERSION} (package {__version__}); install the same "
+            "compiler_collectives version on every rank",
+        )
+        _expect(len(obj) == 7, f"payload must have 7 items, got {len(obj)}")
+        _, tag, rank, world, seq, missed, reasons = obj
+        _expect(tag == REASONS_TAG, f"payload tag {_show(tag)}, expected {REASONS_TAG!r}")
+        _int(rank, "sender rank", lo=0)
+        _expect(rank == sender, f"payload claims to come from rank {rank}")
+        _int(world, "world size", lo=1)
+        if expected_world_size is not None:
+            _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+        _int(seq, "guard sequence number", lo=0)
+        _expect(type(missed) is bool, "missed must be a bool")
+        _expect(type(reasons) is list and len(reasons) <= MAX_REASONS,
+                f"reasons must be a list of at most {MAX_REASONS}")
+        for i, reason in enumerate(reasons):
+            _expect(type(reason) is str and len(reason) <= MAX_REASON_CHARS,
+                    f"reasons[{i}] must be a string of at most {MAX_REASON_CHARS} characters")
+        _expect(missed or not reasons, "a rank that hit sent reasons")
+    except _Bad as e:
+        raise fail(str(e)) from None
+    return ReasonsEnvelope(rank=rank, world_size=world, seq=seq, missed=missed, reasons=reasons)

@@ -160,7 +160,11 @@ def run_ranks(
     finally:
         timed_out = []
         for rank, p in enumerate(procs):
-            p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
+            # A rank that reported may still be finalizing the interpreter: a
+            # spawned child tears torch down in full (seconds; more for CUDA
+            # builds on a loaded machine), where a forked one calls os._exit.
+            grace = 30.0 if rank in reported else 5.0
+            p.join(timeout=max(0.0, min(grace, deadline + grace - time.monotonic())))
             if p.is_alive():
                 timed_out.append(rank)
                 os.kill(p.pid, signal.SIGKILL)
@@ -181,8 +185,12 @@ def run_ranks(
         for rank, code in enumerate(outcome.exitcodes):
             if rank not in reported and rank not in timed_out:
                 problems.append(f"--- rank {rank} died without reporting (exit code {code})")
-        if timed_out:
-            problems.append(f"--- ranks {timed_out} still running after {timeout:.0f}s: killed")
+        hung = [r for r in timed_out if r not in reported]
+        if hung:
+            problems.append(f"--- ranks {hung} still running after {timeout:.0f}s: killed")
+        if len(hung) < len(timed_out):
+            problems.append(f"--- ranks {[r for r in timed_out if r in reported]} reported but did not "
+                            "exit within 30s: killed")
         if problems:
             raise RanksFailed("\n".join(problems), outcome)
     return outcome

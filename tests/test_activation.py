@@ -153,6 +153,27 @@ def test_a_missing_dynamo_seam_fails_with_the_torch_version_and_the_seam(monkeyp
     assert "torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in message
 
 
+@pytest.mark.parametrize("version", ["2.12.1", "2.16.0", "2.16.0a0+git1234567", "3.0.0"])
+def test_a_torch_outside_the_supported_releases_fails_naming_them(monkeypatch, version):
+    from compiler_collectives import dynamo_seams
+    from compiler_collectives.errors import UnsupportedTorchError
+
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(UnsupportedTorchError) as info:
+        dynamo_seams.check_seams()
+    message = str(info.value)
+    assert version in message
+    assert "torch 2.13 to 2.15 (tested: 2.13.0, 2.14.1, 2.15.0)" in message
+
+
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.1+cu130", "2.15.0", "2.15.3"])
+def test_every_release_in_the_supported_range_passes_the_version_check(monkeypatch, version):
+    from compiler_collectives import dynamo_seams
+
+    monkeypatch.setattr(torch, "__version__", version)
+    dynamo_seams.check_seams()
+
+
 def test_enabled_context_manager_restores_the_previous_state():
     import compiler_collectives as cc
 

@@ -21,13 +21,11 @@ def test_environment_values_are_parsed_and_marked_as_coming_from_the_environment
         "COMPILER_COLLECTIVES_TIMEOUT": "12.5",
         "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1024",
         "COMPILER_COLLECTIVES_HEARTBEAT_S": "0",
-        "COMPILER_COLLECTIVES_LOG_LEVEL": "debug",
     })
     assert settings.guards is True
     assert settings.timeout_s == 12.5
     assert settings.max_payload_bytes == 1024
     assert settings.heartbeat_s == 0.0
-    assert settings.log_level == "DEBUG"
     assert settings.sources["timeout_s"] == "env"
 
 
@@ -37,7 +35,6 @@ def test_environment_values_are_parsed_and_marked_as_coming_from_the_environment
     ("COMPILER_COLLECTIVES_GUARDS", "maybe"),
     ("COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES", "1.5"),
     ("COMPILER_COLLECTIVES_HEARTBEAT_S", "-1"),
-    ("COMPILER_COLLECTIVES_LOG_LEVEL", "LOUD"),
 ])
 def test_a_value_that_does_not_parse_raises_config_error_naming_the_variable(env, value):
     with pytest.raises(ConfigError, match=env):

@@ -56,3 +56,27 @@ def test_readme_opens_with_the_demo_and_test_commands_that_ci_runs():
     assert "scripts/dev demo" in text and "scripts/dev test" in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/dev test" in ci
+
+
+def test_ci_runs_every_tested_torch_release_and_pyproject_and_the_docs_agree():
+    import tomllib
+
+    from compiler_collectives import dynamo_seams
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    releases = re.search(r"^releases=\((.*)\)$", ci, flags=re.MULTILINE).group(1).split()
+    assert tuple(releases) == dynamo_seams.TESTED_TORCH
+    assert releases[0] == "2.13.0"  # the README's default, run by the README's own command
+    assert all(dynamo_seams.version_supported(r) for r in releases)
+    (lo_major, lo_minor), (hi_major, hi_minor) = dynamo_seams.SUPPORTED_TORCH
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}" in deps
+    for doc in ("README.md", "docs/usage.md"):
+        text = (ROOT / doc).read_text()
+        assert all(r in text for r in releases), f"{doc} does not name every tested release"
+
+
+def test_usage_doc_shows_how_to_read_a_job_with_tlparse_and_torch_logs():
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert "TORCH_TRACE=" in usage and "tlparse /tmp/trace" in usage and "--all-ranks-html" in usage
+    assert "`compiler_collectives` | INFO" in usage and "`+compiler_collectives` | DEBUG" in usage

@@ -866,3 +866,65 @@ def test_a_front_coded_first_name_must_be_empty_prefixed():
     env = _envelope()
     env[7][0][0][0] = [1, "x"]
     _rejects(_pack(env), match="front-coded name")
+
+
+# ------------------------------------------------ recompile-reason payloads
+
+
+def _reasons(*, rank: int = SENDER, seq: int = 5, missed: bool = True, reasons=("0/0: tensor 'x' size mismatch",)):
+    return wire.encode_reasons(rank=rank, world_size=WORLD, seq=seq, missed=missed, reasons=list(reasons))
+
+
+def _decode_reasons(data: bytes, *, sender: int = SENDER) -> wire.ReasonsEnvelope:
+    return wire.decode_reasons(data, sender=sender, max_bytes=1 << 20, expected_world_size=WORLD)
+
+
+def _rejects_reasons(data: bytes, match: str | None = None) -> None:
+    with pytest.raises(WireFormatError, match=match) as info:
+        _decode_reasons(data)
+    assert f"from rank {SENDER}" in str(info.value)
+    assert info.value.ranks == (SENDER,)
+
+
+def test_recompile_reasons_round_trip():
+    got = _decode_reasons(_reasons(reasons=["a", "b\nc"]))
+    assert (got.rank, got.world_size, got.seq, got.missed, got.reasons) == (SENDER, WORLD, 5, True, ["a", "b\nc"])
+
+
+def test_a_rank_that_hit_sends_no_reasons_and_one_that_claims_both_is_rejected():
+    assert _decode_reasons(_reasons(missed=False, reasons=())).reasons == []
+    bad = msgpack.packb([wire.REASONS_FORMAT_VERSION, wire.REASONS_TAG, SENDER, WORLD, 5, False, ["x"]])
+    _rejects_reasons(bad, "hit sent reasons")
+
+
+def test_the_sender_cuts_reasons_to_the_limits_the_receiver_enforces():
+    long = "x" * (wire.MAX_REASON_CHARS + 10)
+    got = _decode_reasons(_reasons(reasons=[long] * (wire.MAX_REASONS + 3)))
+    assert len(got.reasons) == wire.MAX_REASONS and all(len(r) == wire.MAX_REASON_CHARS for r in got.reasons)
+    bad = msgpack.packb([wire.REASONS_FORMAT_VERSION, wire.REASONS_TAG, SENDER, WORLD, 5, True, [long]])
+    _rejects_reasons(bad, "at most")
+
+
+def test_a_recompile_reason_payload_of_another_version_names_both_versions():
+    bad = msgpack.packb([wire.REASONS_FORMAT_VERSION + 1, wire.REASONS_TAG, SENDER, WORLD, 5, True, []])
+    _rejects_reasons(bad, f"version {wire.REASONS_FORMAT_VERSION + 1}.*speaks version {wire.REASONS_FORMAT_VERSION}")
+
+
+@pytest.mark.parametrize("position, value", [
+    (1, "compiler_collective"), (2, SENDER + 1), (3, WORLD + 1), (4, -1), (5, 1), (6, "reason"), (6, [b"bytes"]),
+])
+def test_a_wrong_value_in_any_recompile_reason_position_is_rejected(position, value):
+    items = [wire.REASONS_FORMAT_VERSION, wire.REASONS_TAG, SENDER, WORLD, 5, True, ["r"]]
+    items[position] = value
+    _rejects_reasons(msgpack.packb(items, use_bin_type=True))
+
+
+def test_every_truncated_recompile_reason_payload_is_rejected():
+    data = _reasons()
+    for n in range(len(data)):
+        _rejects_reasons(data[:n])
+
+
+def test_a_msgpack_ext_type_in_the_reasons_is_rejected():
+    items = [wire.REASONS_FORMAT_VERSION, wire.REASONS_TAG, SENDER, WORLD, 5, True, [msgpack.ExtType(1, b"x")]]
+    _rejects_reasons(msgpack.packb(items))

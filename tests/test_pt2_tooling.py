@@ -1,0 +1,269 @@
+"""What PT2's own tooling shows of us: tlparse artifacts, recompile reasons, TORCH_LOGS (issue 12)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compiler_collectives import artifacts, recompile_reasons
+from compiler_collectives.compiler_collective import restart_decision
+from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
+from tests.harness import run_ranks
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * 2
+
+
+def _last_recompile_reason() -> str | None:
+    import torch._dynamo.utils as dynamo_utils
+
+    return dynamo_utils.get_compilation_metrics()[-1].recompile_reason
+
+
+def one_rank_changes_size(rank: int, world: int, missing: list[int]) -> dict:
+    """Every rank compiles with size 8; then the ranks in ``missing`` see 8 + rank and miss."""
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(8, 4))
+    f(torch.ones(8 + rank if rank in missing else 8, 4))
+    s = cc.stats()
+    return {
+        "reason": _last_recompile_reason(),
+        "forced": s["forced_recompiles"],
+        "exchanges": s["guard_reason_exchanges"],
+    }
+
+
+def _tlparse() -> str:
+    found = shutil.which("tlparse", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    assert found, "tlparse is not installed (it is in the dev extras: pip install -e '.[dev]')"
+    return found
+
+
+def _artifacts_by_compile(trace_dir: pathlib.Path, rank: int, out: pathlib.Path) -> dict[str, dict]:
+    """tlparse over one rank's trace: compile id -> {artifact file name: parsed JSON, or text}.
+
+    Dynamo writes a single recompile reason as a bare string in a "json" artifact.
+    """
+    (log,) = trace_dir.glob(f"dedicated_log_torch_trace_rank_{rank}_*.log")
+    proc = subprocess.run([_tlparse(), str(log), "-o", str(out), "--no-browser", "--overwrite"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    directory = json.loads((out / "compile_directory.json").read_text())
+    found: dict[str, dict] = {}
+    for compile_id, entry in directory.items():
+        found[compile_id] = {}
+        for artifact in entry["artifacts"]:
+            if artifact["name"].endswith(".json"):
+                text = (out / artifact["url"]).read_text()
+                try:
+                    found[compile_id][artifact["name"]] = json.loads(text)
+                except json.JSONDecodeError:
+                    found[compile_id][artifact["name"]] = text
+    return found
+
+
+def _named(artifacts: dict, prefix: str) -> list[dict]:
+    """The artifacts of one name, in the order they were written (tlparse numbers them)."""
+    chosen = [(int(n.rsplit("_", 1)[1].split(".")[0]), v) for n, v in artifacts.items() if n.startswith(prefix + "_")]
+    return [v for _, v in sorted(chosen, key=lambda item: item[0])]
+
+
+@pytest.mark.timeout(180)
+def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
+    trace_dir = tmp_path / "trace"
+    run_ranks(one_rank_changes_size, 2, args=([1],), start_method="spawn", timeout=150,
+              env={"TORCH_TRACE": str(trace_dir)})
+    for rank in (0, 1):
+        compiles = _artifacts_by_compile(trace_dir, rank, tmp_path / f"tlparse{rank}")
+        assert set(compiles) == {"[0/0]", "[0/1]"}
+        first, recompile = compiles["[0/0]"], compiles["[0/1]"]
+
+        # the first compile: an input exchange and an end-of-trace exchange, nothing differs
+        inputs, trace = _named(first, "compiler_collective")
+        assert (inputs["phase"], trace["phase"]) == ("inputs", "trace")
+        assert inputs["entries"] == trace["entries"] == [{"L['x']": {"scalar": "?", "size": [8, 4],
+                                                                   "stride": ["S(1)", 1]}}] * 2
+        assert trace["dynamic"] == []
+        assert trace["restart"] is False and trace["restart_skipped"] is True and trace["restart_why"]
+        assert trace["rounds"] == 1 and trace["bytes_received"] == 2 * trace["bytes_sent"] > 0
+        assert trace["time_ms"] >= 0 and trace["rank"] == rank and trace["world_size"] == 2
+
+        # the recompile the guard collective agreed on: who missed and why, then the exchanges
+        (guard,) = _named(recompile, "guard_collective")
+        assert guard["missed_ranks"] == [1]
+        assert guard["forced"] is (rank == 0)
+        assert "size mismatch at index 0. expected 8, actual 9" in guard["reasons_by_rank"]["1"][0]
+        (reasons,) = _named(recompile, "recompile_reasons")
+        assert reasons == guard["recorded_reasons"][0]
+        _, trace = _named(recompile, "compiler_collective")
+        (dim0,) = trace["dynamic"]
+        assert dim0 == {"source": "L['x']", "what": "size", "dim": 0, "values": {"0": 8, "1": 9},
+                        "ranks": [1], "why": "differs across ranks"}
+
+
+def test_the_rank_that_hit_records_the_rank_that_missed_and_its_reason():
+    outcome = run_ranks(one_rank_changes_size, 2, args=([1],))
+    hit, missed = outcome.results
+    own = missed["reason"]
+    assert "tensor 'x' size mismatch at index 0. expected 8, actual 9" in own
+    assert hit["reason"] == f"forced by the guard collective: rank 1 missed: {own}"
+    assert (hit["forced"], missed["forced"]) == (1, 0)
+    assert hit["exchanges"] == missed["exchanges"] == 1
+
+
+def _reasons_logged(rank: int, world: int) -> dict:
+    """Dynamo's own recompile log (TORCH_LOGS=recompiles), captured on each rank."""
+    import logging
+
+    import torch._logging
+
+    import compiler_collectives as cc
+
+    torch._logging.set_logs(recompiles=True)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Keep())
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(8, 4))
+    f(torch.ones(8, 4, dtype=torch.float64) if rank in (1, 2) else torch.ones(8, 4))
+    return {"log": "\n".join(lines), "metric": _last_recompile_reason()}
+
+
+def test_a_rank_that_missed_keeps_its_reason_and_gains_the_other_ranks_that_missed():
+    outcome = run_ranks(_reasons_logged, 3)
+    logs = [r["log"] for r in outcome.results]
+    own = {rank: outcome.results[rank]["metric"] for rank in (1, 2)}
+    for rank, other in ((1, 2), (2, 1)):
+        assert "tensor 'x' dtype mismatch" in own[rank]  # Dynamo's own reason comes first
+        assert f"- {own[rank]}\n" in logs[rank]
+        assert f"the guard collective saw other ranks miss too: rank {other}: {own[other]}" in logs[rank]
+        assert "forced by the guard collective" not in logs[rank]
+    forced = f"forced by the guard collective: rank 1 missed: {own[1]}; rank 2 missed: {own[2]}"
+    assert outcome.results[0]["metric"] == forced
+    assert f"- {forced}" in logs[0]
+
+
+def no_miss(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    for _ in range(5):
+        f(torch.ones(8, 4))
+    s = cc.stats()
+    return {"guard": s["guard_collectives"], "exchanges": s["guard_reason_exchanges"]}
+
+
+def test_when_every_rank_hits_no_reasons_are_exchanged():
+    outcome = run_ranks(no_miss, 2)
+    assert outcome.results == [{"guard": 4, "exchanges": 0}] * 2
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "COMPILER_COLLECTIVES_"))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env})
+
+
+@pytest.mark.parametrize("spec, level", [("compiler_collectives", "INFO"), ("+compiler_collectives", "DEBUG")])
+def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
+    proc = _python("import logging, torch\n"
+                   "print(logging.getLevelName(logging.getLogger('compiler_collectives.guard').getEffectiveLevel()))",
+                   TORCH_LOGS=spec)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == level
+
+
+def test_the_retired_log_level_variable_points_to_torch_logs():
+    proc = _python("import compiler_collectives", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
+    assert proc.returncode == 0, proc.stderr
+    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives" in proc.stderr
+
+
+# ---------------------------------------------------------------- artifact content
+
+
+def _tensor(*size: int) -> SizeEntry:
+    return SizeEntry(scalar=DYNAMIC, size=size, stride=(InferStride(1),) + (1,) * (len(size) - 1))
+
+
+def _scalar(value: int) -> SizeEntry:
+    return SizeEntry(scalar=value, size=DYNAMIC, stride=DYNAMIC)
+
+
+def _states(*per_rank: dict) -> list[LocalState]:
+    return [LocalState(automatic_dynamic=dict(entries)) for entries in per_rank]
+
+
+def test_a_dim_that_differs_is_reported_with_every_value_and_the_ranks_off_the_common_one():
+    states = _states({"L['x']": _tensor(8, 4)}, {"L['x']": _tensor(9, 4)}, {"L['x']": _tensor(8, 4)})
+    assert artifacts.dynamic_decisions(states) == [{
+        "source": "L['x']", "what": "size", "dim": 0, "values": {"0": 8, "1": 9, "2": 8},
+        "ranks": [1], "why": "differs across ranks",
+    }]
+
+
+def test_an_int_argument_that_differs_is_a_dynamic_scalar():
+    (decision,) = artifacts.dynamic_decisions(_states({"L['n']": _scalar(3)}, {"L['n']": _scalar(4)}))
+    assert (decision["what"], decision["dim"], decision["values"]) == ("scalar", None, {"0": 3, "1": 4})
+
+
+def test_a_different_number_of_dims_makes_the_tensor_dynamic_as_a_whole():
+    decisions = artifacts.dynamic_decisions(_states({"L['x']": _tensor(8, 4)}, {"L['x']": _tensor(8, 4, 2)}))
+    assert [(d["what"], d["dim"]) for d in decisions] == [("size", None), ("stride", None)]
+
+
+def test_a_tensor_on_one_rank_and_an_int_on_another_is_dynamic_as_a_whole():
+    (decision,) = artifacts.dynamic_decisions(_states({"L['x']": _tensor(8)}, {"L['x']": _scalar(8)}))
+    assert decision["what"] == "kind" and decision["values"] == {"0": "tensor", "1": "scalar"}
+
+
+def test_a_source_seen_on_some_ranks_only_says_which():
+    states = _states({"L['x']": _tensor(8)}, {}, {"L['x']": _tensor(9)})
+    (decision,) = artifacts.dynamic_decisions(states)
+    assert decision["seen_on"] == [0, 2] and decision["values"] == {"0": 8, "2": 9}
+
+
+def test_sizes_every_rank_agrees_on_are_not_reported():
+    assert artifacts.dynamic_decisions(_states({"L['x']": _tensor(8, 4)}, {"L['x']": _tensor(8, 4)})) == []
+
+
+def test_the_restart_decision_says_which_rank_recorded_what_differently():
+    early = _states({"L['x']": _tensor(8)}, {"L['x']": _tensor(9)})
+    recorded = _states({"L['x']": _tensor(8)}, {"L['x']": _tensor(10)})
+    restart, why = restart_decision(recorded, early)
+    assert restart and "rank 1" in why and "L['x']" in why
+    restart, why = restart_decision(early, early)
+    assert not restart and "exactly as exchanged" in why
+
+
+def test_the_restart_decision_names_a_non_argument_source_that_differs():
+    restart, why = restart_decision(_states({"L['m'].w": _tensor(3)}, {"L['m'].w": _tensor(4)}))
+    assert restart and "L['m'].w" in why and "rank 1" in why
+
+
+def test_a_forced_rank_names_every_missing_rank_up_to_eight_then_counts_the_rest():
+    missed = {r: [f"reason {r}"] for r in range(1, 12)}
+    (text,) = recompile_reasons.recorded_reasons(0, missed, [])
+    assert text.startswith("forced by the guard collective: rank 1 missed: reason 1; rank 2 missed: reason 2")
+    assert "rank 8 missed: reason 8; and 3 more rank(s) missed: [9, 10, 11]" in text
+
+
+def test_a_missing_rank_with_no_other_missing_rank_records_only_its_own_reasons():
+    assert recompile_reasons.recorded_reasons(1, {1: ["a", "b"]}, ["a", "b"]) == ["a", "b"]
