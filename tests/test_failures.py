@@ -84,7 +84,8 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
 
 @GUARD_TRANSPORTS
 def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor(transport):
-    outcome = run_ranks(peer_killed_inside_guard_collective, 4, env=_env(transport), timeout=60, check=False)
+    outcome = run_ranks(peer_killed_inside_guard_collective, 4, env=_env(transport), timeout=60, check=False,
+                       expect_signals={1: signal.SIGKILL})
     assert outcome.exitcodes[1] == -signal.SIGKILL
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 2, 3):
