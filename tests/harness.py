@@ -29,6 +29,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 _CONTEXTS: dict[str, Any] = {}
+EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
 
 
 def _context(start_method: str) -> Any:
@@ -179,10 +180,16 @@ def run_ranks(
                 errors[rank] = value
     finally:
         timed_out = []
+        stuck_at_exit = []
         for rank, p in enumerate(procs):
-            p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
+            if rank in reported:
+                # A real interpreter exit (spawn) runs torch's static destructors,
+                # which take seconds on a loaded machine: allow for it.
+                p.join(timeout=EXIT_GRACE_S)
+            else:
+                p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
             if p.is_alive():
-                timed_out.append(rank)
+                (stuck_at_exit if rank in reported else timed_out).append(rank)
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=10)
         results.close()
@@ -191,12 +198,13 @@ def run_ranks(
         results=values,
         errors=errors,
         exitcodes=[p.exitcode for p in procs],
-        timed_out=timed_out,
+        timed_out=timed_out + stuck_at_exit,
         elapsed_s=time.monotonic() - started,
     )
-    problems = []
+    problems = [f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed"
+                for rank in stuck_at_exit]
     for rank, code in enumerate(outcome.exitcodes):
-        if rank in timed_out or code is None or code >= 0 or expected.get(rank) == code:
+        if rank in outcome.timed_out or code is None or code >= 0 or expected.get(rank) == code:
             continue
         problems.append(f"--- rank {rank} was ended by signal {_signal_name(-code)} (exit code {code})"
                         + (" after reporting its result" if rank in reported else ""))
@@ -208,7 +216,7 @@ def run_ranks(
         for rank, tb in sorted(errors.items()):
             problems.append(f"--- rank {rank} raised:\n{tb}")
         for rank, code in enumerate(outcome.exitcodes):
-            if rank in timed_out or rank in expected:
+            if rank in outcome.timed_out or rank in expected:
                 continue
             if rank not in reported:
                 problems.append(f"--- rank {rank} died without reporting (exit code {code})")

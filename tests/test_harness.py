@@ -16,7 +16,7 @@ def report_then_abort_at_exit(rank: int, world: int) -> str:
     if rank == 1:
         # Runs while the process exits, after the result went to the parent:
         # the way a C++ std::terminate at teardown looks from outside.
-        multiprocessing.util.Finalize(None, os.abort, exitpriority=0)
+        multiprocessing.util.Finalize(None, os.abort, exitpriority=-10)  # after the result queue is flushed (-5)
     return "ok"
 
 
