@@ -23,6 +23,7 @@ from .errors import (
     CollectivePoisonedError,
     CollectiveTimeoutError,
     PeerFailureError,
+    SetupMismatchError,
     UnsupportedTorchError,
     WireFormatError,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "CollectiveDesyncError",
     "CollectivePoisonedError",
     "PeerFailureError",
+    "SetupMismatchError",
     "WireFormatError",
     "UnsupportedTorchError",
 ]
