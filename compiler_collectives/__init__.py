@@ -24,6 +24,7 @@ from .errors import (
     CollectiveTimeoutError,
     PeerFailureError,
     ProgramDivergenceError,
+    SetupMismatchError,
     UnsupportedTorchError,
     WireFormatError,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "CollectivePoisonedError",
     "PeerFailureError",
     "ProgramDivergenceError",
+    "SetupMismatchError",
     "WireFormatError",
     "UnsupportedTorchError",
 ]

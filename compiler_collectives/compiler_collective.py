@@ -21,7 +21,7 @@ from . import config, health, timing, wire
 from .errors import CollectiveDesyncError, CollectiveError, WireFormatError, describe
 from .state import DistributedState, FrameId, LocalState
 from .stats import counters
-from .transport import all_gather_bytes, groups, translate_failure
+from .transport import PHASE_INPUTS, PHASE_TRACE, all_gather_bytes, groups, translate_failure
 
 log = logging.getLogger("compiler_collectives.compiler")
 
@@ -111,6 +111,8 @@ def exchange(
                 payload,
                 max_bytes=settings.max_payload_bytes,
                 slot_bytes=settings.inline_slot_bytes,
+                phase=PHASE_TRACE if state is None else PHASE_INPUTS,
+                describe=where,
             )
         envelopes = [
             wire.decode(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)

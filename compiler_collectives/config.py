@@ -74,13 +74,21 @@ GUARD_TRANSPORTS = ("auto", "gloo")
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One row of the settings table."""
+    """One row of the settings table.
+
+    ``must_match``: the setting shapes a collective (what travels, how, or
+    whether it runs), so every rank must hold the same value. The ranks
+    compare every such setting when our groups are created and all raise
+    ``SetupMismatchError`` naming each difference (``setup_agreement``). This
+    flag is the only list of them; docs/configuration.md shows it.
+    """
 
     attr: str
     env: str
     default: Any
     parse: Callable[[str, str], Any]
     meaning: str
+    must_match: bool = False
 
 
 SETTINGS_TABLE: tuple[Setting, ...] = (
@@ -92,6 +100,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "Run the guard collective on every call of a compiled frame: if any rank "
         "misses its guards, every rank recompiles. Same effect as "
         "torch.compiler.set_enable_guard_collectives(True).",
+        must_match=True,
     ),
     Setting(
         "guard_transport",
@@ -101,8 +110,8 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "How the guard collective's ranks agree. auto: through a shared-memory segment among "
         "the ranks of one host (same machine and torchrun agent), and between hosts by one "
         "leader per host in log2(hosts) rounds; falls back to gloo, with one log line, where "
-        "shared memory cannot be used. gloo: one all-reduce over a gloo group of every rank. "
-        "Must match across ranks.",
+        "shared memory cannot be used. gloo: one all-reduce over a gloo group of every rank.",
+        must_match=True,
     ),
     Setting(
         "guard_desync_check",
@@ -112,8 +121,8 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "Let the guard collective also verify that every rank is entering the same compiled "
         "frame at the same call (two int64 per call instead of one; about 50 µs more per call "
         "on a 2-core gloo host). Off: hit/miss agreement only. Applies to the gloo guard "
-        "transport only: on shared memory the check is always on, at no cost. Must match "
-        "across ranks.",
+        "transport only: on shared memory the check is always on, at no cost.",
+        must_match=True,
     ),
     Setting(
         "timeout_s",
@@ -131,6 +140,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         _parse_positive_int,
         "Largest compiler-collective payload one rank may send or accept; checked "
         "before any buffer is allocated.",
+        must_match=True,
     ),
     Setting(
         "inline_slot_bytes",
@@ -139,6 +149,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         _parse_positive_int,
         "Size of each rank's slot in the first all-gather round. Payloads that fit "
         "cost one collective; larger ones a second, exactly sized round.",
+        must_match=True,
     ),
     Setting(
         "skip_needless_restart",
@@ -147,6 +158,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         _parse_bool,
         "After the compiler collective, skip Dynamo's restart when no rank's "
         "automatic-dynamic decision would change (torch always restarts).",
+        must_match=True,
     ),
     Setting(
         "exchange_inputs_first",
@@ -157,6 +169,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "so that dims differing across ranks are dynamic in the first trace already and no "
         "second trace is needed (one extra small collective per compile). Off: the first "
         "trace is an all-static preflight, as in torch.",
+        must_match=True,
     ),
     Setting(
         "audit",
@@ -167,7 +180,8 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "at the first backward of a graph whose backward compiles lazily) the ranks exchange a "
         "fingerprint of the collectives the graph will run (op, group, reduce op, dtype, shape, "
         "in order); if they differ, every rank raises ProgramDivergenceError before any rank runs "
-        "the graph. One small all-gather per compiled graph; must match across ranks. 0: off.",
+        "the graph. One small all-gather per compiled graph. 0: off.",
+        must_match=True,
     ),
     Setting(
         "heartbeat_s",
@@ -176,8 +190,11 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         _parse_nonnegative_float,
         "Seconds between heartbeats a background thread writes to the c10d store, so "
         "that a failing rank can name which peers are absent (crashed, killed, stopped) "
-        "and which are alive elsewhere (desync). 0 disables the thread; errors then "
-        "cannot name absent ranks.",
+        "and which are alive elsewhere (desync). The same thread watches for other ranks' "
+        "failure reports, so a rank waiting in one of our gloo collectives stops within "
+        "about one heartbeat of another rank's failure. 0 disables the thread; errors then "
+        "cannot name absent ranks, and only same-host peers on shared memory hear of a "
+        "failure before their timeout.",
     ),
     Setting(
         "timing",
@@ -197,6 +214,10 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "`python -m compiler_collectives report DIR`.",
     ),
 )
+
+
+MUST_MATCH: tuple[Setting, ...] = tuple(row for row in SETTINGS_TABLE if row.must_match)
+"""The settings every rank must hold alike (derived from the flags above)."""
 
 
 @dataclasses.dataclass

@@ -13,7 +13,9 @@ torch's originals back. The seams, all checked before anything is patched:
   unwraps our errors from Dynamo's ``InternalTorchDynamoError``.
 * ``eval_frame.guard_collectives_hook`` and ``distributed.get_guard_pg``:
   what ``torch.compiler.set_enable_guard_collectives`` installs.
-* ``torch._C._dynamo.eval_frame.set_guard_complete_hook``: the C++ hook slot.
+* ``torch._C._dynamo.eval_frame.set_guard_complete_hook``: the C++ hook slot;
+  while installed, writes to it go through ours, which remembers the hook, so
+  reading the slot never has to swap it.
 * ``OutputGraph.call_user_compiler`` (and, once their modules are imported,
   ``backends.common.aot_module_simplified`` and inductor's
   ``compile_fx._recursive_post_grad_passes``): the program audit's view of
@@ -38,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from . import (artifacts, audit, compiler_collective, config, fingerprint, guard_collective, health,
-               recompile_reasons)
+               recompile_reasons, setup_agreement)
 from .errors import CollectiveError, UnsupportedTorchError
 from .state import DYNAMIC, UNSET, DistributedState, FrameId, InferStride, LocalState, Marker, SizeEntry
 from .stats import counters
@@ -534,13 +536,23 @@ _dynamo_timed: Any = None
 _guards: Any = None
 _trace_structured: Any = None
 
+# The C++ guard-complete hook slot cannot be read without swapping it out and
+# back (a compiled call landing in between would skip the collective). While we
+# are installed, every write to the slot goes through ``_set_guard_complete_hook``,
+# which remembers what it wrote: reading is then a plain attribute read.
+_guard_slot: Any = None
+_modules: dict[str, Any] = {}
 
-def install() -> None:
-    """Swap our implementation in (idempotent)."""
-    global _installed, _pgo, _exc, _dynamo_timed, _guards, _trace_structured
-    if _installed:
-        return
-    check_seams()
+
+def _set_guard_complete_hook(hook: Any) -> Any:
+    global _guard_slot
+    previous = _originals["set_guard_complete_hook"](hook)
+    _guard_slot = hook
+    return previous
+
+
+def _prepare() -> dict[str, Any]:
+    """Everything ``install`` needs, read and checked before anything is patched."""
     import torch._dynamo.guards as guards
     import torch._C._dynamo.eval_frame as c_eval_frame
     import torch._dynamo.convert_frame as convert_frame
@@ -552,78 +564,139 @@ def install() -> None:
     import torch._dynamo.utils as dynamo_utils
     import torch._dynamo.variables.builder as builder
 
-    _pgo, _exc, _dynamo_timed = pgo, exc, dynamo_utils.dynamo_timed
-    _guards, _trace_structured = guards, torch._logging.trace_structured
-    _originals.update(
-        get_compile_pg=convert_frame.get_compile_pg,
-        distributed_get_compile_pg=dynamo_distributed.get_compile_pg,
-        get_guard_pg=dynamo_distributed.get_guard_pg,
-        DistributedState=convert_frame.DistributedState,
-        LocalState=convert_frame.LocalState,
-        compile=convert_frame._compile,
-        run_compiler_collective=output_graph.OutputGraph.run_compiler_collective,
-        process_automatic_dynamic=pgo.process_automatic_dynamic,
-        builder_process_automatic_dynamic=builder.process_automatic_dynamic,
-        guard_collectives_hook=eval_frame.guard_collectives_hook,
-        get_and_maybe_log_recompilation_reasons=convert_frame.get_and_maybe_log_recompilation_reasons,
+    return dict(
+        modules=dict(c_eval_frame=c_eval_frame, convert_frame=convert_frame,
+                     dynamo_distributed=dynamo_distributed, eval_frame=eval_frame,
+                     output_graph=output_graph, pgo=pgo, builder=builder),
+        exc=exc,
+        dynamo_timed=dynamo_utils.dynamo_timed,
+        guards=guards,
+        trace_structured=torch._logging.trace_structured,
+        orig_code_map=dynamo_utils.orig_code_map,
+        wrapper_locals=_wrapper_locals(),
+        originals=dict(
+            get_compile_pg=convert_frame.get_compile_pg,
+            distributed_get_compile_pg=dynamo_distributed.get_compile_pg,
+            get_guard_pg=dynamo_distributed.get_guard_pg,
+            DistributedState=convert_frame.DistributedState,
+            LocalState=convert_frame.LocalState,
+            compile=convert_frame._compile,
+            run_compiler_collective=output_graph.OutputGraph.run_compiler_collective,
+            process_automatic_dynamic=pgo.process_automatic_dynamic,
+            builder_process_automatic_dynamic=builder.process_automatic_dynamic,
+            guard_collectives_hook=eval_frame.guard_collectives_hook,
+            set_guard_complete_hook=c_eval_frame.set_guard_complete_hook,
+            get_and_maybe_log_recompilation_reasons=convert_frame.get_and_maybe_log_recompilation_reasons,
+        ),
     )
-    convert_frame.get_compile_pg = _get_compile_pg
-    dynamo_distributed.get_compile_pg = _get_compile_pg
-    dynamo_distributed.get_guard_pg = _get_guard_pg
-    convert_frame.DistributedState = _new_distributed_state
-    convert_frame.LocalState = LocalState
-    convert_frame._compile = _wrap_compile(convert_frame._compile)
-    output_graph.OutputGraph.run_compiler_collective = _run_compiler_collective
-    pgo.process_automatic_dynamic = _process_automatic_dynamic
-    builder.process_automatic_dynamic = _process_automatic_dynamic
-    eval_frame.guard_collectives_hook = guard_collective.hook
-    _install_audit(output_graph)
-    convert_frame.get_and_maybe_log_recompilation_reasons = _recompilation_reasons
-    orig_code_map = dynamo_utils.orig_code_map
-    guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
-    guard_collective._wrapper_locals.update(_wrapper_locals())
 
-    # If torch's own guard hook is active (set_enable_guard_collectives was
-    # called before we were imported), keep guard collectives on, but ours.
-    previous = c_eval_frame.set_guard_complete_hook(None)
-    if previous is _originals["guard_collectives_hook"] or config.settings.guards:
-        c_eval_frame.set_guard_complete_hook(guard_collective.hook)
-    elif previous is not None:
-        c_eval_frame.set_guard_complete_hook(previous)
+
+# (module key, attribute path, key in _originals, replacement factory)
+_PATCHES: tuple[tuple[str, str, str], ...] = (
+    ("convert_frame", "get_compile_pg", "get_compile_pg"),
+    ("dynamo_distributed", "get_compile_pg", "distributed_get_compile_pg"),
+    ("dynamo_distributed", "get_guard_pg", "get_guard_pg"),
+    ("convert_frame", "DistributedState", "DistributedState"),
+    ("convert_frame", "LocalState", "LocalState"),
+    ("convert_frame", "_compile", "compile"),
+    ("output_graph", "OutputGraph.run_compiler_collective", "run_compiler_collective"),
+    ("pgo", "process_automatic_dynamic", "process_automatic_dynamic"),
+    ("builder", "process_automatic_dynamic", "builder_process_automatic_dynamic"),
+    ("eval_frame", "guard_collectives_hook", "guard_collectives_hook"),
+    ("c_eval_frame", "set_guard_complete_hook", "set_guard_complete_hook"),
+    ("convert_frame", "get_and_maybe_log_recompilation_reasons", "get_and_maybe_log_recompilation_reasons"),
+)
+
+
+def _assign(modules: dict[str, Any], module: str, path: str, value: Any) -> None:
+    owner = modules[module]
+    *parents, name = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    setattr(owner, name, value)
+
+
+def install() -> None:
+    """Swap our implementation in (idempotent).
+
+    Every internal we rely on is read and checked first (``check_seams``,
+    ``_prepare``); only then is torch patched, and a failure while patching
+    puts back what was already replaced: torch is never left half-patched.
+    """
+    global _installed, _pgo, _exc, _dynamo_timed, _modules, _guards, _trace_structured
+    if _installed:
+        return
+    check_seams()
+    try:
+        prepared = _prepare()
+    except Exception as e:  # noqa: BLE001 - any surprise in torch's internals
+        raise UnsupportedTorchError(
+            f"compiler_collectives cannot hook into torch {torch.__version__}: reading its Dynamo "
+            f"internals failed ({type(e).__name__}: {e}). Nothing was patched. It supports "
+            f"{supported_range()}; install one of those."
+        ) from e
+    modules = prepared["modules"]
+    originals = prepared["originals"]
+    replacements = dict(
+        get_compile_pg=_get_compile_pg,
+        distributed_get_compile_pg=_get_compile_pg,
+        get_guard_pg=_get_guard_pg,
+        DistributedState=_new_distributed_state,
+        LocalState=LocalState,
+        compile=_wrap_compile(originals["compile"]),
+        run_compiler_collective=_run_compiler_collective,
+        process_automatic_dynamic=_process_automatic_dynamic,
+        builder_process_automatic_dynamic=_process_automatic_dynamic,
+        guard_collectives_hook=guard_collective.hook,
+        set_guard_complete_hook=_set_guard_complete_hook,
+        get_and_maybe_log_recompilation_reasons=_recompilation_reasons,
+    )
+    done: list[tuple[str, str, str]] = []
+    audit_installed = False
+    try:
+        _originals.update(originals)
+        for module, path, key in _PATCHES:
+            _assign(modules, module, path, replacements[key])
+            done.append((module, path, key))
+        _install_audit(modules["output_graph"])
+        audit_installed = True
+        # If torch's own guard hook is active (set_enable_guard_collectives was
+        # called before we were imported), keep guard collectives on, but ours.
+        # The one read of the slot that has to swap it: at install, before any
+        # compiled call of ours can run.
+        previous = originals["set_guard_complete_hook"](None)
+        if previous is originals["guard_collectives_hook"] or config.settings.guards:
+            _set_guard_complete_hook(guard_collective.hook)
+        else:
+            _set_guard_complete_hook(previous)
+    except BaseException:
+        if audit_installed:
+            _uninstall_audit(modules["output_graph"])
+        for module, path, key in reversed(done):
+            _assign(modules, module, path, originals[key])
+        raise
+    _modules = modules
+    _pgo, _exc, _dynamo_timed = modules["pgo"], prepared["exc"], prepared["dynamo_timed"]
+    _guards, _trace_structured = prepared["guards"], prepared["trace_structured"]
+    orig_code_map = prepared["orig_code_map"]
+    guard_collective._is_dynamo_output_code = lambda code: code in orig_code_map
+    guard_collective._wrapper_locals.update(prepared["wrapper_locals"])
     _installed = True
     log.debug("installed into torch %s", torch.__version__)
 
 
 def uninstall() -> None:
-    """Restore torch's originals (tests)."""
+    """Restore torch's originals, the C++ hook slot included (tests)."""
     global _installed
     if not _installed:
         return
-    import torch._C._dynamo.eval_frame as c_eval_frame
-    import torch._dynamo.convert_frame as convert_frame
-    import torch._dynamo.distributed as dynamo_distributed
-    import torch._dynamo.eval_frame as eval_frame
-    import torch._dynamo.output_graph as output_graph
-    import torch._dynamo.pgo as pgo
-    import torch._dynamo.variables.builder as builder
-
-    convert_frame.get_compile_pg = _originals["get_compile_pg"]
-    dynamo_distributed.get_compile_pg = _originals["distributed_get_compile_pg"]
-    dynamo_distributed.get_guard_pg = _originals["get_guard_pg"]
-    convert_frame.DistributedState = _originals["DistributedState"]
-    convert_frame.LocalState = _originals["LocalState"]
-    convert_frame._compile = _originals["compile"]
-    output_graph.OutputGraph.run_compiler_collective = _originals["run_compiler_collective"]
-    pgo.process_automatic_dynamic = _originals["process_automatic_dynamic"]
-    builder.process_automatic_dynamic = _originals["builder_process_automatic_dynamic"]
-    eval_frame.guard_collectives_hook = _originals["guard_collectives_hook"]
-    _uninstall_audit(output_graph)
-    convert_frame.get_and_maybe_log_recompilation_reasons = _originals["get_and_maybe_log_recompilation_reasons"]
-    previous = c_eval_frame.set_guard_complete_hook(None)
-    if previous is guard_collective.hook:
-        c_eval_frame.set_guard_complete_hook(_originals["guard_collectives_hook"])
-    elif previous is not None:
-        c_eval_frame.set_guard_complete_hook(previous)
+    modules = _modules
+    current = _guard_slot
+    _uninstall_audit(modules["output_graph"])
+    for module, path, key in reversed(_PATCHES):
+        _assign(modules, module, path, _originals[key])
+    if current is guard_collective.hook:
+        _originals["set_guard_complete_hook"](_originals["guard_collectives_hook"])
     _installed = False
 
 
@@ -637,11 +710,25 @@ def set_guard_hook(enabled: bool) -> bool:
 
 
 def guard_hook_active() -> bool:
-    import torch._C._dynamo.eval_frame as c_eval_frame
+    """Whether our guard hook is in the C++ slot. A plain read: the slot is never touched."""
+    return _installed and _guard_slot is guard_collective.hook
 
-    current = c_eval_frame.set_guard_complete_hook(None)
-    c_eval_frame.set_guard_complete_hook(current)
-    return current is guard_collective.hook
+
+def _setup_items() -> dict[str, Any]:
+    """Switches every rank must have alike, as they are now (for the setup agreement).
+
+    The guard switch's entry replaces the ``COMPILER_COLLECTIVES_GUARDS``
+    setting's: what counts is whether our hook is in the slot, however it got there.
+    """
+    dynamo_config = torch._dynamo.config
+    return {
+        "COMPILER_COLLECTIVES_GUARDS": guard_hook_active(),
+        "TORCH_COMPILER_COLLECTIVES": bool(dynamo_config.enable_compiler_collectives),
+        "torch._dynamo.config.automatic_dynamic_shapes": bool(dynamo_config.automatic_dynamic_shapes),
+    }
+
+
+setup_agreement.register_source(_setup_items)
 
 
 def compiler_collectives_flag() -> bool:

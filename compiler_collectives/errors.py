@@ -56,6 +56,13 @@ class CollectiveDesyncError(CollectiveError):
     different frames, or a different number of earlier calls."""
 
 
+class SetupMismatchError(CollectiveError):
+    """Raised on every rank when our process groups are created and the ranks
+    disagree about something that must match: a version (package, torch, wire
+    format, protocol) or a setting that shapes a collective. Names each
+    differing item and each rank's value."""
+
+
 class CollectivePoisonedError(CollectiveError):
     """Raised by every collective after an earlier one failed on this rank;
     the original failure is chained as ``__cause__``. Recover with

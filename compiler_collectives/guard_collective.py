@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
 from . import health, timing
-from .errors import CollectiveDesyncError, CollectiveError, describe
+from .errors import CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
 from .stats import counters
 from .transport import GuardChannel, groups, translate_failure
 
@@ -205,7 +205,10 @@ def hook(guard_eval_result: bool) -> bool:
         return all_hit
     except BaseException as e:  # noqa: BLE001 - nothing may escape into C++
         try:
-            _park_failure(e)
+            if isinstance(e, Exception):
+                _park_failure(e)
+            else:
+                _park_interrupt(e)
         except BaseException:  # noqa: BLE001
             pass
         return False
@@ -254,8 +257,27 @@ def _park_failure(error: BaseException) -> None:
             frame=None,
         )
         err.__cause__ = error
-    if not isinstance(err, CollectiveDesyncError):  # a desync is seen by every rank alike
+    if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):  # seen by every rank alike
         err = groups.fail(err, seq=seq)
     counters.errors += 1
     health.poison(err)
     health.park(err)
+
+
+def _park_interrupt(interrupt: BaseException) -> None:
+    """Ctrl-C (or another non-error exit) inside the hook: it stays what it is.
+
+    The user gets the ``KeyboardInterrupt`` back from the call site. This rank
+    left a guard collective half-done, so its own later collectives refuse;
+    nothing is reported to the other ranks (a Ctrl-C usually reaches every
+    rank of a job at once, and is nobody's failure).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else None
+    note = CollectiveError(
+        f"{describe('guard', rank, _state.seq, None)} was interrupted ({type(interrupt).__name__}); "
+        "this rank is no longer in step with the others",
+        kind="guard", rank=rank, seq=_state.seq,
+    )
+    note.__cause__ = interrupt
+    health.poison(note)
+    health.park(interrupt)

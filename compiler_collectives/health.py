@@ -7,7 +7,9 @@ the first failure until ``compiler_collectives.reset()`` is called on every rank
 The guard hook runs inside Dynamo's C++ frame evaluation, where an exception
 would abort the process; it parks its error here instead and forces a
 recompile, and the compile entry point raises the parked error from the
-user's own call site.
+user's own call site. A ``KeyboardInterrupt`` is parked as itself: it reaches
+the user as a ``KeyboardInterrupt``, and only this rank is poisoned (nothing
+is reported to the other ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .errors import CollectiveError, CollectivePoisonedError
 log = logging.getLogger("compiler_collectives.health")
 
 _first_failure: CollectiveError | None = None
-_pending: CollectiveError | None = None
+_pending: BaseException | None = None
 
 
 def poison(error: CollectiveError) -> None:
@@ -44,7 +46,7 @@ def check(kind: str) -> None:
         ) from _first_failure
 
 
-def park(error: CollectiveError) -> None:
+def park(error: BaseException) -> None:
     """Keep an error raised where it could not propagate (the guard hook)."""
     global _pending
     if _pending is None:

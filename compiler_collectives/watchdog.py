@@ -4,21 +4,39 @@ Gloo tells a survivor that "the connection was reset" or "a recv timed out",
 but not which rank is gone. This module keeps, under the key prefix
 ``compiler_collectives/<generation>/`` of the default store:
 
-* ``join/<name>/<rank>``: our own rendezvous before each group is created,
-  bounded by ``COMPILER_COLLECTIVES_TIMEOUT``, so a rank that never comes is
-  named instead of blocking group creation for torch's 30-minute default;
+* ``setup/...``: the setup agreement when our first group of a generation is
+  created (``setup_agreement``), which is also the first rendezvous;
+* ``join/<name>/<rank>``: our own rendezvous before each later group is
+  created, bounded by ``COMPILER_COLLECTIVES_TIMEOUT``, so a rank that never
+  comes is named instead of blocking group creation for torch's 30-minute
+  default;
 * ``hb/<rank>``: a heartbeat every ``COMPILER_COLLECTIVES_HEARTBEAT_S`` seconds
-  from a daemon thread, carrying the rank's progress (guard-collective number,
-  compiler-collective number and frame). The hot path writes nothing: the
-  thread reads counters the collectives keep anyway;
+  from a daemon thread: a beat counter, the rank's process (pid, start time,
+  host) and its progress (guard-collective number, compiler-collective number
+  and frame). The hot path writes nothing: the thread reads counters the
+  collectives keep anyway;
 * ``fail/<rank>`` and the counter ``failures``: a failing rank's report. The
-  heartbeat thread of every rank watches the counter, so a rank that was
-  stopped or slow learns of the failure and refuses further collectives.
+  heartbeat thread of every rank watches the counter and poisons its rank on
+  a peer's report, so a rank waiting in one of our collectives (which checks
+  that between slices of its wait) or about to enter one raises within about
+  one heartbeat instead of at its timeout.
 
 On a failure, ``diagnose`` waits briefly for every peer to either report its
-own failure or let its heartbeat go stale, then says which ranks are absent
-(stale heartbeat: crashed, killed, stopped) and which are alive but elsewhere
-(a different collective number: a desync).
+own failure or be seen absent, then says which ranks are absent and which
+are alive but elsewhere (a desync). A peer is absent when its process is gone
+or stopped (checked in ``/proc`` when it runs on this host), or when its beat
+counter did not move for ``2.5 × heartbeat + 0.5`` seconds of this rank's own
+monotonic clock: no two hosts' clocks are ever compared.
+
+Store calls from the caller's thread go through ``bounded``: the c10d store
+bounds none of them (a stopped store host blocks a ``set`` for as long as the
+process group's own timeout, 30 minutes by default), ours are bounded by
+``COMPILER_COLLECTIVES_TIMEOUT`` or less.
+
+At interpreter exit the heartbeat thread is stopped and joined (``shutdown``):
+a daemon thread that is inside a store call while Python finalizes is killed
+as it takes the GIL back, inside a C++ destructor, and that aborts the process
+("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -29,13 +47,45 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
 from . import config
 
 log = logging.getLogger("compiler_collectives.watchdog")
+
+T = TypeVar("T")
+
+
+class StoreUnresponsive(Exception):
+    """The c10d store did not answer within the bound (internal; callers say what it means)."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"the c10d store did not answer {what} within {timeout_s:.1f}s")
+        self.what = what
+        self.timeout_s = timeout_s
+
+
+def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``fn`` (store calls) on a helper thread; its result, its exception, or
+    ``StoreUnresponsive`` after ``timeout_s``. The caller's thread never blocks longer."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="compiler_collectives-store", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StoreUnresponsive(what, timeout_s)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @dataclasses.dataclass
@@ -45,7 +95,8 @@ class PeerStatus:
     guard_seq: int | None = None
     compiler_seq: int | None = None
     frame: str | None = None
-    heartbeat_age_s: float | None = None
+    silent_s: float | None = None  # how long this rank watched the beat counter stand still
+    why: str | None = None  # for "absent": what showed it
     message: str | None = None
 
     def describe(self) -> str:
@@ -57,8 +108,7 @@ class PeerStatus:
                          + (f" for frame {self.frame}" if self.frame else ""))
         at = f" ({', '.join(where)})" if where else ""
         if self.state == "absent":
-            age = f"{self.heartbeat_age_s:.1f}s" if self.heartbeat_age_s is not None else "ever"
-            return f"rank {self.rank}: absent, no heartbeat for {age} (crashed, killed or stopped){at}"
+            return f"rank {self.rank}: absent, {self.why or 'no heartbeat'}{at}"
         if self.state == "alive":
             return f"rank {self.rank}: alive but not in this collective{at}"
         if self.state == "failed":
@@ -83,67 +133,113 @@ class Diagnosis:
         return "\n".join("  " + p.describe() for p in interesting)
 
 
+def _as_int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
 class SideChannel:
     """One per generation of our groups (a new default group starts a new one)."""
 
-    def __init__(self, rank: int, world: int, generation: int,
-                 progress: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        generation: int,
+        progress: Callable[[], dict[str, Any]],
+        *,
+        identity: dict[str, int] | None = None,
+        probe: Callable[[int], tuple[str, int] | None] | None = None,
+        current: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.rank = rank
         self.world = world
+        self.generation = generation
         self.store = dist.PrefixStore(f"compiler_collectives/{generation}/", dist.distributed_c10d._get_default_store())
         self._progress = progress
+        # This process as peers on the same host check it: pid, start time, host key.
+        self._identity = dict(identity or {})
+        self._probe = probe  # pid -> (state letter, start time) or None if gone
+        self._current = current  # False once the default group this channel serves is gone
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_peer_failure: Callable[[int, str], None] | None = None
         self._seen_failures = 0
+        self._beats = 0
+        self._store_failing = False
 
     # ------------------------------------------------------------ rendezvous
 
     def rendezvous(self, name: str, timeout_s: float) -> list[int]:
         """Wait until every rank reached ``name``; returns the absent ranks ([] on success)."""
-        self.store.set(f"join/{name}/{self.rank}", "1")
         keys = [f"join/{name}/{r}" for r in range(self.world)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            return []
-        except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError
-            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
+        def meet() -> list[int]:
+            self.store.set(keys[self.rank], "1")
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+                return []
+            except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError
+                return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
+        return bounded(meet, timeout_s + 5.0, f"at the {name} rendezvous")
 
     # ------------------------------------------------------------ heartbeat
+
+    @property
+    def beating(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self, on_peer_failure: Callable[[int, str], None]) -> None:
         self._on_peer_failure = on_peer_failure
         interval = config.settings.heartbeat_s
         if interval <= 0 or self._thread is not None:
             return
-        self._beat()
+        bounded(self._beat, config.settings.timeout_s, "the first heartbeat")
         self._thread = threading.Thread(
             target=self._run, args=(interval,), name="compiler_collectives-heartbeat", daemon=True
         )
         self._thread.start()
 
-    def stop(self, join_s: float = 0.0) -> None:
-        """Stop the heartbeat; with ``join_s``, wait that long for the thread to finish."""
+    def stop(self, join_s: float = 0.0) -> bool:
+        """Stop the heartbeat; with ``join_s``, wait that long for the thread. True if it ended."""
         self._stop.set()
         thread = self._thread
-        if join_s > 0 and thread is not None and thread is not threading.current_thread():
+        if thread is None or thread is threading.current_thread():
+            return True
+        if join_s > 0:
             thread.join(join_s)
+        return not thread.is_alive()
 
     def _beat(self) -> None:
+        self._beats += 1
         record = dict(self._progress())
-        record["t"] = time.time()
+        record.update(self._identity)
+        record["n"] = self._beats
         self.store.set(f"hb/{self.rank}", json.dumps(record))
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
+            if not self._current():
+                return  # the default group is gone (destroyed or replaced): so is our job here
             try:
                 self._beat()
                 failures = self.store.add("failures", 0)
                 if failures > self._seen_failures:
                     self._seen_failures = failures
                     self._notice_failures()
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                return
+            except Exception as e:  # noqa: BLE001 - keep beating: a silent thread looks absent
+                if not self._store_failing:
+                    self._store_failing = True
+                    log.warning(
+                        "heartbeat of rank %d: the c10d store failed (%s: %s); retrying every %.1fs. "
+                        "Until it answers, this rank cannot hear of other ranks' failures and "
+                        "may look absent to them.", self.rank, type(e).__name__, e, interval)
+                else:
+                    log.debug("heartbeat of rank %d: store still failing: %s", self.rank, e)
+                continue
+            if self._store_failing:
+                self._store_failing = False
+                log.warning("heartbeat of rank %d: the c10d store answers again", self.rank)
 
     def _notice_failures(self) -> None:
         for r in range(self.world):
@@ -153,40 +249,85 @@ class SideChannel:
             if self.store.check([key]):
                 report = json.loads(self.store.get(key))
                 if self._on_peer_failure is not None:
-                    self._on_peer_failure(r, report.get("message", ""))
+                    self._on_peer_failure(r, str(report.get("message", "")))
                 return
 
     # ------------------------------------------------------------ failures
 
     def report_failure(self, kind: str, seq: int | None, message: str) -> None:
-        self.store.set(f"fail/{self.rank}", json.dumps({"kind": kind, "seq": seq, "message": message[:2000]}))
-        self.store.add("failures", 1)
+        """Publish this rank's failure (bounded: the store may be what failed)."""
+        def report() -> None:
+            self.store.set(f"fail/{self.rank}", json.dumps({"kind": kind, "seq": seq, "message": message[:2000]}))
+            self.store.add("failures", 1)
 
-    def _peer(self, r: int, stale_after: float, now: float) -> PeerStatus:
-        if self.store.check([f"fail/{r}"]):
-            status = PeerStatus(r, "failed")
-        elif not self.store.check([f"hb/{r}"]):
-            return PeerStatus(r, "absent")
-        else:
-            status = PeerStatus(r, "alive")
-        if self.store.check([f"hb/{r}"]):
-            beat = json.loads(self.store.get(f"hb/{r}"))
-            status.heartbeat_age_s = max(0.0, now - float(beat.get("t", 0.0)))
-            status.guard_seq = beat.get("guard_seq")
-            status.compiler_seq = beat.get("compiler_seq")
-            status.frame = beat.get("frame")
-            if status.state == "alive" and status.heartbeat_age_s > stale_after:
-                status.state = "absent"
-        return status
+        bounded(report, min(config.settings.timeout_s, 2.0 + config.settings.heartbeat_s), "the failure report")
+
+    def _read_peer(self, r: int) -> tuple[bool, dict[str, Any] | None]:
+        """(reported a failure, heartbeat record or None)."""
+        failed = self.store.check([f"fail/{r}"])
+        if not self.store.check([f"hb/{r}"]):
+            return failed, None
+        try:
+            record = json.loads(self.store.get(f"hb/{r}"))
+        except ValueError:
+            record = None
+        return failed, record if isinstance(record, dict) else None
+
+    def _process_gone_or_stopped(self, record: dict[str, Any]) -> str | None:
+        """Why a same-host peer's process shows it absent, or None (or not on this host)."""
+        host, pid, start = (_as_int(record.get(k)) for k in ("host", "pid", "start"))
+        if self._probe is None or host is None or pid is None or host != self._identity.get("host"):
+            return None
+        ident = self._probe(pid)
+        if ident is None or ident[0] in ("Z", "X") or (start is not None and ident[1] != start):
+            return f"its process (pid {pid}, this host) is gone: crashed, killed or exited"
+        if ident[0] in ("T", "t"):
+            return f"its process (pid {pid}, this host) is stopped (SIGSTOP or a debugger)"
+        return None
 
     def diagnose(self, grace_s: float) -> Diagnosis:
         """Classify every peer; waits up to ``grace_s`` for undecided ones."""
         interval = config.settings.heartbeat_s
         stale_after = 2.5 * interval + 0.5
-        deadline = time.monotonic() + grace_s
+        start = time.monotonic()
+        deadline = start + grace_s
+        first_beat: dict[int, tuple[Any, float]] = {}  # rank -> (beat counter, when this rank first saw it)
+        decided: dict[int, PeerStatus] = {}
         while True:
-            now = time.time()
-            peers = [self._peer(r, stale_after, now) for r in range(self.world) if r != self.rank]
+            now = time.monotonic()
+            peers = []
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                if r in decided:
+                    peers.append(decided[r])
+                    continue
+                failed, record = self._read_peer(r)
+                status = PeerStatus(r, "failed" if failed else "alive")
+                if record is not None:
+                    status.guard_seq = _as_int(record.get("guard_seq"))
+                    status.compiler_seq = _as_int(record.get("compiler_seq"))
+                    frame = record.get("frame")
+                    status.frame = frame if isinstance(frame, str) else None
+                if not failed:
+                    if record is None:
+                        status.state, status.why = "absent", "it never sent a heartbeat (crashed, killed or stopped early)"
+                    else:
+                        why = self._process_gone_or_stopped(record)
+                        beat = record.get("n")
+                        seen = first_beat.setdefault(r, (beat, now))
+                        if why is not None:
+                            status.state, status.why = "absent", why
+                        elif beat != seen[0]:
+                            pass  # its heartbeat moved while we watched: alive
+                        elif now - seen[1] >= stale_after:
+                            status.state = "absent"
+                            status.silent_s = now - seen[1]
+                            status.why = (f"no heartbeat for {status.silent_s:.1f}s "
+                                          "(crashed, killed, stopped or cut off from the store)")
+                if status.state in ("failed", "absent"):
+                    decided[r] = status
+                peers.append(status)
             undecided = [p for p in peers if p.state == "alive"]
             if not undecided or time.monotonic() >= deadline:
                 return Diagnosis(peers)
@@ -197,15 +338,9 @@ def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float) -> Di
     """Run ``channel.diagnose`` but never block longer than ``deadline_s`` (a dead store hangs)."""
     if channel is None or config.settings.heartbeat_s <= 0:
         return None
-    result: list[Diagnosis] = []
-
-    def work() -> None:
-        try:
-            result.append(channel.diagnose(grace_s=max(0.0, deadline_s - 0.5)))
-        except Exception as e:  # noqa: BLE001
-            log.debug("side-channel diagnosis failed: %s", e)
-
-    t = threading.Thread(target=work, name="compiler_collectives-diagnose", daemon=True)
-    t.start()
-    t.join(deadline_s)
-    return result[0] if result else None
+    try:
+        return bounded(lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5)), deadline_s,
+                       "during the diagnosis")
+    except Exception as e:  # noqa: BLE001
+        log.debug("side-channel diagnosis failed: %s", e)
+        return None

@@ -1,11 +1,19 @@
 """Run a function on N real ranks (gloo on 127.0.0.1 via a FileStore) and collect results.
 
-Each call gets a fresh FileStore in its own temp directory, a hard wall-clock
-deadline, and reaps every child: stragglers are SIGKILLed and joined before
-``run_ranks`` returns or raises. Children start from a forkserver that has
-already imported torch, which saves seconds per test on a 2-core machine;
-tests that must see environment variables at ``import torch`` time use
+Each call gets a fresh FileStore in its own temp directory (or, with
+``store="tcp"``, a TCPStore hosted by rank 0, as under torchrun), a hard
+wall-clock deadline, and reaps every child: stragglers are SIGKILLed and joined
+before ``run_ranks`` returns or raises. Children start from a forkserver that
+has already imported torch, which saves seconds per test on a 2-core machine;
+tests that must see environment variables at ``import torch`` time, or that
+need a real interpreter exit (atexit handlers, finalization, C++ static
+destructors; forkserver children leave through ``os._exit``), use
 ``start_method="spawn"``.
+
+Every rank's exit code is checked, also for ranks that reported a result and
+also with ``check=False``: a rank killed by a signal (SIGABRT from
+``std::terminate``, SIGSEGV) fails the test unless the test names that
+signal for that rank in ``expect_signals``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 _CONTEXTS: dict[str, Any] = {}
+EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
 
 
 def _context(start_method: str) -> Any:
@@ -54,7 +63,7 @@ def _child(
     target: tuple[str, str],
     rank: int,
     world_size: int,
-    store_path: str,
+    init_method: str,
     env: dict[str, str],
     args: Sequence[Any],
     init: bool,
@@ -77,7 +86,7 @@ def _child(
 
             dist.init_process_group(
                 "gloo",
-                init_method=f"file://{store_path}",
+                init_method=init_method,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=float(env.get("HARNESS_PG_TIMEOUT", "60"))),
@@ -107,21 +116,33 @@ def run_ranks(
     init: bool = True,
     start_method: str = "forkserver",
     check: bool = True,
+    store: str = "file",
+    expect_signals: dict[int, int] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
 ) -> Outcome:
     """Run ``fn(rank, world_size, *args)`` on every rank; return results in rank order.
 
-    With ``check`` (default) any rank error, crash or timeout raises
-    ``RanksFailed``; without it the caller inspects the ``Outcome``.
+    With ``check`` (default) any rank error, crash, non-zero exit or timeout
+    raises ``RanksFailed``; without it the caller inspects the ``Outcome``.
+    Either way a rank that a signal ended (negative exit code) raises
+    ``RanksFailed`` unless ``expect_signals`` maps that rank to that signal.
+    ``rank_env`` adds variables for some ranks only (a setting that differs
+    on one node), on top of ``env``.
     """
     ctx = _context(start_method)
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
-    store_path = os.path.join(tmp, "store")
+    if store == "tcp":
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    else:
+        init_method = f"file://{os.path.join(tmp, 'store')}"
+    expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_child,
-            args=((fn.__module__, fn.__qualname__), rank, world_size, store_path, env, tuple(args), init, results),
+            args=((fn.__module__, fn.__qualname__), rank, world_size, init_method,
+                  {**env, **(rank_env or {}).get(rank, {})}, tuple(args), init, results),
             daemon=True,
         )
         for rank in range(world_size)
@@ -159,14 +180,16 @@ def run_ranks(
                 errors[rank] = value
     finally:
         timed_out = []
+        stuck_at_exit = []
         for rank, p in enumerate(procs):
-            # A rank that reported may still be finalizing the interpreter: a
-            # spawned child tears torch down in full (seconds; more for CUDA
-            # builds on a loaded machine), where a forked one calls os._exit.
-            grace = 30.0 if rank in reported else 5.0
-            p.join(timeout=max(0.0, min(grace, deadline + grace - time.monotonic())))
+            if rank in reported:
+                # A real interpreter exit (spawn) runs torch's static destructors,
+                # which take seconds on a loaded machine: allow for it.
+                p.join(timeout=EXIT_GRACE_S)
+            else:
+                p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
             if p.is_alive():
-                timed_out.append(rank)
+                (stuck_at_exit if rank in reported else timed_out).append(rank)
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(timeout=10)
         results.close()
@@ -175,22 +198,47 @@ def run_ranks(
         results=values,
         errors=errors,
         exitcodes=[p.exitcode for p in procs],
-        timed_out=timed_out,
+        timed_out=timed_out + stuck_at_exit,
         elapsed_s=time.monotonic() - started,
     )
+    problems = [f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed"
+                for rank in stuck_at_exit]
+    for rank, code in enumerate(outcome.exitcodes):
+        if rank in outcome.timed_out or code is None or code >= 0 or expected.get(rank) == code:
+            continue
+        problems.append(f"--- rank {rank} was ended by signal {_signal_name(-code)} (exit code {code})"
+                        + (" after reporting its result" if rank in reported else ""))
+    for rank, code in sorted(expected.items()):
+        if outcome.exitcodes[rank] != code:
+            problems.append(f"--- rank {rank} was expected to end by signal {_signal_name(-code)}, "
+                            f"but its exit code is {outcome.exitcodes[rank]}")
     if check:
-        problems = []
         for rank, tb in sorted(errors.items()):
             problems.append(f"--- rank {rank} raised:\n{tb}")
         for rank, code in enumerate(outcome.exitcodes):
-            if rank not in reported and rank not in timed_out:
+            if rank in outcome.timed_out or rank in expected:
+                continue
+            if rank not in reported:
                 problems.append(f"--- rank {rank} died without reporting (exit code {code})")
-        hung = [r for r in timed_out if r not in reported]
-        if hung:
-            problems.append(f"--- ranks {hung} still running after {timeout:.0f}s: killed")
-        if len(hung) < len(timed_out):
-            problems.append(f"--- ranks {[r for r in timed_out if r in reported]} reported but did not "
-                            "exit within 30s: killed")
-        if problems:
-            raise RanksFailed("\n".join(problems), outcome)
+            elif code not in (0, None) and code > 0:
+                problems.append(f"--- rank {rank} reported, then exited with code {code}")
+        if timed_out:
+            problems.append(f"--- ranks {timed_out} still running after {timeout:.0f}s: killed")
+    if problems:
+        raise RanksFailed("\n".join(problems), outcome)
     return outcome
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -12,16 +12,18 @@ import torch
 
 
 class GraphRecorder:
-    """A torch.compile backend that runs graphs eagerly and records their inputs.
+    """A torch.compile backend that records every graph's inputs, then runs it.
 
     For every compiled graph it keeps, per tensor placeholder, the size with
     symbolic dims written as "s" (dynamic) and concrete ones as ints, and the
-    number of symbolic-int placeholders.
+    number of symbolic-int placeholders. The graph runs eagerly, or through
+    ``backend`` (e.g. "aot_eager", which functional collectives need).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str | None = None) -> None:
         self.graphs: list[list[Any]] = []  # per graph: tensor input shapes
         self.symbolic_ints: list[int] = []  # per graph: number of SymInt inputs
+        self._backend = backend
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         shapes = []
@@ -36,6 +38,10 @@ class GraphRecorder:
                 symbolic_ints += 1
         self.graphs.append(shapes)
         self.symbolic_ints.append(symbolic_ints)
+        if self._backend is not None:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend(self._backend)(gm, example_inputs)
         return gm.forward
 
     @property

@@ -112,12 +112,43 @@ def test_torch_own_compiler_collective_fails_on_gloo_where_ours_works():
     assert all(r["ok"] for r in ours.results)
 
 
-def test_uninstall_restores_torch_originals_and_install_is_idempotent():
+def _seams_now() -> dict[str, object]:
+    """What torch holds at every place we patch, by the key of dynamo_seams._originals."""
+    import torch._C._dynamo.eval_frame as c_eval_frame
     import torch._dynamo.convert_frame as convert_frame
+    import torch._dynamo.distributed as dynamo_distributed
     import torch._dynamo.eval_frame as eval_frame
     import torch._dynamo.output_graph as output_graph
     import torch._dynamo.pgo as pgo
     import torch._dynamo.variables.builder as builder
+
+    return {
+        "get_compile_pg": convert_frame.get_compile_pg,
+        "distributed_get_compile_pg": dynamo_distributed.get_compile_pg,
+        "get_guard_pg": dynamo_distributed.get_guard_pg,
+        "DistributedState": convert_frame.DistributedState,
+        "LocalState": convert_frame.LocalState,
+        "compile": convert_frame._compile,
+        "run_compiler_collective": output_graph.OutputGraph.run_compiler_collective,
+        "process_automatic_dynamic": pgo.process_automatic_dynamic,
+        "builder_process_automatic_dynamic": builder.process_automatic_dynamic,
+        "guard_collectives_hook": eval_frame.guard_collectives_hook,
+        "set_guard_complete_hook": c_eval_frame.set_guard_complete_hook,
+    }
+
+
+def _guard_slot() -> object:
+    """The C++ guard-complete hook slot (tests only: reading it means swapping it)."""
+    import torch._C._dynamo.eval_frame as c_eval_frame
+
+    current = c_eval_frame.set_guard_complete_hook(None)
+    c_eval_frame.set_guard_complete_hook(current)
+    return current
+
+
+def test_uninstall_puts_back_every_torch_original_and_install_is_idempotent():
+    import torch._dynamo.convert_frame as convert_frame
+    import torch._dynamo.eval_frame as eval_frame
 
     import compiler_collectives as cc
     from compiler_collectives import dynamo_seams, guard_collective
@@ -125,18 +156,66 @@ def test_uninstall_restores_torch_originals_and_install_is_idempotent():
     cc.install()
     cc.install()
     assert eval_frame.guard_collectives_hook is guard_collective.hook
-    assert builder.process_automatic_dynamic is pgo.process_automatic_dynamic
-    ours_compile = convert_frame._compile
+    originals = dict(dynamo_seams._originals)
+    assert set(originals) == set(_seams_now())
+    ours = _seams_now()
     cc.uninstall()
     try:
-        assert eval_frame.guard_collectives_hook is not guard_collective.hook
-        assert convert_frame._compile is not ours_compile
-        assert output_graph.OutputGraph.run_compiler_collective is dynamo_seams._originals["run_compiler_collective"]
-        assert builder.process_automatic_dynamic is dynamo_seams._originals["process_automatic_dynamic"]
-        assert not cc.is_enabled()
+        now = _seams_now()
+        for key, original in originals.items():
+            assert now[key] is original, f"{key} is not torch's original after uninstall"
+            assert now[key] is not ours[key], key
+        assert not cc.is_enabled() and not cc.guards_enabled()
     finally:
         cc.install()
-    assert convert_frame._compile is not dynamo_seams._originals["compile"]
+    assert convert_frame._compile is not originals["compile"]
+
+
+def test_uninstall_hands_the_guard_hook_slot_back_to_torch_own_hook():
+    import compiler_collectives as cc
+    from compiler_collectives import dynamo_seams, guard_collective
+
+    torch_hook = dynamo_seams._originals["guard_collectives_hook"]
+    cc.enable(compiler=False, guards=True)
+    try:
+        assert _guard_slot() is guard_collective.hook
+        cc.uninstall()
+        assert _guard_slot() is torch_hook  # guard collectives stay on, as torch's own
+        cc.install()
+        assert _guard_slot() is guard_collective.hook  # and ours again once reinstalled
+        cc.enable(compiler=False, guards=False)
+        cc.uninstall()
+        assert _guard_slot() is None
+    finally:
+        cc.install()
+        cc.disable()
+
+
+def test_a_failure_while_reading_torch_internals_leaves_torch_unpatched(monkeypatch):
+    import functools
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    import compiler_collectives as cc
+    from compiler_collectives import dynamo_seams
+    from compiler_collectives.errors import UnsupportedTorchError
+
+    cc.uninstall()
+    before = _seams_now()
+    slot_before = _guard_slot()
+    # A torch whose compile wrapper is no longer a plain function: walking it fails.
+    monkeypatch.setattr(eval_frame._TorchDynamoContext, "__call__", functools.partial(print))
+    try:
+        with pytest.raises(UnsupportedTorchError, match="Nothing was patched"):
+            dynamo_seams.install()
+        after = _seams_now()
+        for key, value in before.items():
+            assert after[key] is value, f"{key} was patched although install failed"
+        assert _guard_slot() is slot_before
+        assert not dynamo_seams.installed()
+    finally:
+        monkeypatch.undo()
+        cc.install()
 
 
 def test_a_missing_dynamo_seam_fails_with_the_torch_version_and_the_seam(monkeypatch):

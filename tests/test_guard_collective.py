@@ -151,6 +151,45 @@ def test_torch_set_enable_guard_collectives_drives_our_implementation():
         assert r == {"guard_collectives": 3, "active": True}
 
 
+def guard_switch_read_while_calling(rank: int, world: int, calls: int) -> dict:
+    import sys
+    import threading
+
+    import compiler_collectives as cc
+    from compiler_collectives.stats import counters
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(4))
+    stop = threading.Event()
+    reads = []
+
+    def reader() -> None:  # e.g. a monitoring thread, or enabled() in other code
+        while not stop.is_set():
+            reads.append(cc.guards_enabled())
+
+    sys.setswitchinterval(1e-5)  # switch threads as often as the interpreter allows
+    thread = threading.Thread(target=reader)
+    before = counters.guard_collectives
+    thread.start()
+    try:
+        for _ in range(calls):
+            f(torch.ones(4))
+    finally:
+        stop.set()
+        thread.join()
+    return {"guard_collectives": counters.guard_collectives - before, "reads": len(reads),
+            "all_on": all(reads)}
+
+
+def test_reading_the_guard_switch_from_another_thread_never_makes_a_call_skip_the_collective():
+    calls = 3000
+    (r,) = run_ranks(guard_switch_read_while_calling, 1, args=(calls,), timeout=120).results
+    assert r["reads"] > 1000, r  # the reader really ran alongside the calls
+    assert r["all_on"], r
+    assert r["guard_collectives"] == calls, r
+
+
 def torch_switch_before_import(rank: int, world: int) -> dict:
     torch.compiler.set_enable_guard_collectives(True)  # torch's hook, before we are imported
     import compiler_collectives as cc

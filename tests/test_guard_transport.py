@@ -216,7 +216,8 @@ def test_property_random_hit_patterns_give_every_rank_the_outcome_all_hit(layout
 
 @pytest.mark.timeout(90)
 def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
-    outcome = run_ranks(killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False)
+    outcome = run_ranks(killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False,
+                       expect_signals={3: signal.SIGKILL})
     assert outcome.exitcodes[3] == -signal.SIGKILL
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 1, 2):
@@ -241,7 +242,8 @@ def test_the_segment_name_is_gone_from_dev_shm_once_every_local_rank_mapped_it()
 
 @pytest.mark.timeout(90)
 def test_no_segment_is_left_in_dev_shm_after_the_leader_is_sigkilled_mid_collective():
-    outcome = run_ranks(killed_mid_collective, 3, args=(1, 0), env=ENV, timeout=60, check=False)
+    outcome = run_ranks(killed_mid_collective, 3, args=(1, 0), env=ENV, timeout=60, check=False,
+                       expect_signals={0: signal.SIGKILL})
     assert outcome.exitcodes[0] == -signal.SIGKILL
     survivor = outcome.results[1]
     assert survivor["type"] == "PeerFailureError" and survivor["ranks"] == [0], survivor

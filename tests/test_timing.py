@@ -92,15 +92,38 @@ def test_the_report_merges_the_ranks_and_its_table_counts_match(trace_dir, tmp_p
 
 
 def untraced_job(rank: int, world: int) -> dict:
+    import sys
+
     import compiler_collectives as cc
     from compiler_collectives import timing
 
+    package_dir = os.path.dirname(cc.__file__) + os.sep
+    written = []
+
+    def audit(event: str, args: tuple) -> None:
+        # Every file this process opens for writing, wherever it is, when our
+        # package's code is on the stack (torch's own files are not ours to judge).
+        if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        mode, flags = args[1], args[2]
+        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if not writing:
+            return
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(package_dir):
+                written.append(os.fsdecode(args[0]))
+                return
+            frame = frame.f_back
+
+    sys.addaudithook(audit)
     cc.enable(guards=True)
     f = torch.compile(_fn, backend="eager")
     for _ in range(3):
         f(torch.ones(3 + rank, 2))
     return {"recorder": timing.recorder is not None, "timing": "timing" in cc.stats(),
-            "files": os.listdir(os.getcwd())}
+            "written": written, "files": os.listdir(os.getcwd())}
 
 
 def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp_path, monkeypatch):
@@ -108,6 +131,9 @@ def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp
     outcome = run_ranks(untraced_job, 2)
     for r in outcome.results:
         assert r["recorder"] is False and r["timing"] is False
+        # Nothing anywhere, but the guard transport's segment (unlinked once every rank mapped it).
+        assert [p for p in r["written"] if not p.startswith("/dev/shm/compiler_collectives-")] == [], r["written"]
+        assert r["files"] == []
     assert os.listdir(tmp_path) == []
 
 

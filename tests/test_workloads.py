@@ -92,19 +92,32 @@ def functional_collectives(rank: int, world: int) -> dict:
         scattered = funcol.reduce_scatter_single(gathered, "sum", 0, group)
         return summed * 2 + scattered
 
-    compiled = torch.compile(f, backend="aot_eager")
+    rec = GraphRecorder(backend="aot_eager")
+    compiled = torch.compile(f, backend=rec)
     results = []
-    for n in (3 + rank, 8, 5 + 2 * rank):
+    # The ranks disagree: rank 0 always has 3 rows, so alone it would keep one
+    # static graph; rank 1's rows change, so alone it would recompile with a
+    # dynamic dim at its second call, and the graphs' collectives would no
+    # longer pair up.
+    for n in ((3, 3, 3) if rank == 0 else (4, 8, 7)):
         x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
         results.append(bool(torch.allclose(compiled(x), f(x))))
-    return {"results": results, "stats": cc.stats()}
+    out = summary(rec)
+    out["results"] = results
+    audit = cc.stats()
+    out["audit_exchanges"], out["audit_divergences"] = audit["audit_exchanges"], audit["audit_divergences"]
+    return out
 
 
-def test_graphs_with_functional_collectives_on_varying_local_shapes_finish_and_match_eager():
+def test_ranks_whose_local_shapes_disagree_compile_the_same_functional_collective_graph():
     outcome = run_ranks(functional_collectives, 2, timeout=120)
-    for r in outcome.results:
-        assert r["results"] == [True] * 3
-        assert r["stats"]["audit_exchanges"] >= 1 and r["stats"]["audit_divergences"] == 0
+    r0, r1 = outcome.results
+    for r in (r0, r1):
+        assert r["results"] == [True] * 3, r
+        assert r["audit_exchanges"] >= 1 and r["audit_divergences"] == 0, r
+    # Afterwards they agree: one compile each, the row dim dynamic on both, same graph.
+    assert r0["graphs"] == r1["graphs"] == [[["s", 4]]], (r0["graphs"], r1["graphs"])
+    assert r0["compiles"] == r1["compiles"] == 1
 
 
 def dtensor_redistribute(rank: int, world: int) -> dict:
@@ -116,26 +129,38 @@ def dtensor_redistribute(rank: int, world: int) -> dict:
     cc.enable(guards=True)
     mesh = init_device_mesh("cpu", (world,))
 
-    def f(x: torch.Tensor) -> torch.Tensor:
+    def f(x: torch.Tensor, scale: int) -> torch.Tensor:
         dt = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
-        return dt.redistribute(mesh, [Replicate()]).to_local() * 2
+        return dt.redistribute(mesh, [Replicate()]).to_local() * scale
 
-    compiled = torch.compile(f, backend="aot_eager")
+    rec = GraphRecorder(backend="aot_eager")
+    compiled = torch.compile(f, backend=rec)
     results = []
-    for rows in (2, 4, 3, 6):
+    # The ranks disagree: rank 1's scale changes at every call, rank 0's never
+    # does. Alone, rank 1 would recompile with a symbolic scale at its second
+    # call while rank 0 runs its cached graph, and their all-gathers would not pair up.
+    for rows, scale in zip((2, 4, 3, 6), ((2, 2, 2, 2) if rank == 0 else (2, 3, 4, 5))):
         x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + 100 * rank
-        results.append(bool(torch.allclose(compiled(x), f(x))))
-    s = cc.stats()
-    return {"results": results, "collectives": s["compiler_collectives"],
-            "audit_exchanges": s["audit_exchanges"], "audit_divergences": s["audit_divergences"]}
+        results.append(bool(torch.allclose(compiled(x, scale), f(x, scale))))
+    out = summary(rec)
+    out["results"] = results
+    audit = cc.stats()
+    out["audit_exchanges"], out["audit_divergences"] = audit["audit_exchanges"], audit["audit_divergences"]
+    return out
 
 
-def test_dtensor_from_local_and_redistribute_with_varying_shard_sizes_finish_and_match_eager():
-    outcome = run_ranks(dtensor_redistribute, 2, timeout=120)
-    for r in outcome.results:
-        assert r["results"] == [True] * 4
-        assert r["audit_exchanges"] >= 1 and r["audit_divergences"] == 0
-    assert outcome.results[0]["collectives"] == outcome.results[1]["collectives"]
+def test_ranks_that_disagree_about_a_scalar_compile_the_same_dtensor_graphs_together():
+    outcome = run_ranks(dtensor_redistribute, 2, timeout=180)
+    r0, r1 = outcome.results
+    for r in (r0, r1):
+        assert r["results"] == [True] * 4, r
+        assert r["audit_exchanges"] >= 1 and r["audit_divergences"] == 0, r
+    # Afterwards they agree: the same graphs, compiled at the same calls, with the
+    # scale symbolic on both ranks although rank 0 only ever saw one value.
+    assert r0["graphs"] == r1["graphs"], (r0["graphs"], r1["graphs"])
+    assert r0["symbolic_ints"] == r1["symbolic_ints"] and r0["symbolic_ints"][-1] >= 1, r0
+    assert r0["compiles"] == r1["compiles"] >= 2
+    assert r0["collectives"] == r1["collectives"]
 
 
 class Small(torch.nn.Module):

@@ -8,17 +8,30 @@ One module per mechanism, and one for the groups they run on:
   a guard outcome in microseconds;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
-* ``groups``: lazily created groups, the store side channel, and the failure
-  procedure (report, abort, diagnose).
+* ``groups``: lazily created groups (after the setup agreement), the store
+  side channel, the failure procedure (publish, diagnose), and the teardown
+  at interpreter exit.
 
 The layer above (the agreements) imports only what this module exports.
 """
 
-from .gloo import GlooGuardChannel, GuardChannel, all_gather_bytes, guard_key, translate_failure
+from .gloo import (
+    PHASE_INPUTS,
+    PHASE_TRACE,
+    PROTOCOL_VERSION,
+    GlooGuardChannel,
+    GuardChannel,
+    all_gather_bytes,
+    guard_key,
+    translate_failure,
+)
 from .groups import Groups, groups
 from .hierarchy import ShmGuardChannel
 
 __all__ = [
+    "PHASE_INPUTS",
+    "PHASE_TRACE",
+    "PROTOCOL_VERSION",
     "GlooGuardChannel",
     "GuardChannel",
     "Groups",

@@ -5,6 +5,14 @@ and the fallback where shared memory cannot be used).
 * ``all_gather_bytes``: variable-length byte payloads, one all-gather when
   every payload fits the inline slot, two when one does not. No pickle, no
   numpy: bytes go in through ``torch.frombuffer`` and out through ``ctypes``.
+  Each slot's header carries the payload's length and the exchange's phase,
+  so two ranks in different exchanges (the input exchange and the
+  end-of-trace exchange of a compile) never pair up silently.
+* ``wait``: every wait on a gloo operation of ours runs in slices; between
+  slices it stops with ``PeerFailureError`` once this rank knows that a peer
+  failed (the heartbeat thread poisons the rank on a peer's store report).
+  Gloo's ``abort`` does nothing, so this is how a blocked rank learns of a
+  failure within seconds instead of at ``COMPILER_COLLECTIVES_TIMEOUT``.
 * ``GlooGuardChannel.agree``: one all-reduce (MIN) of a preallocated
   two-element int64 tensor (one element without the desync check).
 * ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors.
@@ -16,24 +24,71 @@ other groups and never touch CUDA streams or devices.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import logging
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, health
 from ..errors import (
+    CollectiveDesyncError,
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
     WireFormatError,
+    describe,
 )
 
 log = logging.getLogger("compiler_collectives.transport.gloo")
 
+PROTOCOL_VERSION = 2
+"""Bumped whenever what our transports put on the wire changes (slot headers, guard
+words). Ranks compare it in the setup agreement, before any of it travels."""
+
 _LEN = struct.Struct("<Q")  # payload length header of each slot
+_PHASE = struct.Struct("<Q")  # then the exchange's phase
+HEADER_BYTES = _LEN.size + _PHASE.size
+
+# Phases of a byte all-gather (the compiler collective's two exchanges per compile).
+PHASE_UNSPECIFIED = 0
+PHASE_INPUTS = 1
+PHASE_TRACE = 2
+PHASE_NAMES = {
+    PHASE_UNSPECIFIED: "a byte all-gather",
+    PHASE_INPUTS: "the input exchange (before the first trace)",
+    PHASE_TRACE: "the end-of-trace exchange",
+}
+
+WAIT_SLICE = datetime.timedelta(milliseconds=200)
+
+
+def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
+    """Wait for a gloo work; between slices of ``WAIT_SLICE``, stop if a peer is known to have failed.
+
+    A failed operation raises gloo's own error (callers translate it). A
+    timed-out slice leaves the operation running; ``is_completed`` tells the
+    two apart. The first slice costs what a plain ``wait()`` does.
+    """
+    try:
+        work.wait(WAIT_SLICE)
+        return
+    except RuntimeError:
+        if work.is_completed():
+            raise
+    while True:
+        failure = health.poisoned()
+        if failure is not None:
+            where = describe() if describe is not None else "a collective"
+            raise PeerFailureError(f"{where}: stopped waiting: {failure}", ranks=failure.ranks)
+        try:
+            work.wait(WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise
 
 
 def translate_failure(
@@ -80,26 +135,43 @@ def all_gather_bytes(
     *,
     max_bytes: int,
     slot_bytes: int,
+    phase: int = PHASE_UNSPECIFIED,
+    describe: Callable[[], str] | None = None,
 ) -> tuple[list[bytes], int]:
     """All-gather one byte string per rank; returns (payloads in rank order, rounds).
 
-    Every rank sees every length after the first round, so the decision to run
-    a second round, and any oversize error, is the same on every rank.
-    Raises ``WireFormatError`` (naming the sender) if a rank announces more
-    than ``max_bytes``; nothing of that size is ever allocated.
+    Every rank sees every length and phase after the first round, so the
+    decision to run a second round, and any error, is the same on every rank.
+    Raises ``CollectiveDesyncError`` if the ranks are in different phases, and
+    ``WireFormatError`` (naming the sender) if a rank announces more than
+    ``max_bytes``; nothing of that size is ever allocated.
     """
     world = pg.size()
     n = len(payload)
-    slot = _LEN.size + slot_bytes
+    slot = HEADER_BYTES + slot_bytes
     buf = bytearray(slot)
     _LEN.pack_into(buf, 0, n)
+    _PHASE.pack_into(buf, _LEN.size, phase)
     if n <= slot_bytes:
-        buf[_LEN.size : _LEN.size + n] = payload
+        buf[HEADER_BYTES : HEADER_BYTES + n] = payload
     send = torch.frombuffer(buf, dtype=torch.uint8)
     recv = [torch.empty(slot, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(recv, send, group=pg)
+    wait(pg.allgather([recv], [send]), describe)
 
-    lengths = [_LEN.unpack(_tensor_to_bytes(t, _LEN.size))[0] for t in recv]
+    headers = [_tensor_to_bytes(t, HEADER_BYTES) for t in recv]
+    lengths = [_LEN.unpack_from(h, 0)[0] for h in headers]
+    phases = [_PHASE.unpack_from(h, _LEN.size)[0] for h in headers]
+    if len(set(phases)) > 1:
+        lines = "\n".join(f"  rank {r}: {PHASE_NAMES.get(p, f'unknown phase {p}')}" for r, p in enumerate(phases))
+        where = describe() if describe is not None else f"byte all-gather on rank {pg.rank()}"
+        raise CollectiveDesyncError(
+            f"{where}: the ranks are in different exchanges of a compile:\n{lines}\n"
+            "Nothing was applied. Every rank must run the same exchanges in the same order: a "
+            "setting that decides whether the input exchange runs (COMPILER_COLLECTIVES_EXCHANGE_"
+            "INPUTS_FIRST, COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART, torch._dynamo.config."
+            "automatic_dynamic_shapes) was changed on some ranks only after the groups were created.",
+            kind="compiler", ranks=tuple(r for r, p in enumerate(phases) if p != phases[pg.rank()]),
+        )
     for sender, length in enumerate(lengths):
         if length > max_bytes:
             raise WireFormatError(
@@ -110,14 +182,14 @@ def all_gather_bytes(
             )
     longest = max(lengths)
     if longest <= slot_bytes:
-        return [_tensor_to_bytes(t, length, _LEN.size) for t, length in zip(recv, lengths)], 1
+        return [_tensor_to_bytes(t, length, HEADER_BYTES) for t, length in zip(recv, lengths)], 1
 
     # Second round, sized exactly for the longest payload.
     big = bytearray(longest)
     big[:n] = payload
     send2 = torch.frombuffer(big, dtype=torch.uint8)
     recv2 = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(recv2, send2, group=pg)
+    wait(pg.allgather([recv2], [send2]), describe)
     return [_tensor_to_bytes(t, length) for t, length in zip(recv2, lengths)], 2
 
 
@@ -141,11 +213,13 @@ class GlooGuardChannel:
     past two or three elements (measured ~145 µs vs ~365 µs on this machine).
     """
 
-    __slots__ = ("pg", "check_desync", "name", "_tensor", "_view", "_opts", "_list")
+    __slots__ = ("pg", "check_desync", "name", "_tensor", "_view", "_opts", "_list", "_seq", "_describe")
 
     def __init__(self, pg: dist.ProcessGroup, check_desync: bool = True) -> None:
         self.pg = pg
         self.name = "gloo"
+        self._seq = 0
+        self._describe = self._where  # made once: the fast path allocates nothing
         # Without the desync check only [hit] travels: one int64.
         self.check_desync = check_desync
         n = 2 if check_desync else 1
@@ -161,28 +235,33 @@ class GlooGuardChannel:
     def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, bool]:
         """Returns (every rank hit, every rank at the same call of the same frame)."""
         view = self._view
+        self._seq = seq
         if not self.check_desync:
             view[0] = 1 if hit else 0
-            self.pg.allreduce(self._list, self._opts).wait()
+            wait(self.pg.allreduce(self._list, self._opts), self._describe)
             return view[0] == 1, True
         key = ((site * _GOLDEN) ^ seq) & _KEY_MASK
         view[0] = 2 * key + (1 if hit else 0)
         view[1] = -key
         # ProcessGroup.allreduce directly: the dist.all_reduce wrapper adds
-        # checks and bookkeeping we would pay on every compiled call.
-        self.pg.allreduce(self._list, self._opts).wait()
+        # checks and bookkeeping we would pay on every compiled call. The wait
+        # is sliced, so a peer's failure stops it (see ``wait``).
+        wait(self.pg.allreduce(self._list, self._opts), self._describe)
         low, neg_high = view[0], view[1]
         in_step = (low >> 1) == -neg_high
         return in_step and bool(low & 1), in_step
 
+    def _where(self) -> str:
+        return describe("guard", self.pg.rank(), self._seq, None)
+
     def publish_failure(self, rank: int) -> None:
-        """Nothing to publish on this path: peers learn through the store and gloo."""
+        """Nothing to publish on this path: peers learn through the store (see ``wait``)."""
 
     def describe_all(self, seq: int, site: int) -> list[tuple[int, int]]:
         """Slow path after a mismatch (every rank takes it): each rank's (seq, site)."""
         mine = torch.tensor([seq, site], dtype=torch.int64)
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.pg.size())]
-        self.pg.allgather([out], [mine]).wait()
+        wait(self.pg.allgather([out], [mine]))
         return [(int(t[0]), int(t[1])) for t in out]
 
 

@@ -5,24 +5,51 @@ also when the default backend is NCCL, each with the timeout from
 ``COMPILER_COLLECTIVES_TIMEOUT``. The guard group carries whichever guard
 mechanism ``COMPILER_COLLECTIVES_GUARD_TRANSPORT`` selects (see
 ``hierarchy.build_guard_channel``); the compile group carries byte all-gathers.
+
+Before the first group of a generation exists, the ranks run the setup
+agreement (``setup_agreement``): every rank raises ``SetupMismatchError``
+there if they disagree about a version or a setting that must match. At
+interpreter exit our heartbeat thread is stopped and our groups destroyed
+(``shutdown``), so nothing of ours is left running while Python finalizes.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import logging
+import os
 import threading
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .. import config, health
-from ..errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
-from ..watchdog import Diagnosis, SideChannel, diagnose_with_deadline
-from .hierarchy import build_guard_channel
+from .. import config, health, setup_agreement
+from ..errors import (
+    CollectiveDesyncError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    PeerFailureError,
+)
+from ..watchdog import Diagnosis, SideChannel, StoreUnresponsive, bounded, diagnose_with_deadline
+from . import shm
+from .gloo import PROTOCOL_VERSION
+from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
+
+
+def _identity() -> dict[str, int]:
+    """This process as a peer on the same machine and pid namespace can check it in /proc."""
+    pid = os.getpid()
+    ident = shm.process_identity(pid)
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = ""
+    place = hashlib.blake2b(f"{host_key()}|{pid_ns}".encode(), digest_size=7).digest()
+    return {"pid": pid, "start": ident[1] if ident else 0, "host": int.from_bytes(place, "little")}
 
 
 class Groups:
@@ -35,6 +62,7 @@ class Groups:
         self._compile_pg: dist.ProcessGroup | None = None
         self._guard_pg: dist.ProcessGroup | None = None
         self._guard_channel: Any = None  # GlooGuardChannel or ShmGuardChannel
+        self._agreed = False  # the setup agreement of this generation passed
         self.side: SideChannel | None = None
         # Callables returning this rank's progress for the heartbeat.
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
@@ -56,6 +84,7 @@ class Groups:
         self._compile_pg = None
         self._guard_pg = None
         self._guard_channel = None
+        self._agreed = False
 
     @staticmethod
     def available() -> bool:
@@ -69,26 +98,53 @@ class Groups:
 
     def _side_channel(self) -> SideChannel:
         if self.side is None:
-            self.side = SideChannel(dist.get_rank(), dist.get_world_size(), self._generation, self._progress)
-            self.side.start(on_peer_failure=_peer_failed)
+            world = dist.group.WORLD
+            side = SideChannel(
+                dist.get_rank(), dist.get_world_size(), self._generation, self._progress,
+                identity=_identity(), probe=shm.process_identity,
+                current=lambda: dist.is_initialized() and dist.group.WORLD is world,
+            )
+            _register_exit()
+            side.start(on_peer_failure=_peer_failed)
+            self.side = side
         return self.side
 
     def _new_group(self, tag: str, kind: str) -> dist.ProcessGroup:
         timeout_s = config.settings.timeout_s
-        side = self._side_channel()
-        # Our own rendezvous first: group creation would otherwise wait on the
-        # store with whatever timeout it picks and could not say who is missing.
-        absent = side.rendezvous(tag, timeout_s)
-        if absent:
-            err = CollectiveTimeoutError(
-                f"creating the {kind}-collective process group on rank {side.rank}: rank(s) "
-                f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
-                "They are stuck, much slower, crashed, or never compile this code (compiler "
-                "collectives need every rank to compile the same frames).",
-                kind=kind, rank=side.rank, ranks=tuple(absent),
+        rank = dist.get_rank()
+        try:
+            side = self._side_channel()
+            if not self._agreed:
+                # The setup agreement is also this generation's first rendezvous.
+                versions = {"transport protocol version": PROTOCOL_VERSION,
+                            "shared-memory layout version": shm.LAYOUT_VERSION}
+                bounded(lambda: setup_agreement.agree(side.store, side.rank, side.world, timeout_s, versions),
+                        timeout_s + 5.0, "during the setup check")
+                self._agreed = True
+            else:
+                # Our own rendezvous first: group creation would otherwise wait on the
+                # store with whatever timeout it picks and could not say who is missing.
+                absent = side.rendezvous(tag, timeout_s)
+                if absent:
+                    raise CollectiveTimeoutError(
+                        f"creating the {kind}-collective process group on rank {rank}: rank(s) "
+                        f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
+                        "They are stuck, much slower, crashed, or never compile this code (compiler "
+                        "collectives need every rank to compile the same frames).",
+                        kind=kind, rank=rank, ranks=tuple(absent),
+                    )
+        except StoreUnresponsive as e:
+            err: CollectiveError = CollectiveTimeoutError(
+                f"creating the {kind}-collective process group on rank {rank}: {e} "
+                "(COMPILER_COLLECTIVES_TIMEOUT). The store lives in the process that created it "
+                "(rank 0 under torchrun, or the MASTER_ADDR host): is it stopped, overloaded or gone?",
+                kind=kind, rank=rank,
             )
             health.poison(err)
-            raise err
+            raise err from None
+        except CollectiveError as err:
+            health.poison(err)
+            raise
         log.debug("creating %s gloo group (timeout %.0fs)", tag, timeout_s)
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag)
 
@@ -123,16 +179,23 @@ class Groups:
             out["compile"] = self._compile_pg
         if self._guard_pg is not None:
             out["guard"] = self._guard_pg
+        leaders = getattr(self._guard_channel, "leaders_pg", None)
+        if leaders is not None:
+            out["guard_leaders"] = leaders
         return out
 
-    def abort(self) -> None:
-        """Abort our groups so peers blocked in our collectives fail now, not at the timeout."""
-        for pg in (self._compile_pg, self._guard_pg):
-            if pg is not None:
+    def shutdown(self, join_s: float = 2.0) -> None:
+        """Interpreter exit: stop the heartbeat thread (joined) and destroy our groups."""
+        side = self.side
+        if side is not None and not side.stop(join_s):
+            log.debug("the heartbeat thread did not end within %.1fs (a store call hangs)", join_s)
+        if dist.is_available() and dist.is_initialized():
+            for name, pg in self.existing().items():
                 try:
-                    pg.abort()
-                except Exception as e:  # noqa: BLE001
-                    log.debug("aborting a group failed: %s", e)
+                    dist.destroy_process_group(pg)
+                except Exception as e:  # noqa: BLE001 - already destroyed with the default group
+                    log.debug("destroying our %s group at exit: %s", name, e)
+        self._drop()
 
     def shutdown(self) -> None:
         """At interpreter exit: stop the heartbeat thread and wait for it (bounded).
@@ -155,17 +218,25 @@ class Groups:
             self._generation += 1
 
     def fail(self, error: CollectiveError, *, seq: int | None) -> CollectiveError:
-        """The failure procedure: report, abort, diagnose; returns the error to raise (maybe re-typed)."""
+        """The failure procedure: publish, diagnose; returns the error to raise (maybe re-typed).
+
+        Publishing is what tells the peers: same-host peers see the segment's
+        failure word within microseconds, every other peer's heartbeat thread
+        sees the store report within a heartbeat and poisons its rank, which
+        makes a rank waiting in one of our collectives stop (gloo's own
+        ``abort`` does nothing, so a blocked gloo operation cannot be ended
+        from here).
+        """
         side = self.side
-        if side is not None:
-            try:
-                side.report_failure(error.kind or "?", seq, str(error))
-            except Exception as e:  # noqa: BLE001
-                log.debug("could not report the failure on the store: %s", e)
         channel = self._guard_channel
         if channel is not None and side is not None:
             channel.publish_failure(side.rank)  # same-host peers stop waiting within microseconds
-        self.abort()
+        if side is not None:
+            try:
+                side.report_failure(error.kind or "?", seq, str(error))
+            except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+                log.warning("rank %d could not report its failure on the c10d store (%s); peers on "
+                            "other hosts learn of it only when they time out", side.rank, e)
         diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
         return _explain(error, diagnosis)
 
@@ -192,9 +263,28 @@ def _explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveE
 
 
 def _peer_failed(rank: int, message: str) -> None:
-    """Heartbeat thread: a peer reported a failure; refuse our next collective."""
+    """Heartbeat thread: a peer reported a failure; refuse our next collective, and make
+    a wait in progress in one of our collectives stop."""
     first_line = message.splitlines()[0] if message else "no message"
-    health.poison(CollectiveError(f"rank {rank} reported a collective failure: {first_line}"))
+    health.poison(PeerFailureError(f"rank {rank} reported a collective failure: {first_line}",
+                                   ranks=(rank,)))
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_at_exit)
+        _exit_registered = True
+
+
+def _at_exit() -> None:
+    try:
+        groups.shutdown()
+    except Exception as e:  # noqa: BLE001 - never fail an exit
+        log.debug("shutdown at exit: %s", e)
 
 
 groups = Groups()

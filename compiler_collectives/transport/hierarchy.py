@@ -42,8 +42,9 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import CollectiveError
+from ..watchdog import StoreUnresponsive, bounded
 from . import shm
-from .gloo import GlooGuardChannel
+from .gloo import GlooGuardChannel, wait
 
 log = logging.getLogger("compiler_collectives.transport.hierarchy")
 
@@ -66,7 +67,7 @@ def host_key() -> int:
 def _all_gather_ints(pg: dist.ProcessGroup, values: list[int]) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64)
     out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(pg.size())]
-    pg.allgather([out], [mine]).wait()
+    wait(pg.allgather([out], [mine]))
     return [t.tolist() for t in out]
 
 
@@ -121,11 +122,11 @@ class LeaderExchange:
                 send[0], send[1] = a, b
                 sent = pg.send(send_list, peer, tag)
                 if op != "swap":
-                    sent.wait()
+                    wait(sent)
                     continue
-            pg.recv(recv_list, peer, tag).wait()
+            wait(pg.recv(recv_list, peer, tag))
             if op == "swap":
-                sent.wait()
+                wait(sent)
             if op == "take":
                 a, b = recv[0], recv[1]
             else:
@@ -141,12 +142,13 @@ class ShmGuardChannel:
     every rank), ``publish_failure`` for the failure procedure.
     """
 
-    __slots__ = ("pg", "check_desync", "name", "hosts", "local_ranks", "_n", "_local",
+    __slots__ = ("pg", "leaders_pg", "check_desync", "name", "hosts", "local_ranks", "_n", "_local",
                  "_leaders", "_multi_host", "_words", "_mine", "_peers")
 
     def __init__(self, pg: dist.ProcessGroup, local_ranks: int, exchange: shm.LocalExchange,
-                 hosts: int, leaders: LeaderExchange | None) -> None:
+                 hosts: int, leaders: LeaderExchange | None, leaders_pg: Any = None) -> None:
         self.pg = pg
+        self.leaders_pg = leaders_pg  # the leaders' gloo group (every rank took part in creating it)
         self.check_desync = True  # free here: the frame id rides in the same word
         self.hosts = hosts
         self.local_ranks = local_ranks
@@ -295,7 +297,13 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
     unable = [r for r, (_, ok) in enumerate(keys) if not ok]
     segment = None
     if not unable:
-        segment, reason = _map_segment(store, host, local_ranks, rank, settings.timeout_s)
+        try:
+            # Store calls only: bounded, since the store's own timeout bounds none of them.
+            segment, reason = bounded(
+                lambda: _map_segment(store, host, local_ranks, rank, settings.timeout_s),
+                settings.timeout_s + 5.0, "while mapping the shared-memory segment")
+        except StoreUnresponsive as e:
+            segment, reason = None, str(e)
         results = _all_gather_ints(pg, [0 if segment is None else 1])
         unable = [r for r, (ok,) in enumerate(results) if not ok]
     if unable:
@@ -310,6 +318,7 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
     hosts = len(hosts_order)
     leader_ranks = [members[key][0] for key in hosts_order]
     leaders = None
+    leaders_pg = None
     if hosts > 1:
         # Every rank takes part in creating the group; only its members get one.
         leaders_pg = dist.new_group(ranks=leader_ranks, backend="gloo",
@@ -317,10 +326,12 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
                                     group_desc="compiler_collectives_guard_leaders")
         if rank == leader_ranks[host]:
             leaders = LeaderExchange(leaders_pg, host, hosts)
+        else:
+            leaders_pg = None  # not a member: torch's placeholder, not a group
     arrival = shm.Arrival(rank=rank, local_ranks=tuple(local_ranks), leader_index=0)
     exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s,
                                  _describe_guard(rank))
     if rank == 0:
         log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host",
                  hosts, len(local_ranks))
-    return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders)
+    return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders, leaders_pg)

@@ -314,7 +314,7 @@ class LocalExchange:
         first = health.poisoned()
         return PeerFailureError(
             f"{self._describe(n)}: stopped waiting: {first}",
-            kind="guard", rank=self.ranks.rank,
+            kind="guard", rank=self.ranks.rank, ranks=first.ranks if first is not None else (),
         )
 
     def _dead(self, j: int, n: int) -> PeerFailureError:

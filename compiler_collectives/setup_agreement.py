@@ -1,0 +1,215 @@
+"""Setup agreement: before our first group of a generation exists, the ranks check that
+they run the same versions and hold the same settings that shape a collective.
+
+Ranks that disagree about, say, ``COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK``
+would otherwise meet in gloo operations of different sizes (which gloo can
+end in ``std::terminate``), or wait for each other in different collectives
+until the timeout and then blame a "stuck" rank. Here every rank raises
+``SetupMismatchError`` within seconds, naming each differing item and each
+rank's value.
+
+What is compared (``local_record``):
+
+* versions: this record's format, the compiler-collective wire format, our
+  transport protocol and shared-memory layout, the package, torch;
+* every setting whose row in ``config.SETTINGS_TABLE`` says ``must_match``,
+  by its environment variable's name;
+* switches only known at run time, from functions registered with
+  ``register_source`` (the seams register the guard-collective hook, the
+  compiler-collective flag and Dynamo's ``automatic_dynamic_shapes``); they
+  override a setting of the same name (the guard switch's effective state
+  wins over ``COMPILER_COLLECTIVES_GUARDS``).
+
+The exchange runs on the c10d store, once per generation, and is also the
+first group's rendezvous. Every rank's record is msgpack
+(``[format, rank, [[item, value], ...]]``) and is validated before use. To
+stay at O(1) store operations per rank, each rank compares its record with
+rank 0's; only the ranks that differ publish theirs for the others to read:
+
+1. ``setup/<rank>``: this rank's record (also its arrival mark);
+2. compare with ``setup/0``; if different, ``setup/mismatches`` += 1 and the
+   record goes to ``setup/mismatch/<i>``;
+3. ``setup/arrived`` += 1; the last rank sets ``setup/done``;
+4. after ``setup/done``, every rank reads the same mismatching records and
+   raises the same error (or none).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any, Callable
+
+import msgpack
+
+from . import config
+from .errors import CollectiveTimeoutError, SetupMismatchError
+
+log = logging.getLogger("compiler_collectives.setup")
+
+SETUP_FORMAT = 1
+_MAX_RECORD_BYTES = 64 * 1024
+_MAX_ITEMS = 512
+_MAX_TEXT = 512
+_SHOWN_MISMATCHES = 32  # records read and shown when many ranks differ from rank 0
+
+_sources: list[Callable[[], dict[str, Any]]] = []
+
+
+def register_source(source: Callable[[], dict[str, Any]]) -> None:
+    """Add items only known at run time (idempotent per function)."""
+    if source not in _sources:
+        _sources.append(source)
+
+
+def local_record(versions: dict[str, Any]) -> dict[str, Any]:
+    """Everything this rank must hold alike with every other, by the name messages show."""
+    import torch
+
+    from . import __version__, wire
+
+    record: dict[str, Any] = {
+        "compiler_collectives version": __version__,
+        "torch version": torch.__version__,
+        "wire format version": wire.FORMAT_VERSION,
+    }
+    record.update(versions)
+    for row in config.MUST_MATCH:
+        record[row.env] = getattr(config.settings, row.attr)
+    for source in _sources:
+        record.update(source())
+    return record
+
+
+def encode(rank: int, record: dict[str, Any]) -> bytes:
+    return msgpack.packb([SETUP_FORMAT, rank, [[k, v] for k, v in record.items()]], use_bin_type=True)
+
+
+class _Bad(Exception):
+    pass
+
+
+def decode(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
+    """(format, items) of a peer's record; raises ``_Bad`` on anything malformed."""
+    if len(data) > _MAX_RECORD_BYTES:
+        raise _Bad(f"{len(data)} bytes, over {_MAX_RECORD_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
+        raise _Bad(f"not valid msgpack ({type(e).__name__})") from None
+    if type(obj) is not list or len(obj) < 1 or type(obj[0]) is not int:
+        raise _Bad("not a versioned record")
+    if obj[0] != SETUP_FORMAT:
+        return obj[0], {}
+    if len(obj) != 3 or obj[1] != sender or type(obj[2]) is not list or len(obj[2]) > _MAX_ITEMS:
+        raise _Bad("malformed record")
+    items: dict[str, Any] = {}
+    for pair in obj[2]:
+        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or len(pair[0]) > _MAX_TEXT:
+            raise _Bad("malformed item")
+        value = pair[1]
+        if type(value) not in (type(None), bool, int, float, str) or (type(value) is str and len(value) > _MAX_TEXT):
+            raise _Bad(f"item {pair[0]!r} has a value of type {type(value).__name__}")
+        items[pair[0]] = value
+    return obj[0], items
+
+
+_MISSING = "<not sent>"
+
+
+def differences(reference: tuple[int, dict[str, Any]], other: tuple[int, dict[str, Any]]) -> list[str]:
+    """Names of the items that differ between two decoded records."""
+    if reference[0] != other[0]:
+        return ["setup record format"]
+    names = list(reference[1]) + [n for n in other[1] if n not in reference[1]]
+    return [n for n in names if reference[1].get(n, _MISSING) != other[1].get(n, _MISSING)
+            or type(reference[1].get(n)) is not type(other[1].get(n))]
+
+
+def _show(record: tuple[int, dict[str, Any]], item: str) -> str:
+    if item == "setup record format":
+        return str(record[0])
+    value = record[1].get(item, _MISSING)
+    return value if value is _MISSING else repr(value)
+
+
+def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
+                   others: list[tuple[int, tuple[int, dict[str, Any]]]], total: int) -> SetupMismatchError:
+    """The error every rank raises: each differing item, rank 0's value and each differing rank's."""
+    items: list[str] = []
+    for _, record in others:
+        for item in differences(reference, record):
+            if item not in items:
+                items.append(item)
+    lines = []
+    for item in items:
+        values = [f"rank {r}: {_show(record, item)}" for r, record in others]
+        rest = "" if world == 1 + len(others) else " (and every rank not named here)"
+        lines.append(f"  {item}: rank 0{rest}: {_show(reference, item)}; " + "; ".join(values))
+    more = ""
+    if total > len(others):
+        more = f"\n  ... and {total - len(others)} more rank(s) differ from rank 0 (not shown)"
+    named = tuple(r for r, _ in others)
+    return SetupMismatchError(
+        f"setup check on rank {rank}: the ranks disagree about settings or versions that must "
+        f"match on every rank (checked when compiler_collectives created its process groups):\n"
+        + "\n".join(lines) + more +
+        "\nSet each of them the same on every rank (the environment of every node and launcher, "
+        "or the same enable()/config calls); docs/configuration.md lists what must match.",
+        kind="setup", rank=rank, ranks=named,
+    )
+
+
+def agree(store: Any, rank: int, world: int, timeout_s: float, versions: dict[str, Any]) -> None:
+    """Run the exchange (store calls only; the caller bounds them). Raises on a mismatch or an absent rank."""
+    mine = encode(rank, local_record(versions))
+    deadline = time.monotonic() + timeout_s
+    store.set(f"setup/{rank}", mine)
+    if rank == 0:
+        reference_bytes = mine
+    else:
+        _wait_or_raise(store, "setup/0", deadline, rank, world, timeout_s)
+        reference_bytes = store.get("setup/0")
+    reference = _decode_or_unreadable(reference_bytes, 0)
+    if reference_bytes != mine and differences(reference, decode(mine, rank)):
+        index = store.add("setup/mismatches", 1)
+        store.set(f"setup/mismatch/{index}", str(rank))
+    if store.add("setup/arrived", 1) == world:
+        store.set("setup/done", "1")
+    _wait_or_raise(store, "setup/done", deadline, rank, world, timeout_s)
+    total = int(store.add("setup/mismatches", 0))
+    if total == 0:
+        return
+    others = []
+    for index in range(1, min(total, _SHOWN_MISMATCHES) + 1):
+        sender = int(store.get(f"setup/mismatch/{index}"))
+        others.append((sender, _decode_or_unreadable(store.get(f"setup/{sender}"), sender)))
+    others.sort(key=lambda pair: pair[0])
+    raise mismatch_error(rank, world, reference, others, total)
+
+
+def _decode_or_unreadable(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
+    try:
+        return decode(data, sender)
+    except _Bad as e:  # an unreadable record is itself a difference worth naming
+        return SETUP_FORMAT, {"readable setup record": f"no ({e})"}
+
+
+def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int, timeout_s: float) -> None:
+    """Wait for ``key`` until ``deadline``; past it, raise naming the ranks that never arrived."""
+    remaining = max(0.001, deadline - time.monotonic())
+    try:
+        store.wait([key], datetime.timedelta(seconds=remaining))
+        return
+    except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
+        pass
+    absent = [r for r in range(world) if not store.check([f"setup/{r}"])]
+    raise CollectiveTimeoutError(
+        f"setup check on rank {rank}: rank(s) {absent or '(none missing; the store is slow)'} did not "
+        f"arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT) when compiler_collectives "
+        "created its process groups. They are stuck, much slower, crashed, never compile this code, "
+        "or have the compiler and guard collectives switched differently (TORCH_COMPILER_COLLECTIVES "
+        "and COMPILER_COLLECTIVES_GUARDS must be the same on every rank).",
+        kind="setup", rank=rank, ranks=tuple(absent),
+    )

@@ -1,0 +1,105 @@
+"""Processes that use the package exit cleanly: their own exit code, never an abort (issue 11).
+
+These ranks start with ``spawn``, so each one ends in a real interpreter exit
+(atexit handlers, finalization, C++ static destructors), as under torchrun;
+forkserver children leave through ``os._exit`` and would hide an abort there.
+The harness fails any rank a signal ends.
+
+The abort these tests pin: our heartbeat thread (a daemon thread) inside a
+c10d store call while Python finalizes is killed as it takes the GIL back,
+inside a C++ destructor, and the process dies of SIGABRT ("terminate called
+without an active exception"). A short heartbeat makes that race likely; at
+exit the package now stops and joins its thread and destroys its groups first,
+which each rank checks from an exit handler of its own (``LEFT_RUNNING``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+# A heartbeat every 0.5 ms keeps the thread inside store calls much of the time.
+ENV = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005", "COMPILER_COLLECTIVES_TIMEOUT": "10",
+       "HARNESS_PG_TIMEOUT": "120"}
+LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
+
+
+def _nothing_of_ours_left_when_python_finalizes() -> None:
+    """Registered before the package runs, so it runs after the package's own exit
+    handler (last in, first out): what it sees is what finalization would meet."""
+    from compiler_collectives.transport import groups
+
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("compiler_collectives") and t.is_alive()]
+    left = sorted(groups.existing())
+    if threads or left:
+        print(f"left running at exit: threads {threads}, groups {left}", file=sys.stderr, flush=True)
+        os._exit(LEFT_RUNNING)
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def ddp_inductor_job_where_one_rank_fails_with_our_error(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import compiler_collectives as cc
+
+    atexit.register(_nothing_of_ours_left_when_python_finalizes)
+    cc.enable(guards=True)
+    torch.manual_seed(0)
+    model = torch.compile(DDP(Small()))  # inductor
+    for step in range(2):
+        model(torch.randn(4 + step, 8)).square().mean().backward()
+    if rank == 1:
+        try:
+            model(torch.randn(5, 8))  # an extra step rank 0 never takes: our guard collective times out
+        except cc.CollectiveError as e:
+            return {"raised": type(e).__name__}
+        return {"raised": None}
+    try:
+        dist.all_reduce(torch.ones(1))  # the user's own collective: rank 1 never joins, then leaves
+    except RuntimeError as e:
+        return {"raised": type(e).__name__, "ours": isinstance(e, cc.CollectiveError)}
+    return {"raised": None}
+
+
+def test_a_ddp_inductor_job_where_one_rank_fails_with_our_error_exits_cleanly_on_every_rank():
+    outcome = run_ranks(ddp_inductor_job_where_one_rank_fails_with_our_error, 2, env=ENV,
+                        start_method="spawn", store="tcp", timeout=420)
+    failed, survivor = outcome.results[1], outcome.results[0]
+    assert failed["raised"] == "CollectiveDesyncError", failed  # rank 0 is alive, in its all-reduce
+    assert survivor["raised"] in ("RuntimeError", "DistBackendError") and not survivor["ours"], survivor
+    # Not -6 (SIGABRT), not LEFT_RUNNING: the harness fails on either.
+    assert outcome.exitcodes == [0, 0], outcome
+
+
+def short_job(rank: int, world: int) -> int:
+    import compiler_collectives as cc
+
+    atexit.register(_nothing_of_ours_left_when_python_finalizes)
+    cc.enable(guards=True)
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    for _ in range(3):
+        f(torch.ones(3))
+    return cc.stats()["guard_collectives"]
+
+
+def test_a_job_that_ends_normally_exits_with_code_zero_on_every_rank():
+    for attempt in range(2):  # the race is per exit: several exits
+        outcome = run_ranks(short_job, 2, env=ENV, start_method="spawn", store="tcp", timeout=180)
+        assert outcome.results == [2, 2]
+        assert outcome.exitcodes == [0, 0], (attempt, outcome)

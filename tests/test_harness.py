@@ -1,0 +1,40 @@
+"""The multi-process harness itself: no test passes while a rank aborts (issue 11)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.harness import RanksFailed, run_ranks
+
+
+def report_then_abort_at_exit(rank: int, world: int) -> str:
+    import multiprocessing.util
+
+    if rank == 1:
+        # Runs while the process exits, after the result went to the parent:
+        # the way a C++ std::terminate at teardown looks from outside.
+        multiprocessing.util.Finalize(None, os.abort, exitpriority=-10)  # after the result queue is flushed (-5)
+    return "ok"
+
+
+def test_a_rank_that_aborts_after_reporting_its_result_fails_the_test():
+    with pytest.raises(RanksFailed, match=r"rank 1 was ended by signal SIGABRT .*after reporting its result"):
+        run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60)
+
+
+def test_a_rank_that_aborts_fails_the_test_even_when_the_test_inspects_the_outcome_itself():
+    with pytest.raises(RanksFailed, match="SIGABRT"):
+        run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60, check=False)
+
+
+def test_a_signal_the_test_expects_for_that_rank_is_accepted_and_must_happen():
+    outcome = run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60,
+                        expect_signals={1: signal.SIGABRT})
+    assert outcome.results == ["ok", "ok"]
+    assert outcome.exitcodes == [0, -signal.SIGABRT]
+    with pytest.raises(RanksFailed, match="rank 0 was expected to end by signal SIGKILL"):
+        run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60,
+                  expect_signals={0: signal.SIGKILL, 1: signal.SIGABRT})
