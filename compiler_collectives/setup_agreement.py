@@ -161,9 +161,13 @@ def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
     )
 
 
-def agree(store: Any, rank: int, world: int, timeout_s: float, versions: dict[str, Any]) -> None:
-    """Run the exchange (store calls only; the caller bounds them). Raises on a mismatch or an absent rank."""
-    mine = encode(rank, local_record(versions))
+def agree(store: Any, rank: int, world: int, timeout_s: float, record: dict[str, Any]) -> None:
+    """Run the exchange of ``record`` (``local_record``, taken on the caller's thread).
+
+    Store calls only, so the caller can run it on a helper thread and bound
+    it. Raises on a mismatch or an absent rank.
+    """
+    mine = encode(rank, record)
     deadline = time.monotonic() + timeout_s
     store.set(f"setup/{rank}", mine)
     if rank == 0:

@@ -366,3 +366,39 @@ def test_our_groups_are_gloo_and_really_communicate_when_the_default_group_is_no
         assert r["backends"] == ["gloo", "gloo"]
         assert r["gathered"] == [b"\x00", b"\x01"]
         assert r["agreed"] == (False, False)
+
+
+# ---------------------------------------------------------------- waiting in slices
+
+
+def gather_with_tiny_wait_slices(rank: int, world: int, rounds: int) -> dict:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from compiler_collectives.transport import gloo
+
+    # Slices of a millisecond (the finest gloo takes): over many operations, some
+    # complete between a slice's timeout and the look at the operation that follows.
+    gloo.WAIT_SLICE = datetime.timedelta(milliseconds=1)
+    import random
+
+    rng = random.Random(rank)
+    failures = []
+    for i in range(rounds):
+        if rank == 1:
+            time.sleep(rng.uniform(0.0008, 0.0013))  # rank 0's operation completes near a slice's end
+        try:
+            payloads, _ = gloo.all_gather_bytes(dist.group.WORLD, bytes([rank, i % 256]), max_bytes=16, slot_bytes=16)
+            assert [bytes(p) for p in payloads] == [bytes([r, i % 256]) for r in range(world)]
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            failures.append(f"{type(e).__name__}: {e}")
+    return {"failures": failures}
+
+
+@pytest.mark.timeout(90)
+def test_a_wait_in_slices_returns_the_operation_outcome_even_when_it_completes_between_two_slices():
+    outcome = run_ranks(gather_with_tiny_wait_slices, 2, args=(1500,), timeout=60)
+    for r in outcome.results:
+        assert r["failures"] == [], r["failures"][:3]

@@ -69,15 +69,18 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
     """Wait for a gloo work; between slices of ``WAIT_SLICE``, stop if a peer is known to have failed.
 
     A failed operation raises gloo's own error (callers translate it). A
-    timed-out slice leaves the operation running; ``is_completed`` tells the
-    two apart. The first slice costs what a plain ``wait()`` does.
+    timed-out slice leaves the operation running. The operation may complete
+    between the slice's timeout and our look at it: then a plain ``wait()``
+    returns its own outcome at once (success, or gloo's error). The first
+    slice costs what a plain ``wait()`` does.
     """
     try:
         work.wait(WAIT_SLICE)
         return
     except RuntimeError:
         if work.is_completed():
-            raise
+            work.wait()
+            return
     while True:
         failure = health.poisoned()
         if failure is not None:
@@ -88,7 +91,8 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
             return
         except RuntimeError:
             if work.is_completed():
-                raise
+                work.wait()
+                return
 
 
 def translate_failure(

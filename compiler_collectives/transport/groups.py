@@ -116,9 +116,11 @@ class Groups:
             side = self._side_channel()
             if not self._agreed:
                 # The setup agreement is also this generation's first rendezvous.
-                versions = {"transport protocol version": PROTOCOL_VERSION,
-                            "shared-memory layout version": shm.LAYOUT_VERSION}
-                bounded(lambda: setup_agreement.agree(side.store, side.rank, side.world, timeout_s, versions),
+                record = setup_agreement.local_record({
+                    "transport protocol version": PROTOCOL_VERSION,
+                    "shared-memory layout version": shm.LAYOUT_VERSION,
+                })
+                bounded(lambda: setup_agreement.agree(side.store, side.rank, side.world, timeout_s, record),
                         timeout_s + 5.0, "during the setup check")
                 self._agreed = True
             else:
@@ -130,7 +132,9 @@ class Groups:
                         f"creating the {kind}-collective process group on rank {rank}: rank(s) "
                         f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
                         "They are stuck, much slower, crashed, or never compile this code (compiler "
-                        "collectives need every rank to compile the same frames).",
+                        "collectives need every rank to compile the same frames)"
+                        + (", or turned guard collectives on later than this rank or not at all "
+                           "(the switch must be the same on every rank)" if kind == "guard" else "") + ".",
                         kind=kind, rank=rank, ranks=tuple(absent),
                     )
         except StoreUnresponsive as e:
