@@ -201,19 +201,6 @@ class Groups:
                     log.debug("destroying our %s group at exit: %s", name, e)
         self._drop()
 
-    def shutdown(self) -> None:
-        """At interpreter exit: stop the heartbeat thread and wait for it (bounded).
-
-        A daemon thread still inside a c10d store call when the interpreter
-        finalizes is ended by CPython as it takes the GIL back, from inside a
-        pybind11 frame that may not unwind: the process then dies of SIGABRT
-        ("terminate called without an active exception") after the user's
-        code finished. Joining it first avoids that.
-        """
-        side = self.side
-        if side is not None:
-            side.stop(join_s=5.0)
-
     def forget(self) -> None:
         """Drop our groups; the next collective creates new ones (all ranks must do this together)."""
         with self._lock:
@@ -292,4 +279,3 @@ def _at_exit() -> None:
 
 
 groups = Groups()
-atexit.register(groups.shutdown)
