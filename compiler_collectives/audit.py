@@ -46,11 +46,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 
 from . import config, health, wire
-from .errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, WireFormatError, describe
+from .errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 from .state import FrameId
 from .stats import counters
-from .transport import all_gather_bytes, groups, translate_failure
+from .transport import all_gather_bytes, groups
 
 log = logging.getLogger("compiler_collectives.audit")
 
@@ -313,25 +313,12 @@ def _exchange(
             for i, p in enumerate(payloads)
         ]
         _check_agreement(envelopes, rank=rank)
-    except CollectiveError as e:
-        e.kind, e.rank, e.seq, e.frame = "audit", rank, seq, str(frame)
-        if isinstance(e, WireFormatError):
-            e.args = (f"{where()}: {e.args[0]}",)
-        # Seen identically by every rank: no diagnosis needed. Anything else
-        # (a timeout, a dead peer) gets the side channel's.
-        err = e if isinstance(e, (WireFormatError, CollectiveDesyncError)) else groups.fail(e, seq=seq)
+    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
         counters.errors += 1
-        health.poison(err)
+        err = groups.exchange_failed(e, kind="audit", rank=rank, seq=seq, frame=str(frame), where=where)
         if err is e:
             raise
-        raise err from e.__cause__
-    except RuntimeError as e:
-        err = translate_failure(e, kind="audit", describe=where, rank=rank, seq=seq, frame=str(frame))
-        err.__cause__ = e
-        err = groups.fail(err, seq=seq)
-        counters.errors += 1
-        health.poison(err)
-        raise err from e
+        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
     return envelopes
 
 

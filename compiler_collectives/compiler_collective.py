@@ -18,10 +18,10 @@ from typing import Any, Sequence
 import torch
 
 from . import config, health, timing, wire
-from .errors import CollectiveDesyncError, CollectiveError, WireFormatError, describe
+from .errors import CollectiveDesyncError, CollectiveError, describe
 from .state import DistributedState, FrameId, LocalState
 from .stats import counters
-from .transport import PHASE_INPUTS, PHASE_TRACE, all_gather_bytes, groups, translate_failure
+from .transport import PHASE_INPUTS, PHASE_TRACE, all_gather_bytes, groups
 
 log = logging.getLogger("compiler_collectives.compiler")
 
@@ -119,25 +119,12 @@ def exchange(
             for i, p in enumerate(payloads)
         ]
         check_agreement(envelopes, rank=rank)
-    except CollectiveError as e:
-        e.kind, e.rank, e.seq, e.frame = "compiler", rank, seq, str(frame)
-        if isinstance(e, WireFormatError):
-            e.args = (f"{where()}: {e.args[0]}",)
-        # A bad payload or a desync is seen identically by every rank: no one
-        # needs telling. Anything else gets the side-channel diagnosis.
-        err = e if isinstance(e, (WireFormatError, CollectiveDesyncError)) else groups.fail(e, seq=seq)
+    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
         counters.errors += 1
-        health.poison(err)
+        err = groups.exchange_failed(e, kind="compiler", rank=rank, seq=seq, frame=str(frame), where=where)
         if err is e:
             raise
-        raise err from e.__cause__
-    except RuntimeError as e:
-        err = translate_failure(e, kind="compiler", describe=where, rank=rank, seq=seq, frame=str(frame))
-        err.__cause__ = e
-        err = groups.fail(err, seq=seq)
-        counters.errors += 1
-        health.poison(err)
-        raise err from e
+        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
     elapsed = time.perf_counter() - started
 
     states = [e.state for e in envelopes]

@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from . import config, health, wire
-from .errors import CollectiveDesyncError, CollectiveError, WireFormatError, describe
+from .errors import CollectiveDesyncError, CollectiveError, describe
 from .stats import counters
-from .transport import all_gather_bytes, groups, translate_failure
+from .transport import all_gather_bytes, groups
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -104,23 +104,12 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
                 "please report it with this message.",
                 ranks=tuple(e.rank for e in envelopes if e.seq != seq),
             )
-    except CollectiveError as e:
-        e.kind, e.rank, e.seq, e.frame = "guard", rank, seq, frame
-        if isinstance(e, WireFormatError):
-            e.args = (f"{where()}: {e.args[0]}",)
-        err = e if isinstance(e, (WireFormatError, CollectiveDesyncError)) else groups.fail(e, seq=seq)
+    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
         counters.errors += 1
-        health.poison(err)
+        err = groups.exchange_failed(e, kind="guard", rank=rank, seq=seq, frame=frame, where=where)
         if err is e:
             raise
-        raise err from e.__cause__
-    except RuntimeError as e:
-        err = translate_failure(e, kind="guard", describe=where, rank=rank, seq=seq, frame=frame)
-        err.__cause__ = e
-        err = groups.fail(err, seq=seq)
-        counters.errors += 1
-        health.poison(err)
-        raise err from e
+        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
     elapsed = time.perf_counter() - started
     everyone = {e.rank: e.reasons for e in envelopes if e.missed}
     counters.guard_reason_exchanges += 1

@@ -31,10 +31,11 @@ from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
+    WireFormatError,
 )
 from ..watchdog import Diagnosis, SideChannel, StoreUnresponsive, bounded, diagnose_with_deadline
 from . import shm
-from .gloo import PROTOCOL_VERSION
+from .gloo import PROTOCOL_VERSION, translate_failure
 from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
@@ -187,6 +188,30 @@ class Groups:
         if leaders is not None:
             out["guard_leaders"] = leaders
         return out
+
+    def exchange_failed(self, error: BaseException, *, kind: str, rank: int, seq: int | None,
+                        frame: str | None, where: Callable[[], str]) -> CollectiveError:
+        """The error a byte exchange raises after ``error``; this rank is poisoned either way.
+
+        Our own errors take the exchange's context. A bad payload or a desync is
+        seen identically by every rank, so nobody needs telling; anything else (a
+        timeout, a dead peer, gloo's RuntimeError, translated) goes through the
+        failure procedure, which tells the other ranks and names the culprits.
+        """
+        if isinstance(error, CollectiveError):
+            error.kind, error.rank, error.seq, error.frame = kind, rank, seq, frame
+            if isinstance(error, WireFormatError):
+                error.args = (f"{where()}: {error.args[0]}",)
+            if isinstance(error, (WireFormatError, CollectiveDesyncError)):
+                health.poison(error)
+                return error
+            err = self.fail(error, seq=seq)
+        else:
+            translated = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame)
+            translated.__cause__ = error
+            err = self.fail(translated, seq=seq)
+        health.poison(err)
+        return err
 
     def shutdown(self, join_s: float = 2.0) -> None:
         """Interpreter exit: stop the heartbeat thread (joined) and destroy our groups."""

@@ -221,13 +221,6 @@ class ShmGuardChannel:
         except Exception as e:  # noqa: BLE001 - another host is gone too; our error stands
             log.debug("could not tell the other hosts of the failure: %s", e)
 
-    def describe_all(self, seq: int, site: int) -> list[tuple[int, int]]:
-        """Slow path after a mismatch (every rank takes it): each rank's (seq, site)."""
-        return [(s, f) for s, f in _all_gather_ints(self.pg, [seq, site])]
-
-    def publish_failure(self, rank: int) -> None:
-        self._local.publish_failure(rank)
-
 
 def _describe_guard(rank: int):
     from ..errors import describe
@@ -284,7 +277,7 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
     settings = config.settings
     if settings.guard_transport == "gloo":
         return GlooGuardChannel(pg, settings.guard_desync_check)
-    rank, world = pg.rank(), pg.size()
+    rank = pg.rank()
     reason = shm.unavailable_reason()
     keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1])
     members: dict[int, list[int]] = {}  # host key -> its ranks, hosts in order of their lowest rank
