@@ -556,7 +556,7 @@ _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 def stuck_at(log_text: str) -> Optional[str]:
     """Where a rank was stuck, from the last stack faulthandler wrote to its log.
 
-    Returns e.g. ``all_gather_bytes (transport.py:187) <- train (demo.py:301)``:
+    Returns e.g. ``all_gather_bytes (gloo.py:187) <- train (demo.py:301)``:
     the innermost frame, then the training loop's line that led there.
     """
     marker = "(most recent call first):"
