@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -183,8 +184,18 @@ def peer_stopped(rank: int, world: int) -> dict:
         time.sleep(2.0)  # enters later: rank 0's timeout comes first, and rank 2 hears of it
     result = _with_transport(_caught(lambda: f(torch.ones(2))))
     result["at"] = time.time()
+    # Rank 1 stays stopped until rank 2 has its error too: resumed early, it would
+    # no longer be "stopped" when rank 2's diagnosis looks at it.
+    done = os.path.join(tempfile.gettempdir(), f"cc-peer-stopped-{pids[0]}")
+    if rank == 2:
+        open(done, "w").close()
     if rank == 0:
+        give_up = time.monotonic() + 30.0
+        while not os.path.exists(done) and time.monotonic() < give_up:
+            time.sleep(0.05)
         os.kill(pids[1], signal.SIGCONT)
+        if os.path.exists(done):
+            os.unlink(done)
     return result
 
 
