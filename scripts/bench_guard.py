@@ -13,6 +13,8 @@ Modes, measured in interleaved blocks in the same rank processes:
          called straight through ProcessGroup.allreduce (the transport floor)
   hook+floor  a guard hook that does nothing but that bare all-reduce: what
          any guard collective pays for running inside a compiled call
+  hook-noop  a guard hook that returns its argument: what torch charges for
+         calling any Python guard hook (the floor under "ours" on one host)
 
 A block is `--calls` calls; a mode's figure is the median over all its calls.
 "added" is a mode's cost minus "none": what the guard collective adds.
@@ -40,7 +42,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "torch", "ours", "ours-gloo", "ours-gloo-nocheck", "ours+timing", "floor", "hook+floor")
+MODES = ("none", "hook-noop", "torch", "ours", "ours-gloo", "ours-gloo-nocheck", "ours+timing", "floor",
+         "hook+floor")
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +86,16 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
         floor_pg.allreduce([floor_t], floor_opts).wait()
         return hit
 
+    def noop_hook(hit: bool) -> bool:
+        return hit
+
     def set_mode(mode: str) -> None:
         timing.set_enabled(mode == "ours+timing")
         guard_collective.use_channel(channels.get(mode, default_channel))
         if mode == "hook+floor":
             c_eval_frame.set_guard_complete_hook(bare_hook)
+        elif mode == "hook-noop":
+            c_eval_frame.set_guard_complete_hook(noop_hook)
         elif mode == "torch":
             dynamo_distributed.get_guard_pg = lambda: torch_guard_pg
             c_eval_frame.set_guard_complete_hook(torch_hook)
@@ -151,19 +159,20 @@ def main() -> None:
     for world, transport, m in rows:
         print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
-    print("| ranks | ours added | ours added / floor | ours-gloo added / floor | torch added / ours added | "
-          "ours-gloo added / ours added | timing overhead |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ranks | ours added | of which any hook | ours added / floor | ours-gloo added / floor | "
+          "torch added / ours added | ours-gloo added / ours added | timing overhead |")
+    print("|---|---|---|---|---|---|---|---|")
     for world, transport, m in rows:
         added = {k: m[k] - m["none"] for k in MODES}
         print(
-            f"| {world} | {added['ours']:.1f} µs | {added['ours'] / m['floor']:.3f}x | "
+            f"| {world} | {added['ours']:.1f} µs | {added['hook-noop']:.1f} µs | {added['ours'] / m['floor']:.3f}x | "
             f"{added['ours-gloo'] / m['floor']:.2f}x | {added['torch'] / added['ours']:.0f}x | "
             f"{added['ours-gloo'] / added['ours']:.0f}x | "
             f"{(m['ours+timing'] - m['ours']):+.1f} µs |"
         )
     print("\nmedians in µs per call; 'added' = mode minus 'none'; floor = a bare gloo all-reduce of "
-          "one int64 in a tight loop; timing overhead = ours+timing minus ours")
+          "one int64 in a tight loop; timing overhead = ours+timing minus ours; 'of which any hook' = "
+          "hook-noop minus none, what torch charges for calling any Python guard hook")
 
 
 if __name__ == "__main__":
