@@ -5,6 +5,8 @@ Modes, measured in interleaved blocks in the same rank processes:
   torch  torch's own guard_collectives_hook (all_gather_object per call)
   ours   compiler_collectives' hook on the default transport (auto: shared
          memory within a host, one leader per host between hosts)
+  ours-yield  ours with the waiting of before the futex: yield until the word
+         arrives, never sleep (shared memory only; same as ours elsewhere)
   ours-gloo  ours with COMPILER_COLLECTIVES_GUARD_TRANSPORT=gloo (all-reduce
          of two int64: hit/miss agreement + desync check)
   ours-gloo-nocheck  ours-gloo with COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK=0 (one int64)
@@ -42,8 +44,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "hook-noop", "torch", "ours", "ours-gloo", "ours-gloo-nocheck", "ours+timing", "floor",
-         "hook+floor")
+MODES = ("none", "hook-noop", "torch", "ours", "ours-yield", "ours-gloo", "ours-gloo-nocheck", "ours+timing",
+         "floor", "hook+floor")
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,12 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     def noop_hook(hit: bool) -> bool:
         return hit
 
+    local = getattr(default_channel, "exchange", None)  # None on the gloo transport
+
     def set_mode(mode: str) -> None:
         timing.set_enabled(mode == "ours+timing")
+        if local is not None:
+            local.tune(sleep=mode != "ours-yield")
         guard_collective.use_channel(channels.get(mode, default_channel))
         if mode == "hook+floor":
             c_eval_frame.set_guard_complete_hook(bare_hook)
@@ -123,21 +129,27 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
                     samples.append(perf() - start)
             if block > 0:
                 per_call[mode].extend(samples)
+
     set_mode("none")
     assert ours_pg is not None
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump({"transport": transport, "per_call": per_call}, fh)
+    with open(f"{out_path}.{rank}", "w") as fh:
+        json.dump({"transport": transport, "none": statistics.median(per_call["none"]),
+                   "per_call": per_call if rank == 0 else {}}, fh)
     dist.destroy_process_group()
 
 
 def run(world: int, hosts: int, calls: int, blocks: int) -> tuple[str, dict[str, float]]:
+    """Rank 0's median per mode, plus "none-slowest": the slowest rank's "none"."""
     tmp = tempfile.mkdtemp(prefix="cc-bench-guard-")
     out_path = os.path.join(tmp, "result.json")
     mp.spawn(_rank, args=(world, hosts, os.path.join(tmp, "store"), calls, blocks, out_path), nprocs=world)
-    with open(out_path) as fh:
-        result = json.load(fh)
-    return result["transport"], {m: statistics.median(v) * 1e6 for m, v in result["per_call"].items()}
+    results = []
+    for rank in range(world):
+        with open(f"{out_path}.{rank}") as fh:
+            results.append(json.load(fh))
+    medians = {m: statistics.median(v) * 1e6 for m, v in results[0]["per_call"].items()}
+    medians["none-slowest"] = max(r["none"] for r in results) * 1e6
+    return results[0]["transport"], medians
 
 
 def main() -> None:
@@ -159,20 +171,24 @@ def main() -> None:
     for world, transport, m in rows:
         print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
-    print("| ranks | ours added | of which any hook | ours added / floor | ours-gloo added / floor | "
-          "torch added / ours added | ours-gloo added / ours added | timing overhead |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | ours added | over the slowest rank | of which any hook | ours added / floor | "
+          "ours-yield added / floor | ours-gloo added / floor | torch added / ours added | "
+          "ours-gloo added / ours added | timing overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world, transport, m in rows:
         added = {k: m[k] - m["none"] for k in MODES}
         print(
-            f"| {world} | {added['ours']:.1f} µs | {added['hook-noop']:.1f} µs | {added['ours'] / m['floor']:.3f}x | "
+            f"| {world} | {added['ours']:.1f} µs | {m['ours'] - m['none-slowest']:.1f} µs | "
+            f"{added['hook-noop']:.1f} µs | {added['ours'] / m['floor']:.3f}x | "
+            f"{added['ours-yield'] / m['floor']:.3f}x | "
             f"{added['ours-gloo'] / m['floor']:.2f}x | {added['torch'] / added['ours']:.0f}x | "
             f"{added['ours-gloo'] / added['ours']:.0f}x | "
             f"{(m['ours+timing'] - m['ours']):+.1f} µs |"
         )
     print("\nmedians in µs per call; 'added' = mode minus 'none'; floor = a bare gloo all-reduce of "
           "one int64 in a tight loop; timing overhead = ours+timing minus ours; 'of which any hook' = "
-          "hook-noop minus none, what torch charges for calling any Python guard hook")
+          "hook-noop minus none, what torch charges for calling any Python guard hook; 'over the slowest "
+          "rank' = ours minus the largest 'none' of any rank (a collective runs at the slowest rank's pace)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from compiler_collectives.transport import shm
 from tests.harness import run_ranks
 
 TIMEOUT_S = 6.0
@@ -62,13 +63,55 @@ def _random_pattern(seed: int, world: int, calls: int) -> list[tuple[list[bool],
 # ---------------------------------------------------------------- rank functions
 
 
-def agree_pattern(rank: int, world: int, hosts: int, pattern: list) -> dict:
+def agree_pattern(rank: int, world: int, hosts: int, pattern: list, sleep_at_once: bool = False) -> dict:
     _hosts(rank, world, hosts)
     from compiler_collectives.transport import groups
 
     channel = groups.guard_channel()
+    if sleep_at_once:  # every wait goes to the futex: its wake-ups carry the whole run
+        channel.exchange.tune(spin=0, yield_s=0.0, sleep=True)
     outcomes = [channel.agree(hits[rank], seq, sites[rank]) for seq, (hits, sites) in enumerate(pattern, 1)]
     return {"transport": channel.name, "outcomes": outcomes}
+
+
+def waits_for_a_late_peer(rank: int, world: int, late_s: float, sleep_s: float) -> dict:
+    """Rank 1 arrives ``late_s`` late; rank 0 waits, each of its sleeps bounded by ``sleep_s``."""
+    from compiler_collectives.transport import groups
+
+    channel = groups.guard_channel()
+    channel.agree(True, 1, 0)  # both ranks past setup
+    if rank == 0:
+        channel.exchange.tune(yield_s=0.0, sleep=True, sleep_s=sleep_s)
+        cpu, start = time.thread_time(), time.time()
+        outcome = channel.agree(True, 2, 0)
+        return {"outcome": outcome, "returned_at": time.time(), "wall_s": time.time() - start,
+                "cpu_s": time.thread_time() - cpu}
+    time.sleep(late_s)
+    arrived_at = time.time()
+    return {"outcome": channel.agree(True, 2, 0), "arrived_at": arrived_at}
+
+
+def sleeps_while_a_peer_fails(rank: int, world: int) -> dict:
+    """Rank 1 never calls; rank 2 times out on it and publishes its failure; rank 0 sleeps
+    with a 60 s bound on each sleep, so only a wake-up ends its wait early."""
+    import compiler_collectives as cc
+    from compiler_collectives.transport import groups
+
+    cc.enable(guards=True)
+    f = torch.compile(lambda x: x + 1, backend="eager")
+    f(torch.ones(2))
+    f(torch.ones(2))
+    if rank == 1:
+        time.sleep(15.0)
+        return {}
+    if rank == 0:
+        groups.guard_channel().exchange.tune(yield_s=0.0, sleep=True, sleep_s=60.0)
+    start = time.monotonic()
+    try:
+        f(torch.ones(2))
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "ranks": list(e.ranks), "seconds": time.monotonic() - start}
+    return {"type": None}
 
 
 def one_sided_miss(rank: int, world: int, hosts: int, misser: int) -> dict:
@@ -165,6 +208,54 @@ def test_four_ranks_on_two_cores_agree_on_every_call_of_a_long_run():
     for r in outcome.results:
         assert r["transport"] == "shm"
         assert r["outcomes"] == _expected(pattern)
+
+
+needs_futex = pytest.mark.skipif(not shm.Futex.available(), reason="futexes need Linux on x86-64 or AArch64")
+
+
+@needs_futex
+@pytest.mark.timeout(150)
+def test_four_ranks_on_two_cores_that_sleep_at_every_wait_agree_on_every_call():
+    pattern = _random_pattern(3, 4, 1500)
+    outcome = run_ranks(agree_pattern, 4, args=(1, pattern, True), env=ENV, timeout=120)
+    for r in outcome.results:
+        assert r["transport"] == "shm"
+        assert r["outcomes"] == _expected(pattern)
+
+
+@needs_futex
+@pytest.mark.timeout(90)
+def test_a_rank_that_waits_long_sleeps_instead_of_burning_its_core():
+    outcome = run_ranks(waits_for_a_late_peer, 2, args=(1.5, shm.SLEEP_S), env=ENV, timeout=60)
+    waiter = outcome.results[0]
+    assert waiter["outcome"] == (True, True)
+    assert waiter["wall_s"] >= 1.3, waiter
+    # Yielding for those 1.5 s would cost about 1.5 s of CPU; sleeping costs the wake-ups
+    # of its 2 ms bound and the liveness checks.
+    assert waiter["cpu_s"] < 0.3, waiter
+
+
+@needs_futex
+@pytest.mark.timeout(90)
+def test_a_sleeping_rank_is_woken_by_the_arrival_not_by_the_bound_on_its_sleep():
+    outcome = run_ranks(waits_for_a_late_peer, 2, args=(1.0, 30.0), env=ENV, timeout=60)
+    waiter, late = outcome.results
+    assert waiter["outcome"] == late["outcome"] == (True, True)
+    assert waiter["returned_at"] - late["arrived_at"] < 0.5, (waiter, late)
+
+
+@needs_futex
+@pytest.mark.timeout(90)
+def test_a_failure_published_on_the_host_wakes_a_sleeping_rank():
+    outcome = run_ranks(sleeps_while_a_peer_fails, 3, env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "40"},
+                        timeout=80, rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "2"}})
+    sleeper, failing = outcome.results[0], outcome.results[2]
+    assert failing["type"] == "CollectiveDesyncError", failing  # rank 1 is alive, elsewhere
+    assert sleeper["type"] == "CollectiveDesyncError" and sleeper["ranks"] == [1], sleeper
+    # Woken by rank 2's failure word at about 2 s, long before its own timeout (40 s)
+    # or the bound on its sleep (60 s); both then spend the same diagnosis grace.
+    assert sleeper["seconds"] < 12.0, sleeper
+    assert abs(sleeper["seconds"] - failing["seconds"]) < 2.0, (sleeper, failing)
 
 
 @pytest.mark.timeout(90)

@@ -143,7 +143,7 @@ class ShmGuardChannel:
     """
 
     __slots__ = ("pg", "leaders_pg", "check_desync", "name", "hosts", "local_ranks", "_n", "_local",
-                 "_leaders", "_multi_host", "_words", "_mine", "_peers")
+                 "_leaders", "_multi_host", "_words", "_mine", "_peers", "_asleep", "_many")
 
     def __init__(self, pg: dist.ProcessGroup, local_ranks: int, exchange: shm.LocalExchange,
                  hosts: int, leaders: LeaderExchange | None, leaders_pg: Any = None) -> None:
@@ -162,6 +162,9 @@ class ShmGuardChannel:
         self._words = exchange.words
         self._mine = exchange.slot_word(exchange.index)
         self._peers = tuple(exchange.slot_word(j) for j in range(local_ranks) if j != exchange.index)
+        # Ranks that wait long sleep on a futex; one word covers the "asleep" bytes of 8 local ranks.
+        self._asleep = exchange.sleepers[0]
+        self._many = len(exchange.sleepers) > 1
 
     def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, bool]:
         """Returns (every rank hit, every rank at the same call of the same frame)."""
@@ -173,6 +176,8 @@ class ShmGuardChannel:
                 | (1 if hit else 0))
         words = self._words
         words[self._mine + parity] = word
+        if words[self._asleep] or self._many and self._local.anyone_asleep():
+            self._local.wake(self._mine + parity)
         if self._multi_host and self._leaders is None:
             return self._local.wait_result(n)
         lo = hi = word
@@ -196,6 +201,11 @@ class ShmGuardChannel:
         all_hit = in_step and bool(a & 1)
         local.publish_result(n, in_step, all_hit)
         return all_hit, in_step
+
+    @property
+    def exchange(self) -> shm.LocalExchange:
+        """This host's shared-memory exchange (benchmarks tune how it waits)."""
+        return self._local
 
     def _gather_slow(self, index: int, want: int, n: int) -> int:
         try:

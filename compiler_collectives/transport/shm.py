@@ -7,7 +7,8 @@ ranks ever write the same line):
 * line 1 + i: local rank i's slot: [0] its word for even calls, [1] for odd
   calls, [2] pid, [3] process start time, [4] global rank;
 * line 1 + n: the host leader's result: [0] even calls, [1] odd calls
-  (used only when the job spans several hosts).
+  (used only when the job spans several hosts);
+* lines 2 + n onwards: one "may be asleep" byte per local rank, 64 to a line.
 
 **One word carries everything.** A call's word is
 ``1<<63 | tag<<47 | key<<1 | hit`` with ``tag = 0x10000 | (n & 0xFFFF)`` for
@@ -21,14 +22,28 @@ ordering needs nothing more.
 call n+2 (the parity of call n) only after every rank wrote call n+1, which
 each does only after reading all of call n.
 
-**Waiting** spins briefly, then yields the core (``os.sched_yield``): with
-more ranks than cores the rank being waited on gets to run. Between yields
-the waiter watches the failure word, this process's own poisoned state (set
-by the heartbeat thread when a rank on another host reports a failure), its
-deadline, and every 50 ms whether the ranks it waits for still exist, read
-from ``/proc`` and checked against their start time, so a SIGKILLed peer is
-noticed within tens of milliseconds and a SIGSTOPped one is named at the
-deadline.
+**Waiting** spins briefly, yields the core (``os.sched_yield``) for a
+while, then sleeps in the kernel on the awaited word itself (a futex on the
+high half of that 64-bit word, which every new call's tag changes). With a
+core per rank it spins 400 reads first, with more local ranks than cores
+only 8, so that the rank being waited on gets the core. After 1 ms of
+yielding it sleeps: the usual small skew never reaches a futex (a wake-up
+costs an inter-processor interrupt, dear in a VM: sleeping at once made 4
+ranks on 2 cores 1.7x slower), and a rank that waits long (a peer still in
+its data loader) stops burning a core. A sleeper raises its byte in the
+"asleep" lines first and checks the word once more; a publisher reads those
+lines after its store (one 64-bit read for up to 8 local ranks) and makes a
+``FUTEX_WAKE`` only when one is raised. Neither side can fence from Python,
+so a store and a load can cross and a wake-up be missed: every sleep is
+therefore bounded (2 ms), which is also how a sleeper notices its deadline
+and its poisoned state. Between sleeps or yields the waiter watches the
+failure word (publishing a failure wakes every sleeper), this process's own
+poisoned state (set by the heartbeat thread when a rank on another host
+reports a failure), its deadline, and every 50 ms whether the ranks it waits
+for still exist, read from ``/proc`` and checked against their start time,
+so a SIGKILLed peer is noticed within tens of milliseconds and a SIGSTOPped
+one is named at the deadline. Where futexes are not available (not Linux on
+x86-64 or AArch64) waiting yields until the word arrives.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import errno
 import logging
 import mmap
 import os
+import platform
 import sys
 import time
 from typing import Callable
@@ -49,8 +65,9 @@ from ..errors import CollectiveTimeoutError, PeerFailureError
 log = logging.getLogger("compiler_collectives.transport.shm")
 
 MAGIC = 0x63635F73686D3031  # "cc_shm01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 LINE = 8  # words per cache line
+FLAGS_PER_LINE = 8 * LINE  # one byte per local rank
 
 _HDR_MAGIC, _HDR_VERSION, _HDR_NRANKS, _HDR_FAIL = 0, 1, 2, 3
 _SLOT_PID, _SLOT_START, _SLOT_RANK = 2, 3, 4
@@ -61,7 +78,10 @@ KEY_MASK = (1 << 46) - 1
 TAG_BIT = 0x10000
 
 SPIN_READS = 400  # about 20-40 µs of reads before the first yield, with a core per rank
-SPIN_READS_OVERSUBSCRIBED = 8  # more local ranks than cores: yield almost at once
+SPIN_READS_OVERSUBSCRIBED = 8  # more local ranks than cores: give the core up almost at once
+YIELD_S = 1e-3  # then yield this long before sleeping in the kernel (measured: sleeping
+# sooner cost 4 ranks on 2 cores 1.7x, each wake-up an IPI in a VM)
+SLEEP_S = 0.002  # one futex sleep at most: bounds a missed wake-up
 LIVENESS_PERIOD_S = 0.05
 
 SHM_DIR = "/dev/shm"
@@ -72,8 +92,52 @@ def tag(n: int) -> int:
     return TAG_BIT | (n & 0xFFFF)
 
 
+def flag_lines(local_ranks: int) -> int:
+    return -(-local_ranks // FLAGS_PER_LINE)
+
+
 def segment_words(local_ranks: int) -> int:
-    return LINE * (local_ranks + 2)
+    return LINE * (local_ranks + 2 + flag_lines(local_ranks))
+
+
+def sleeper_words(local_ranks: int) -> tuple[int, ...]:
+    """Word offsets that cover every local rank's "may be asleep" byte."""
+    first = LINE * (local_ranks + 2)
+    return tuple(range(first, first + -(-local_ranks // 8)))
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on 32-bit words of a shared mapping.
+
+    Not the private variants: the waiters are other processes. Each call is a
+    ctypes call into libc's ``syscall``, which releases the GIL while it sleeps.
+    """
+
+    _NUMBERS = {"x86_64": 202, "aarch64": 98}  # SYS_futex
+    _WAIT, _WAKE = 0, 1
+
+    def __init__(self, sleep_s: float) -> None:
+        self._number = self._NUMBERS[platform.machine()]
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+        self._timeout = ctypes.byref(_Timespec(int(sleep_s), int((sleep_s % 1) * 1e9)))
+
+    @classmethod
+    def available(cls) -> bool:
+        return (sys.platform.startswith("linux") and sys.byteorder == "little"
+                and platform.machine() in cls._NUMBERS)
+
+    def wait(self, address: int, expected: int) -> None:
+        """Sleep while the 32-bit word at ``address`` holds ``expected``, for the bounded time at most."""
+        self._syscall(self._number, ctypes.c_void_p(address), self._WAIT, ctypes.c_uint32(expected),
+                      self._timeout, None, 0)
+
+    def wake(self, address: int) -> None:
+        self._syscall(self._number, ctypes.c_void_p(address), self._WAKE, 0x7FFFFFFF, None, None, 0)
 
 
 def unavailable_reason() -> str | None:
@@ -114,6 +178,9 @@ class Segment:
         finally:
             os.close(fd)
         self.words = (ctypes.c_uint64 * segment_words(local_ranks)).from_buffer(self._map)
+        self.address = ctypes.addressof(self.words)
+        first = LINE * (local_ranks + 2) * 8
+        self.asleep = (ctypes.c_uint8 * (flag_lines(local_ranks) * FLAGS_PER_LINE)).from_buffer(self._map, first)
 
     @classmethod
     def create(cls, path: str, local_ranks: int) -> "Segment":
@@ -191,8 +258,8 @@ class LocalExchange:
     peer's) is inlined in ``hierarchy.ShmGuardChannel.agree``.
     """
 
-    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "_result", "_pids", "_starts",
-                 "_describe", "_yield", "_monotonic", "_spin")
+    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "sleepers", "_result", "_pids", "_starts",
+                 "_describe", "_yield", "_monotonic", "_spin", "_yield_s", "_futex", "_asleep", "_address")
 
     def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
                  describe: Callable[[int], str]) -> None:
@@ -210,7 +277,23 @@ class LocalExchange:
         # Spinning only pays when the rank we wait for has a core of its own.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._spin = SPIN_READS if self.n <= cores else SPIN_READS_OVERSUBSCRIBED
+        self._yield_s = YIELD_S
         self._monotonic = time.monotonic
+        self._futex = Futex(SLEEP_S) if Futex.available() else None
+        self._asleep = segment.asleep
+        self._address = segment.address
+        self.sleepers = sleeper_words(self.n)  # a publisher reads these after its store
+
+    def tune(self, *, spin: int | None = None, yield_s: float | None = None, sleep: bool | None = None,
+             sleep_s: float = SLEEP_S) -> None:
+        """Change how this rank waits: benchmarks compare policies side by side, and tests
+        lengthen the bound on one sleep to show that a wake-up, not the bound, ends it."""
+        if spin is not None:
+            self._spin = spin
+        if yield_s is not None:
+            self._yield_s = yield_s
+        if sleep is not None:
+            self._futex = Futex(sleep_s) if sleep and Futex.available() else None
 
     # ------------------------------------------------------------------ per call
 
@@ -220,12 +303,27 @@ class LocalExchange:
         return LINE * (1 + index)
 
     def publish_result(self, n: int, in_step: bool, all_hit: bool) -> None:
-        self.words[self._result + (n & 1)] = (WRITTEN | (tag(n) << TAG_SHIFT)
-                                              | (2 if in_step else 0) | (1 if all_hit else 0))
+        index = self._result + (n & 1)
+        self.words[index] = WRITTEN | (tag(n) << TAG_SHIFT) | (2 if in_step else 0) | (1 if all_hit else 0)
+        if self.anyone_asleep():
+            self.wake(index)
 
     def publish_failed_result(self, n: int, failed_rank: int) -> None:
-        self.words[self._result + (n & 1)] = (WRITTEN | (tag(n) << TAG_SHIFT)
-                                              | ((failed_rank + 1) << 3) | 4)
+        index = self._result + (n & 1)
+        self.words[index] = WRITTEN | (tag(n) << TAG_SHIFT) | ((failed_rank + 1) << 3) | 4
+        self.wake(index)
+
+    def anyone_asleep(self) -> bool:
+        words = self.words
+        for i in self.sleepers:
+            if words[i]:
+                return True
+        return False
+
+    def wake(self, index: int) -> None:
+        """After a store to word ``index``: wake the local ranks asleep on it."""
+        if self._futex is not None:
+            self._futex.wake(self._address + 8 * index + 4)
 
     def wait_result(self, n: int) -> tuple[bool, bool]:
         """Non-leaders on a multi-host job: the leader's (all hit, in step) for call ``n``."""
@@ -263,8 +361,13 @@ class LocalExchange:
         start = monotonic()
         deadline = start + self.timeout_s
         next_check = start + LIVENESS_PERIOD_S
+        sleep_from = start + self._yield_s if self._futex is not None else deadline
+        now = start
         while True:
-            yield_()
+            if now < sleep_from:
+                yield_()
+            else:
+                self._sleep(index, want)
             w = words[index]
             if w >> TAG_SHIFT == want:
                 return w
@@ -278,6 +381,15 @@ class LocalExchange:
                 self._check_waited(index, n)
             if now >= deadline:
                 raise self._timed_out(index, n)
+
+    def _sleep(self, index: int, want: int) -> None:
+        """One bounded futex sleep on the high half of word ``index``, unless it arrived meanwhile."""
+        asleep = self._asleep
+        asleep[self.index] = 1  # before the last look, so that a publisher after it wakes us
+        w = self.words[index]
+        if w >> TAG_SHIFT != want and not self.words[_HDR_FAIL]:
+            self._futex.wait(self._address + 8 * index + 4, w >> 32)
+        asleep[self.index] = 0
 
     def _slot_owner(self, index: int) -> int | None:
         """Local index of the slot holding word ``index``; None for the result line (the leader's)."""
@@ -301,6 +413,9 @@ class LocalExchange:
         """Tell every local rank that this one failed: they stop waiting at once."""
         if not self.words[_HDR_FAIL]:
             self.words[_HDR_FAIL] = rank + 1
+        for j in range(self.n + 1):  # every slot and the result line: wherever a rank may sleep
+            for parity in (0, 1):
+                self.wake(LINE * (1 + j) + parity)
 
     def _peer_reported(self, n: int) -> PeerFailureError:
         failed = self.words[_HDR_FAIL] - 1
