@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -291,6 +291,53 @@ def _state_in(v: Any) -> LocalState:
     return LocalState(automatic_dynamic=entries, frame_state_fresh=fresh, extras=extras)
 
 
+def _unpack(data: Any, max_bytes: int, fail: Callable[[str], WireFormatError]) -> Any:
+    """Bounded msgpack decoding of a peer's bytes (never pickle); ``fail(why)`` makes the error."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise fail(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
+    try:
+        return msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def _version_in(obj: Any) -> int:
+    """The envelope's format version, which must be ours (raises ``_Bad``)."""
+    _expect(type(obj) is list and len(obj) > 0, "envelope must be a non-empty list")
+    version = obj[0]
+    _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
+    if version != FORMAT_VERSION:
+        pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
+        raise _Bad(
+            f"wire format version {version} (package {pkg}), this rank speaks version "
+            f"{FORMAT_VERSION} (package {__version__}); install the same compiler_collectives "
+            "version on every rank"
+        )
+    return version
+
+
+def _header_in(
+    obj: list[Any], sender: int, expected_world_size: int | None
+) -> tuple[str, int, int, FrameId, int, float]:
+    """(package, rank, world size, frame, seq, sent_at) from the first seven items of an
+    envelope, each checked (raises ``_Bad``); shared by compiler-collective and audit envelopes."""
+    _, pkg, rank, world, frame, seq, sent_at = obj[:7]
+    _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
+    _int(rank, "sender rank", lo=0)
+    _expect(rank == sender, f"payload claims to come from rank {rank}")
+    _int(world, "world size", lo=1)
+    if expected_world_size is not None:
+        _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+    _expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
+    _expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
+    line = _int(frame[2], "frame line", lo=0)
+    _int(seq, "sequence number", lo=0)
+    _expect(type(sent_at) is float, "sent_at must be a float")
+    return pkg, rank, world, FrameId(frame[0], frame[1], line), seq, sent_at
+
+
 def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> Envelope:
     """Parse and validate one rank's payload; raise ``WireFormatError`` on anything wrong.
 
@@ -307,55 +354,17 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
             ranks=(sender,),
         )
 
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise fail(f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise fail(
-            f"{len(data)} bytes exceeds the limit of {max_bytes} "
-            "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)"
-        )
+    obj = _unpack(data, max_bytes, fail)
     try:
-        obj = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-        )
-    except Exception as e:  # msgpack raises several unrelated types
-        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
-
-    try:
-        if type(obj) is not list or not obj:
-            raise _Bad("envelope must be a non-empty list")
-        version = obj[0]
-        if type(version) is not int:
-            raise _Bad(f"format version must be an int, got {_show(version)}")
-        if version != FORMAT_VERSION:
-            pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
-            raise _Bad(
-                f"wire format version {version} (package {pkg}), this rank speaks "
-                f"version {FORMAT_VERSION} (package {__version__}); install the same "
-                "compiler_collectives version on every rank"
-            )
+        version = _version_in(obj)
         if len(obj) == 9 and obj[7] == AUDIT:
             raise _OutOfStep(
                 f"rank {sender} sent a program-audit payload ({_peer_position(obj)}) while this "
                 "rank runs a compiler collective"
             )
         _expect(len(obj) == 8, f"envelope must have 8 items, got {len(obj)}")
-        _, pkg, rank, world, frame, seq, sent_at, state = obj
-        _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
-        _int(rank, "sender rank", lo=0)
-        _expect(rank == sender, f"payload claims to come from rank {rank}")
-        _int(world, "world size", lo=1)
-        if expected_world_size is not None:
-            _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
-        _expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
-        _expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
-        line = _int(frame[2], "frame line", lo=0)
-        _int(seq, "sequence number", lo=0)
-        _expect(type(sent_at) is float, "sent_at must be a float")
-        local_state = _state_in(state)
+        pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
+        local_state = _state_in(obj[7])
     except _Bad as e:
         raise fail(str(e)) from None
     except _OutOfStep as e:
@@ -365,7 +374,7 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
         package_version=pkg,
         rank=rank,
         world_size=world,
-        frame=FrameId(frame[0], frame[1], line),
+        frame=frame,
         seq=seq,
         sent_at=sent_at,
         state=local_state,
@@ -558,49 +567,22 @@ def decode_audit(
             ranks=(sender,),
         )
 
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise fail(f"expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
+    obj = _unpack(data, max_bytes, fail)
     try:
-        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
-    try:
-        _expect(type(obj) is list and len(obj) > 0, "envelope must be a non-empty list")
-        version = obj[0]
-        _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
-        if version != FORMAT_VERSION:
-            pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
-            raise _Bad(
-                f"wire format version {version} (package {pkg}), this rank speaks version "
-                f"{FORMAT_VERSION} (package {__version__}); install the same compiler_collectives "
-                "version on every rank"
-            )
+        version = _version_in(obj)
         if len(obj) == 8:
             raise _OutOfStep(
                 f"rank {sender} is in a compiler collective ({_peer_position(obj)}) while this rank "
                 "audits a compiled graph"
             )
         _expect(len(obj) == 9 and obj[7] == AUDIT, "audit envelope must have 9 items tagged 'audit'")
-        _, pkg, rank, world, frame, seq, sent_at, _, body = obj
-        _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
-        _int(rank, "sender rank", lo=0)
-        _expect(rank == sender, f"payload claims to come from rank {rank}")
-        _int(world, "world size", lo=1)
-        if expected_world_size is not None:
-            _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
-        _expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
-        _expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
-        line = _int(frame[2], "frame line", lo=0)
-        _int(seq, "sequence number", lo=0)
-        _expect(type(sent_at) is float, "sent_at must be a float")
-        parsed = _audit_body_in(body)
+        pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
+        parsed = _audit_body_in(obj[8])
     except _Bad as e:
         raise fail(str(e)) from None
     except _OutOfStep as e:
         raise _desync(str(e), sender) from None
-    return AuditEnvelope(version, pkg, rank, world, FrameId(frame[0], frame[1], line), seq, sent_at, parsed)
+    return AuditEnvelope(version, pkg, rank, world, frame, seq, sent_at, parsed)
 
 
 # ------------------------------------------------ recompile-reason payloads
@@ -653,12 +635,7 @@ def decode_reasons(
             ranks=(sender,),
         )
 
-    if len(data) > max_bytes:
-        raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+    obj = _unpack(data, max_bytes, fail)
     try:
         _expect(type(obj) is list and len(obj) > 0, "payload must be a non-empty list")
         version = obj[0]
