@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -77,6 +78,7 @@ def ddp_inductor_job_where_one_rank_fails_with_our_error(rank: int, world: int) 
     return {"raised": None}
 
 
+@pytest.mark.timeout(480)
 def test_a_ddp_inductor_job_where_one_rank_fails_with_our_error_exits_cleanly_on_every_rank():
     outcome = run_ranks(ddp_inductor_job_where_one_rank_fails_with_our_error, 2, env=ENV,
                         start_method="spawn", store="tcp", timeout=420)
@@ -98,6 +100,7 @@ def short_job(rank: int, world: int) -> int:
     return cc.stats()["guard_collectives"]
 
 
+@pytest.mark.timeout(420)
 def test_a_job_that_ends_normally_exits_with_code_zero_on_every_rank():
     for attempt in range(2):  # the race is per exit: several exits
         outcome = run_ranks(short_job, 2, env=ENV, start_method="spawn", store="tcp", timeout=180)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -149,6 +150,7 @@ def dtensor_redistribute(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.timeout(240)
 def test_ranks_that_disagree_about_a_scalar_compile_the_same_dtensor_graphs_together():
     outcome = run_ranks(dtensor_redistribute, 2, timeout=180)
     r0, r1 = outcome.results
@@ -230,6 +232,7 @@ def ddp_optimizer_under_aot_eager(rank: int, world: int) -> dict:
     return cc.stats()
 
 
+@pytest.mark.timeout(240)
 def test_ddp_optimizer_bucket_graphs_under_aot_eager_pass_the_audit_forward_and_backward():
     outcome = run_ranks(ddp_optimizer_under_aot_eager, 2, timeout=180)
     s0, s1 = outcome.results
@@ -276,6 +279,7 @@ def fsdp2_per_block_compile(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.timeout(240)
 def test_fsdp2_with_per_block_compile_passes_the_audit_on_every_step():
     outcome = run_ranks(fsdp2_per_block_compile, 2, timeout=180)
     s0, s1 = outcome.results
@@ -320,6 +324,7 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.timeout(300)
 def test_inductor_graphs_with_functional_collectives_pass_the_audit_at_every_level():
     outcome = run_ranks(functional_collectives_under_inductor, 2, timeout=240)
     for s in outcome.results:
