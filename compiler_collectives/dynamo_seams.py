@@ -203,6 +203,12 @@ _originals: dict[str, Any] = {}
 _installed = False
 
 
+def torch_original(name: str) -> Any:
+    """Torch's own object that the seam ``name`` replaced (for benchmarks and tests that
+    compare with torch's implementation); KeyError before ``install()`` or for an unknown name."""
+    return _originals[name]
+
+
 def _get_compile_pg() -> Any:
     if torch._dynamo.config.enable_compiler_collectives and compiler_collective.groups.available():
         return compiler_collective.group_for_compile()

@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     from compiler_collectives import dynamo_seams, guard_collective, timing
     from compiler_collectives.transport import groups
 
-    torch_hook = dynamo_seams._originals["guard_collectives_hook"]
+    torch_hook = dynamo_seams.torch_original("guard_collectives_hook")
     # torch's hook asks torch._dynamo.distributed.get_guard_pg for its group;
     # give it its own gloo group as torch would create it.
     torch_guard_pg = dist.new_group(backend="gloo")

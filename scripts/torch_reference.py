@@ -53,7 +53,7 @@ class ImplementationSwitch:
             from compiler_collectives import dynamo_seams
 
             output_graph.get_interface_for_device, torch.accelerator.device_count = self._saved
-            convert_frame.get_compile_pg = dynamo_seams._originals["get_compile_pg"]
+            convert_frame.get_compile_pg = dynamo_seams.torch_original("get_compile_pg")
             cc.install()
         else:
             raise ValueError(which)

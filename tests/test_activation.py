@@ -182,7 +182,7 @@ def test_uninstall_hands_the_guard_hook_slot_back_to_torch_own_hook():
     import compiler_collectives as cc
     from compiler_collectives import dynamo_seams, guard_collective
 
-    torch_hook = dynamo_seams._originals["guard_collectives_hook"]
+    torch_hook = dynamo_seams.torch_original("guard_collectives_hook")
     cc.enable(compiler=False, guards=True)
     try:
         assert _guard_slot() is guard_collective.hook
