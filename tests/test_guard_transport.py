@@ -201,23 +201,17 @@ def test_ranks_of_one_host_agree_through_shared_memory_by_default():
         assert r["outcomes"] == _expected(pattern)
 
 
-@pytest.mark.timeout(150)
-def test_four_ranks_on_two_cores_agree_on_every_call_of_a_long_run():
-    pattern = _random_pattern(2, 4, 3000)
-    outcome = run_ranks(agree_pattern, 4, args=(1, pattern), env=ENV, timeout=120)
-    for r in outcome.results:
-        assert r["transport"] == "shm"
-        assert r["outcomes"] == _expected(pattern)
-
-
 needs_futex = pytest.mark.skipif(not shm.Futex.available(), reason="futexes need Linux on x86-64 or AArch64")
 
 
-@needs_futex
 @pytest.mark.timeout(150)
-def test_four_ranks_on_two_cores_that_sleep_at_every_wait_agree_on_every_call():
-    pattern = _random_pattern(3, 4, 1500)
-    outcome = run_ranks(agree_pattern, 4, args=(1, pattern, True), env=ENV, timeout=120)
+@pytest.mark.parametrize("seed,calls,sleep_at_once", [
+    pytest.param(2, 3000, False, id="yielding"),
+    pytest.param(3, 1500, True, id="sleeping-at-every-wait", marks=needs_futex),
+])
+def test_four_ranks_on_two_cores_agree_on_every_call_of_a_long_run(seed, calls, sleep_at_once):
+    pattern = _random_pattern(seed, 4, calls)
+    outcome = run_ranks(agree_pattern, 4, args=(1, pattern, sleep_at_once), env=ENV, timeout=120)
     for r in outcome.results:
         assert r["transport"] == "shm"
         assert r["outcomes"] == _expected(pattern)

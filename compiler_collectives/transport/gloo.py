@@ -74,18 +74,7 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
     returns its own outcome at once (success, or gloo's error). The first
     slice costs what a plain ``wait()`` does.
     """
-    try:
-        work.wait(WAIT_SLICE)
-        return
-    except RuntimeError:
-        if work.is_completed():
-            work.wait()
-            return
     while True:
-        failure = health.poisoned()
-        if failure is not None:
-            where = describe() if describe is not None else "a collective"
-            raise PeerFailureError(f"{where}: stopped waiting: {failure}", ranks=failure.ranks)
         try:
             work.wait(WAIT_SLICE)
             return
@@ -93,6 +82,10 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
             if work.is_completed():
                 work.wait()
                 return
+        failure = health.poisoned()
+        if failure is not None:
+            where = describe() if describe is not None else "a collective"
+            raise PeerFailureError(f"{where}: stopped waiting: {failure}", ranks=failure.ranks)
 
 
 def translate_failure(

@@ -259,7 +259,8 @@ class LocalExchange:
     """
 
     __slots__ = ("words", "index", "n", "ranks", "timeout_s", "sleepers", "_result", "_pids", "_starts",
-                 "_describe", "_yield", "_monotonic", "_spin", "_yield_s", "_futex", "_asleep", "_address")
+                 "_describe", "_yield", "_monotonic", "_spin", "_yield_s", "_futex", "_waker", "_asleep",
+                 "_address")
 
     def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
                  describe: Callable[[int], str]) -> None:
@@ -279,7 +280,8 @@ class LocalExchange:
         self._spin = SPIN_READS if self.n <= cores else SPIN_READS_OVERSUBSCRIBED
         self._yield_s = YIELD_S
         self._monotonic = time.monotonic
-        self._futex = Futex(SLEEP_S) if Futex.available() else None
+        self._futex = Futex(SLEEP_S) if Futex.available() else None  # this rank's sleeps
+        self._waker = self._futex  # wakes peers whatever ``tune`` does to this rank's own sleeps
         self._asleep = segment.asleep
         self._address = segment.address
         self.sleepers = sleeper_words(self.n)  # a publisher reads these after its store
@@ -322,8 +324,8 @@ class LocalExchange:
 
     def wake(self, index: int) -> None:
         """After a store to word ``index``: wake the local ranks asleep on it."""
-        if self._futex is not None:
-            self._futex.wake(self._address + 8 * index + 4)
+        if self._waker is not None:
+            self._waker.wake(self._address + 8 * index + 4)
 
     def wait_result(self, n: int) -> tuple[bool, bool]:
         """Non-leaders on a multi-host job: the leader's (all hit, in step) for call ``n``."""
