@@ -1,7 +1,8 @@
 """compiler_collectives: every rank of a torch.compile job makes the same compile decisions.
 
 Importing the package installs our compiler and guard collectives into
-``torch._dynamo`` (see ``dynamo_seams``). They stay off until switched on:
+``torch._dynamo`` (see the ``dynamo`` subpackage, the only part that touches
+torch's internals). They stay off until switched on:
 
 * compiler collectives: ``TORCH_COMPILER_COLLECTIVES=1``,
   ``torch._dynamo.config.enable_compiler_collectives = True`` or ``enable()``;
@@ -11,12 +12,11 @@ Importing the package installs our compiler and guard collectives into
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import contextlib
 from typing import Any, Iterator
 
 from . import config, health
+from .version import __version__
 from .errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -32,7 +32,7 @@ from .state import DistributedState, LocalState, SizeEntry, register_field
 from .stats import counters as _counters
 from .stats import reset_counters as _reset_counters
 
-from . import dynamo_seams as _seams  # noqa: E402  (after __version__: wire imports it)
+from . import dynamo as _seams
 
 
 def _running_doctor() -> bool:
@@ -151,7 +151,7 @@ def stats() -> dict[str, Any]:
     With timing on (COMPILER_COLLECTIVES_TIMING / _TRACE_DIR), ``"timing"``
     holds per kind the count, total, p50/p90/p99/max (seconds) and bytes.
     """
-    from . import timing
+    from .tools import timing
     from .transport import groups
 
     out = _counters.snapshot()
@@ -169,11 +169,11 @@ def reset_stats() -> None:
 
 def reset() -> None:
     """Clear a failure on this rank and forget our groups; call on every rank together."""
-    from . import audit, compiler_collective, guard_collective
+    from .agreements import audit, compiler, guard
     from .transport import groups
 
     health.clear()
     groups.forget()
-    compiler_collective.reset_sequence()
-    guard_collective.reset_sequence()
+    compiler.reset_sequence()
+    guard.reset_sequence()
     audit.reset_sequence()

@@ -20,11 +20,9 @@ import logging
 import os
 from typing import Any, Callable, Iterator
 
+from .errors import ConfigError
+
 log = logging.getLogger("compiler_collectives.config")
-
-
-class ConfigError(ValueError):
-    """Raised when an environment variable holds a value we cannot parse."""
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -220,27 +218,19 @@ MUST_MATCH: tuple[Setting, ...] = tuple(row for row in SETTINGS_TABLE if row.mus
 """The settings every rank must hold alike (derived from the flags above)."""
 
 
-@dataclasses.dataclass
-class Settings:
-    """Current values; attribute names match ``Setting.attr``."""
-
-    guards: bool = False
-    guard_transport: str = "auto"
-    guard_desync_check: bool = True
-    timeout_s: float = 300.0
-    max_payload_bytes: int = 16 * 1024 * 1024
-    inline_slot_bytes: int = 4096
-    skip_needless_restart: bool = True
-    exchange_inputs_first: bool = True
-    audit: bool = True
-    heartbeat_s: float = 1.0
-    timing: bool = False
-    trace_dir: str = ""
-    # Where each value came from ("default", "env", "api"), for `doctor`.
-    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+# Current values, one attribute per row (``Setting.attr``), defaults from the
+# table: each default is declared once, in its row. ``sources`` says where
+# each value came from ("default", "env", "api"), for `doctor`.
+Settings = dataclasses.make_dataclass(
+    "Settings",
+    [(row.attr, type(row.default), dataclasses.field(default=row.default)) for row in SETTINGS_TABLE]
+    + [("sources", dict, dataclasses.field(default_factory=dict))],
+)
+Settings.__doc__ = "Current values of every setting; attribute names match ``Setting.attr``."
+Settings.__module__ = __name__
 
 
-def load_from_env(environ: dict[str, str] | None = None) -> Settings:
+def load_from_env(environ: dict[str, str] | None = None) -> Any:
     """Build a fresh Settings from ``environ`` (``os.environ`` by default)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -256,7 +246,7 @@ def load_from_env(environ: dict[str, str] | None = None) -> Settings:
     return Settings(**values, sources=sources)
 
 
-settings: Settings = load_from_env()
+settings: Any = load_from_env()
 
 
 def set_value(attr: str, value: Any, source: str = "api") -> None:
@@ -268,7 +258,7 @@ def set_value(attr: str, value: Any, source: str = "api") -> None:
 
 
 @contextlib.contextmanager
-def override(**values: Any) -> Iterator[Settings]:
+def override(**values: Any) -> Iterator[Any]:
     """Temporarily change settings (tests, benchmarks)."""
     saved = {k: getattr(settings, k) for k in values}
     saved_sources = dict(settings.sources)

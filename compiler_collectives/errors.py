@@ -1,7 +1,7 @@
 """The exception types compiler_collectives raises, and how their messages read.
 
-Every runtime failure of a collective is a ``CollectiveError``; the subclass
-says what went wrong. Messages are written for the engineer on call: which
+Every exception type of the package is declared here. Every runtime failure
+of a collective is a ``CollectiveError``; the subclass says what went wrong. Messages are written for the engineer on call: which
 rank, which collective and frame (``co_name`` at ``file:line``), what differed,
 and what to set or check next.
 """
@@ -86,7 +86,26 @@ class ProgramDivergenceError(CollectiveError):
 
 
 class UnsupportedTorchError(ImportError):
-    """Raised at import when the installed torch lacks a Dynamo seam we patch."""
+    """Raised at import when the installed torch lacks a Dynamo seam we patch, or one of
+    the seam table's reads no longer holds."""
+
+
+class ConfigError(ValueError):
+    """Raised when an environment variable holds a value we cannot parse."""
+
+
+class ReportError(ValueError):
+    """Raised by ``report`` when the trace directory or one of its files cannot be used."""
+
+
+class StoreUnresponsive(Exception):
+    """The c10d store did not answer within the bound (internal: the caller turns it into
+    a ``CollectiveTimeoutError`` that says what it was doing)."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"the c10d store did not answer {what} within {timeout_s:.1f}s")
+        self.what = what
+        self.timeout_s = timeout_s
 
 
 def describe(

@@ -68,7 +68,8 @@ def _rank(rank: int, world: int, store: str, reps: int, out_path: str, backends:
     from torch_reference import ImplementationSwitch, torch_pickle_size
 
     import compiler_collectives as cc
-    from compiler_collectives import compiler_collective, config
+    from compiler_collectives import config
+    from compiler_collectives.agreements import compiler as compiler_collective
 
     switch = ImplementationSwitch()
     captured: dict[str, Any] = {}

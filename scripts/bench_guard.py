@@ -59,10 +59,12 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     import torch._dynamo.distributed as dynamo_distributed
 
     import compiler_collectives  # noqa: F401
-    from compiler_collectives import dynamo_seams, guard_collective, timing
+    from compiler_collectives import dynamo
+    from compiler_collectives.agreements import guard as guard_collective
+    from compiler_collectives.tools import timing
     from compiler_collectives.transport import groups
 
-    torch_hook = dynamo_seams.torch_original("guard_collectives_hook")
+    torch_hook = dynamo.torch_original("guard_collectives_hook")
     # torch's hook asks torch._dynamo.distributed.get_guard_pg for its group;
     # give it its own gloo group as torch would create it.
     torch_guard_pg = dist.new_group(backend="gloo")

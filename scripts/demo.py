@@ -27,9 +27,9 @@ same graphs and the same dynamic dims.
 
 Run it
 ------
-``python -m compiler_collectives demo`` (``--help`` for the options) launches
-the ranks itself; under ``torchrun --nproc-per-node 4 -m compiler_collectives
-demo`` each process runs its own rank and rank 0 prints the table.
+``scripts/dev demo`` (or ``python scripts/demo.py``; ``--help`` for the
+options) launches the ranks itself; under ``torchrun --nproc-per-node 4
+scripts/demo.py`` each process runs its own rank and rank 0 prints the table.
 
 How to read it
 --------------
@@ -37,14 +37,17 @@ How to read it
 call, ``compiler_collectives.enable(guards=True)``. Everything else here
 (launching rank processes, the timeout, the table) is scaffolding.
 
-Library code logs; only ``format_table`` builds text, and the CLI prints it.
+Only ``format_table`` builds text, and ``main`` prints it. This is not part of
+the library: it is an example of using it, kept out of the package.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import faulthandler
+import json
 import logging
 import math
 import multiprocessing as mp
@@ -54,6 +57,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -578,12 +583,11 @@ def stuck_at(log_text: str) -> Optional[str]:
         frames.append((path, f"{func} ({os.path.basename(path)}:{lineno})"))
     if not frames:
         return None
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.abspath(compiler_collectives.__file__)) + os.sep
     shown = [frames[0][1]]
     # The innermost frame of the service, if any (e.g. the compiler collective) ...
     for path, frame in frames[1:]:
-        path = os.path.abspath(path)
-        if os.path.dirname(path) == package and path != os.path.abspath(__file__):
+        if os.path.abspath(path).startswith(package):
             shown.append(frame)
             break
     # ... and the training loop's line that led there.
@@ -787,3 +791,184 @@ def outcome_to_json(run: RunOutcome) -> dict[str, Any]:
         "log_dir": run.log_dir,
         "ranks": [dataclasses.asdict(o) for o in run.ranks],
     }
+
+
+# --------------------------------------------------------------------- command line
+
+
+def _say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number > 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _run_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RUNS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(RUNS)}; got {text!r}"
+        )
+    return names
+
+
+def add_demo_parser(subparsers: Any) -> None:
+    d = DemoConfig()
+    runs_help = "; ".join(f"'{name}': {run.description}" for name, run in RUNS.items())
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small DDP + torch.compile model without and with the service, compare ranks",
+        description=(
+            "Train a tiny transformer language model with DistributedDataParallel (gloo, CPU) and "
+            "torch.compile on several ranks that see different sequence lengths, once without "
+            "and once with compiler_collectives, each run in fresh rank processes. Prints a "
+            "per-rank table (compiles, recompiles, graphs, dynamic dims, guard collectives, "
+            "forced recompiles, time in collectives, steps/s, status) and whether every rank "
+            "made the same compile decisions. Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT set) it runs only this rank's part and rank 0 prints the table."
+        ),
+        epilog=(
+            "Exit status: 0 when every run that should finish finished and the service run's "
+            "ranks agree; 1 otherwise; 2 for bad options."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--nproc", type=_positive_int, default=d.nproc, metavar="N",
+                   help="number of ranks (processes) to launch; ignored under torchrun")
+    p.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N",
+                   help="training steps per run (at least 2)")
+    p.add_argument("--backend", default=d.backend, metavar="NAME",
+                   help="torch.compile backend, e.g. aot_eager, eager, inductor "
+                        "(inductor needs a C++ compiler)")
+    p.add_argument("--timeout", type=_positive_float, default=d.timeout, metavar="SECONDS",
+                   help="wall-clock limit per run; ranks still running then are killed and the "
+                        "run is reported as timed out (under torchrun: the collectives' timeout)")
+    p.add_argument("--runs", type=_run_list, default=",".join(DEFAULT_RUNS), metavar="LIST",
+                   help=f"comma-separated runs to do, in order. {runs_help}")
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, metavar="N",
+                   help="sequences per batch and rank")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the model weights and the synthetic token data")
+    p.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N",
+                   help="print a progress line every N steps (from rank 0)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the per-rank results of every run as JSON to PATH")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    demo = sys.modules[__name__]
+
+    if args.steps < 2:
+        print("demo: --steps must be at least 2", file=sys.stderr)
+        return 2
+    if args.nproc < 2 and not demo.launched_by_torchrun():
+        print("demo: --nproc must be at least 2 (the point is ranks that disagree)", file=sys.stderr)
+        return 2
+    cfg = demo.DemoConfig(
+        nproc=args.nproc,
+        steps=args.steps,
+        backend=args.backend,
+        timeout=args.timeout,
+        runs=args.runs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        log_every=args.log_every,
+    )
+    started = time.monotonic()
+
+    if demo.launched_by_torchrun():
+        is_rank0 = os.environ.get("RANK") == "0"
+        say = _say if is_rank0 else (lambda line="": None)
+        say(f"compiler_collectives demo under torchrun: {os.environ['WORLD_SIZE']} ranks, "
+            f"{cfg.steps} steps, backend {cfg.backend}")
+        outcomes = demo.run_this_rank(cfg, progress=say)
+        if outcomes is None:
+            return 0
+    else:
+        _say(f"compiler_collectives demo: {cfg.nproc} ranks (gloo, CPU), {cfg.steps} steps per run, "
+             f"backend {cfg.backend}, timeout {cfg.timeout:.0f}s per run")
+        _say(textwrap.fill(
+            f"Ranks see different sequence lengths: all start at {cfg.base_length} tokens; "
+            "ranks 1.. switch to other lengths one after another (rank 0 never), and the last "
+            "rank's final batch is short.", width=100))
+        outcomes = []
+        for name in cfg.runs:
+            run = demo.RUNS[name]
+            _say()
+            _say(f"run '{name}': {run.description}")
+            outcome = demo.launch_run(run, cfg, progress=_say)
+            state = "finished" if outcome.finished else ("timed out" if outcome.timed_out else "failed")
+            _say(f"  [{name}] {state} in {outcome.elapsed_s:.1f}s")
+            outcomes.append(outcome)
+
+    _say()
+    _say(demo.format_table(outcomes, cfg.steps))
+    _say()
+    _say(textwrap.fill(
+        "compiles: Dynamo frame compilations, recompiles: those of an already compiled frame; "
+        "graphs: graphs handed to the backend; dynamic dims: graph inputs with symbolic sizes; "
+        "guard colls: guard collectives run; forced: recompiles this rank did only because "
+        "another rank's guards missed; coll time: time spent in compiler + guard collectives "
+        "(mostly waiting for slower ranks); steps/s: over the whole run, compiles included.",
+        width=100))
+    _say(f"total wall time {time.monotonic() - started:.1f}s")
+    for outcome in outcomes:
+        if outcome.ranks and any(o.error for o in outcome.ranks):
+            _say()
+            for o in outcome.ranks:
+                if o.error and o.status == "error":
+                    _say(f"--- run '{outcome.run.name}', rank {o.rank}:\n{o.error.rstrip()}")
+                    break  # the first traceback is usually the cause
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([demo.outcome_to_json(o) for o in outcomes], f, indent=2)
+    return 0 if demo.demo_succeeded(outcomes) else 1
+
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line (``scripts/dev demo --help``)."""
+    parent = argparse.ArgumentParser(prog="scripts/dev")
+    add_demo_parser(parent.add_subparsers(dest="command"))
+    return parent._subparsers._group_actions[0].choices["demo"]  # type: ignore[union-attr]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # A SIGTERM (a CI job cancelled, `timeout`, ...) unwinds like Ctrl-C, so the
+    # demo kills and reaps its rank processes.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,10 +50,10 @@ class ImplementationSwitch:
             output_graph.get_interface_for_device = lambda _device: _NoDevice()
             torch.accelerator.device_count = lambda: 1
         elif which == "ours":
-            from compiler_collectives import dynamo_seams
+            from compiler_collectives import dynamo
 
             output_graph.get_interface_for_device, torch.accelerator.device_count = self._saved
-            convert_frame.get_compile_pg = dynamo_seams.torch_original("get_compile_pg")
+            convert_frame.get_compile_pg = dynamo.torch_original("get_compile_pg")
             cc.install()
         else:
             raise ValueError(which)
@@ -66,7 +66,7 @@ def torch_pickle_size(local_state: Any) -> int:
 
     from torch._dynamo.symbolic_convert import LocalState as TorchLocalState
 
-    from compiler_collectives.dynamo_seams import entry_to_torch
+    from compiler_collectives.dynamo import entry_to_torch
 
     theirs = TorchLocalState(
         automatic_dynamic={k: entry_to_torch(v) for k, v in local_state.automatic_dynamic.items()}

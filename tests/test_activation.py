@@ -113,7 +113,7 @@ def test_torch_own_compiler_collective_fails_on_gloo_where_ours_works():
 
 
 def _seams_now() -> dict[str, object]:
-    """What torch holds at every place we patch, by the key of dynamo_seams._originals."""
+    """What torch holds at every place we patch, by the name of its row in the seam table."""
     import torch._C._dynamo.eval_frame as c_eval_frame
     import torch._dynamo.convert_frame as convert_frame
     import torch._dynamo.distributed as dynamo_distributed
@@ -139,11 +139,6 @@ def _seams_now() -> dict[str, object]:
     }
 
 
-# The audit patches these only once their modules are imported (AOTAutograd's
-# and inductor's compilers), so they are in _originals only after that.
-_LAZY_SEAMS = {"aot_module_simplified", "recursive_post_grad_passes"}
-
-
 def _guard_slot() -> object:
     """The C++ guard-complete hook slot (tests only: reading it means swapping it)."""
     import torch._C._dynamo.eval_frame as c_eval_frame
@@ -158,13 +153,15 @@ def test_uninstall_puts_back_every_torch_original_and_install_is_idempotent():
     import torch._dynamo.eval_frame as eval_frame
 
     import compiler_collectives as cc
-    from compiler_collectives import dynamo_seams, guard_collective
+    from compiler_collectives import dynamo
+    from compiler_collectives.agreements import guard as guard_collective
 
     cc.install()
     cc.install()
     assert eval_frame.guard_collectives_hook is guard_collective.hook
-    originals = {k: v for k, v in dynamo_seams._originals.items() if k not in _LAZY_SEAMS}
-    assert set(originals) == set(_seams_now())
+    patched = {row.name for row in dynamo.table.patched_rows()}
+    assert patched == set(_seams_now()), "the seam table's patched rows are not the places we patch"
+    originals = {name: dynamo.torch_original(name) for name in patched}
     ours = _seams_now()
     cc.uninstall()
     try:
@@ -180,9 +177,10 @@ def test_uninstall_puts_back_every_torch_original_and_install_is_idempotent():
 
 def test_uninstall_hands_the_guard_hook_slot_back_to_torch_own_hook():
     import compiler_collectives as cc
-    from compiler_collectives import dynamo_seams, guard_collective
+    from compiler_collectives import dynamo
+    from compiler_collectives.agreements import guard as guard_collective
 
-    torch_hook = dynamo_seams.torch_original("guard_collectives_hook")
+    torch_hook = dynamo.torch_original("guard_collectives_hook")
     cc.enable(compiler=False, guards=True)
     try:
         assert _guard_slot() is guard_collective.hook
@@ -198,29 +196,76 @@ def test_uninstall_hands_the_guard_hook_slot_back_to_torch_own_hook():
         cc.disable()
 
 
-def test_a_failure_while_reading_torch_internals_leaves_torch_unpatched(monkeypatch):
-    import functools
-
-    import torch._dynamo.eval_frame as eval_frame
+def test_a_changed_torch_internal_leaves_torch_unpatched(monkeypatch):
+    import torch._dynamo.convert_frame as convert_frame
 
     import compiler_collectives as cc
-    from compiler_collectives import dynamo_seams
+    from compiler_collectives import dynamo
     from compiler_collectives.errors import UnsupportedTorchError
 
     cc.uninstall()
     before = _seams_now()
     slot_before = _guard_slot()
-    # A torch whose compile wrapper is no longer a plain function: walking it fails.
-    monkeypatch.setattr(eval_frame._TorchDynamoContext, "__call__", functools.partial(print))
+
+    # A torch whose _compile takes its arguments in another order: a fragile read fails.
+    def _compile(globals, code, locals, *rest, **kwargs):  # noqa: A002
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(convert_frame, "_compile", _compile)
     try:
-        with pytest.raises(UnsupportedTorchError, match="Nothing was patched"):
-            dynamo_seams.install()
+        with pytest.raises(UnsupportedTorchError, match="Nothing was patched") as info:
+            dynamo.install()
+        assert "torch._dynamo.convert_frame:_compile no longer takes (code, globals, locals" in str(info.value)
         after = _seams_now()
         for key, value in before.items():
-            assert after[key] is value, f"{key} was patched although install failed"
+            if key != "compile":
+                assert after[key] is value, f"{key} was patched although install failed"
+        assert convert_frame._compile is _compile
         assert _guard_slot() is slot_before
-        assert not dynamo_seams.installed()
+        assert not dynamo.installed()
     finally:
+        monkeypatch.undo()
+        cc.install()
+
+
+def test_every_problem_with_torch_internals_is_reported_in_one_error(monkeypatch):
+    import torch._dynamo.output_graph as output_graph
+    import torch._dynamo.pgo as pgo
+
+    from compiler_collectives import dynamo
+    from compiler_collectives.errors import UnsupportedTorchError
+
+    monkeypatch.delattr(output_graph.OutputGraph, "run_compiler_collective")
+    monkeypatch.setattr(pgo, "update_automatic_dynamic", lambda tx, name, entry: entry)
+    with pytest.raises(UnsupportedTorchError) as info:
+        dynamo.check_seams()
+    message = str(info.value)
+    assert "2 Dynamo seam(s)" in message
+    assert "torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing" in message
+    assert "torch._dynamo.pgo:update_automatic_dynamic no longer takes (tx, name, entry, *, " \
+           "is_unspecialized_nn_module)" in message
+
+
+def test_a_read_that_only_coarsens_a_feature_warns_at_install_and_install_goes_on(monkeypatch, caplog):
+    import functools
+    import logging
+
+    import torch._dynamo.eval_frame as eval_frame
+
+    import compiler_collectives as cc
+    from compiler_collectives import dynamo
+
+    cc.uninstall()
+    # A torch whose compile wrapper is no longer a plain function: the guard
+    # collective can no longer see which function torch.compile wraps.
+    monkeypatch.setattr(eval_frame._TorchDynamoContext, "__call__", functools.partial(print))
+    try:
+        with caplog.at_level(logging.WARNING, logger="compiler_collectives.dynamo"):
+            dynamo.install()
+        assert dynamo.installed()
+        assert any("names torch.compile'd functions by their caller" in r.getMessage() for r in caplog.records)
+    finally:
+        cc.uninstall()
         monkeypatch.undo()
         cc.install()
 
@@ -228,12 +273,12 @@ def test_a_failure_while_reading_torch_internals_leaves_torch_unpatched(monkeypa
 def test_a_missing_dynamo_seam_fails_with_the_torch_version_and_the_seam(monkeypatch):
     import torch._dynamo.output_graph as output_graph
 
-    from compiler_collectives import dynamo_seams
+    from compiler_collectives import dynamo
     from compiler_collectives.errors import UnsupportedTorchError
 
     monkeypatch.delattr(output_graph.OutputGraph, "run_compiler_collective")
     with pytest.raises(UnsupportedTorchError) as info:
-        dynamo_seams.check_seams()
+        dynamo.check_seams()
     message = str(info.value)
     assert torch.__version__ in message
     assert "torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in message
@@ -241,12 +286,12 @@ def test_a_missing_dynamo_seam_fails_with_the_torch_version_and_the_seam(monkeyp
 
 @pytest.mark.parametrize("version", ["2.12.1", "2.16.0", "2.16.0a0+git1234567", "3.0.0"])
 def test_a_torch_outside_the_supported_releases_fails_naming_them(monkeypatch, version):
-    from compiler_collectives import dynamo_seams
+    from compiler_collectives import dynamo
     from compiler_collectives.errors import UnsupportedTorchError
 
     monkeypatch.setattr(torch, "__version__", version)
     with pytest.raises(UnsupportedTorchError) as info:
-        dynamo_seams.check_seams()
+        dynamo.check_seams()
     message = str(info.value)
     assert version in message
     assert "torch 2.13 to 2.15 (tested: 2.13.0, 2.14.1, 2.15.0)" in message
@@ -254,10 +299,10 @@ def test_a_torch_outside_the_supported_releases_fails_naming_them(monkeypatch, v
 
 @pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.1+cu130", "2.15.0", "2.15.3"])
 def test_every_release_in_the_supported_range_passes_the_version_check(monkeypatch, version):
-    from compiler_collectives import dynamo_seams
+    from compiler_collectives import dynamo
 
     monkeypatch.setattr(torch, "__version__", version)
-    dynamo_seams.check_seams()
+    dynamo.check_seams()
 
 
 def test_enabled_context_manager_restores_the_previous_state():

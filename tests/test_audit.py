@@ -115,7 +115,7 @@ def _scaled_by_rank(x: torch.Tensor) -> torch.Tensor:
 
 def rank_constant(rank: int, world: int) -> dict:
     import compiler_collectives as cc
-    from compiler_collectives import audit
+    from compiler_collectives.agreements import audit
 
     lines: list[str] = []
 
@@ -379,7 +379,7 @@ def _graph_reducing_second_input(first, second, *, device=None, scale=2):
 
 
 def test_symbols_are_named_in_order_of_first_use_so_differently_named_symbols_compare_equal():
-    from compiler_collectives.fingerprint import fingerprint
+    from compiler_collectives.agreements.fingerprint import fingerprint
 
     u, v = _two_symbolic_inputs()  # raw symbols, e.g. s75 and s57
     one = fingerprint(_graph_reducing_second_input(u, v), "aot_forward")
@@ -391,7 +391,7 @@ def test_symbols_are_named_in_order_of_first_use_so_differently_named_symbols_co
 
 
 def test_a_device_index_is_left_out_of_the_graph_hash_but_a_constant_is_not():
-    from compiler_collectives.fingerprint import fingerprint
+    from compiler_collectives.agreements.fingerprint import fingerprint
 
     u, v = _two_symbolic_inputs()
     on = lambda **kw: fingerprint(_graph_reducing_second_input(u, v, **kw), "dynamo").graph_hash  # noqa: E731
@@ -400,7 +400,7 @@ def test_a_device_index_is_left_out_of_the_graph_hash_but_a_constant_is_not():
 
 
 def test_the_source_line_is_the_innermost_frame_outside_torch():
-    from compiler_collectives.fingerprint import user_line
+    from compiler_collectives.agreements.fingerprint import user_line
 
     torch_file = torch.__file__.replace("__init__.py", "distributed/_functional_collectives.py")
     trace = (
@@ -416,7 +416,7 @@ def test_the_source_line_is_the_innermost_frame_outside_torch():
 
 
 def _summary(**overrides):
-    from compiler_collectives import wire
+    from compiler_collectives.agreements import wire
 
     body = wire.AuditSummary(
         phase="forward",
@@ -430,15 +430,15 @@ def _summary(**overrides):
 
 
 def _audit_bytes(body, rank=1):
-    from compiler_collectives import wire
+    from compiler_collectives.agreements import wire
     from compiler_collectives.state import FrameId
 
     return wire.encode_audit(body, rank=rank, world_size=2, frame=FrameId("f", "/a/b.py", 3), seq=4, sent_at=1.5)
 
 
 def test_audit_summaries_and_details_round_trip():
-    from compiler_collectives import wire
-    from compiler_collectives.fingerprint import Collective
+    from compiler_collectives.agreements import wire
+    from compiler_collectives.agreements.fingerprint import Collective
 
     summary = _summary()
     env = wire.decode_audit(_audit_bytes(summary), sender=1, max_bytes=1 << 20, expected_world_size=2)
@@ -450,7 +450,7 @@ def test_audit_summaries_and_details_round_trip():
 
 def test_an_audit_payload_and_a_compiler_payload_meeting_in_one_all_gather_are_a_desync_not_corruption():
     import compiler_collectives as cc
-    from compiler_collectives import wire
+    from compiler_collectives.agreements import wire
     from compiler_collectives.state import FrameId, LocalState
 
     compiler = wire.encode(LocalState(), rank=1, world_size=2, frame=FrameId("g", "/a/c.py", 7), seq=9, sent_at=2.0)
@@ -481,7 +481,7 @@ def test_a_malformed_audit_summary_is_rejected_naming_the_sender(edit, why):
     import msgpack
 
     import compiler_collectives as cc
-    from compiler_collectives import wire
+    from compiler_collectives.agreements import wire
 
     envelope = msgpack.unpackb(_audit_bytes(_summary()))
     edit(envelope)

@@ -87,7 +87,7 @@ def test_a_broken_autoload_leaves_import_torch_working_with_one_warning(tmp_path
     assert proc.stdout.strip() == "2.0"
     warnings = [line for line in proc.stderr.splitlines() if "autoload failed" in line]
     assert len(warnings) == 1, proc.stderr
-    assert "missing Dynamo seam(s) torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in warnings[0]
+    assert "Dynamo seam(s) missing or changed: torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing" in warnings[0]
 
 
 def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value():

@@ -1,4 +1,4 @@
-"""`python -m compiler_collectives demo`: end to end in a subprocess, its timeout path, and --help."""
+"""`scripts/dev demo` (scripts/demo.py): end to end in a subprocess, its timeout path, and --help."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
-from compiler_collectives import cli, demo
+import compiler_collectives
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import demo  # noqa: E402  (scripts/demo.py: the demo is not part of the library)
 
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -22,7 +24,7 @@ def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     return subprocess.run(
-        [sys.executable, "-m", "compiler_collectives", *args],
+        [sys.executable, os.path.join(REPO, "scripts", "demo.py"), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -57,7 +59,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.timeout(300)
 def test_demo_runs_both_trainings_and_the_service_makes_ranks_agree(tmp_path):
     out_json = tmp_path / "demo.json"
-    proc = _run_cli(["demo", "--nproc", "2", "--steps", "6", "--json", str(out_json)], timeout=280)
+    proc = _run_cli(["--nproc", "2", "--steps", "6", "--json", str(out_json)], timeout=280)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
 
@@ -125,9 +127,7 @@ def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_pat
 
 
 def _demo_parser():
-    parser = cli.build_parser()
-    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-    return sub.choices["demo"]
+    return demo.build_parser()
 
 
 def test_demo_help_lists_and_explains_every_option():
@@ -145,7 +145,7 @@ def test_demo_help_lists_and_explains_every_option():
         assert f"'{name}'" in " ".join(help_text.split()), name
 
     # And the real command line prints it.
-    proc = _run_cli(["demo", "--help"], timeout=120)
+    proc = _run_cli(["--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     for action in options:
         for flag in action.option_strings:
@@ -153,14 +153,14 @@ def test_demo_help_lists_and_explains_every_option():
 
 
 def test_bad_options_are_rejected(capsys):
-    parser = cli.build_parser()
+    parser = demo.build_parser()
     for bad in (["--runs", "off,nope"], ["--nproc", "0"], ["--timeout", "-1"], ["--steps", "x"]):
         with pytest.raises(SystemExit) as e:
-            parser.parse_args(["demo", *bad])
+            parser.parse_args(bad)
         assert e.value.code == 2, bad
     # Values argparse accepts but the demo cannot use: refused before any rank starts.
     for bad in (["--nproc", "1"], ["--steps", "1"]):
-        args = parser.parse_args(["demo", *bad])
+        args = parser.parse_args(bad)
         assert args.func(args) == 2, bad
     assert "--runs" in capsys.readouterr().err
 
@@ -181,19 +181,20 @@ def test_the_length_schedule_makes_ranks_diverge_at_different_steps():
 
 def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
     pkg = os.path.dirname(demo.__file__)
+    svc = os.path.dirname(compiler_collectives.__file__)
     log_text = (
         "some warning\n"
         "Current thread 0x00007f (most recent call first):\n"
         '  File "/x/torch/distributed/distributed_c10d.py", line 4287 in all_gather\n'
-        f'  File "{pkg}/transport.py", line 187 in all_gather_bytes\n'
-        f'  File "{pkg}/compiler_collective.py", line 70 in exchange\n'
+        f'  File "{svc}/transport/gloo.py", line 187 in all_gather_bytes\n'
+        f'  File "{svc}/agreements/compiler.py", line 70 in exchange\n'
         '  File "/x/torch/_dynamo/convert_frame.py", line 9 in _compile\n'
         f'  File "{pkg}/demo.py", line 306 in train\n'
         f'  File "{pkg}/demo.py", line 400 in _rank_main\n'
         "\n"
     )
     assert demo.stuck_at(log_text) == (
-        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (transport.py:187) "
+        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (gloo.py:187) "
         "<- train (demo.py:306)"
     )
     in_backward = (

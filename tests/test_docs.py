@@ -96,14 +96,14 @@ def test_readme_opens_with_the_demo_and_test_commands_that_ci_runs():
 def test_ci_runs_every_tested_torch_release_and_pyproject_and_the_docs_agree():
     import tomllib
 
-    from compiler_collectives import dynamo_seams
+    from compiler_collectives import dynamo
 
     ci = (ROOT / ".ci" / "run").read_text()
     releases = re.search(r"^releases=\((.*)\)$", ci, flags=re.MULTILINE).group(1).split()
-    assert tuple(releases) == dynamo_seams.TESTED_TORCH
+    assert tuple(releases) == dynamo.TESTED_TORCH
     assert releases[0] == "2.13.0"  # the README's default, run by the README's own command
-    assert all(dynamo_seams.version_supported(r) for r in releases)
-    (lo_major, lo_minor), (hi_major, hi_minor) = dynamo_seams.SUPPORTED_TORCH
+    assert all(dynamo.version_supported(r) for r in releases)
+    (lo_major, lo_minor), (hi_major, hi_minor) = dynamo.SUPPORTED_TORCH
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}" in deps
     for doc in ("README.md", "docs/usage.md"):

@@ -355,7 +355,8 @@ def test_an_extra_call_from_the_same_line_is_named_as_a_desync_when_the_peer_is_
 
 def _corrupting(rank: int, how: str) -> None:
     """Make this rank's next compiler-collective payload bad in the given way."""
-    from compiler_collectives import config, wire
+    from compiler_collectives import config
+    from compiler_collectives.agreements import wire
 
     original = wire.encode
 
@@ -432,7 +433,7 @@ def poisoned_then_reset(rank: int, world: int) -> dict:
     g = torch.compile(_other, backend="eager")
     second = _caught(lambda: g(torch.ones(2)))
     # explicit recovery on every rank
-    from compiler_collectives import wire
+    from compiler_collectives.agreements import wire
 
     if rank == 1:
         import importlib

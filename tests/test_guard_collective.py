@@ -283,7 +283,7 @@ def frame_identity_of(rank: int, world: int) -> dict:
     import compiler_collectives  # noqa: F401
     import torch._C._dynamo.eval_frame as c_eval_frame
 
-    from compiler_collectives import guard_collective
+    from compiler_collectives.agreements import guard as guard_collective
 
     seen = []
 

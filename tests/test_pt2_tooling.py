@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from compiler_collectives import artifacts, recompile_reasons
-from compiler_collectives.compiler_collective import restart_decision
+from compiler_collectives.agreements import reasons as recompile_reasons
+from compiler_collectives.tools import artifacts
+from compiler_collectives.agreements.compiler import restart_decision
 from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
 from tests.harness import run_ranks
 

@@ -64,10 +64,10 @@ def test_the_guard_switch_on_one_rank_only_fails_every_rank_naming_the_switch():
 
 
 def other_package_version_on_rank_1(rank: int, world: int) -> dict:
-    import compiler_collectives as cc
+    from compiler_collectives import version
 
     if rank == 1:
-        cc.__version__ = "0.0.9"  # as if an older wheel were installed on that node
+        version.__version__ = "0.0.9"  # as if an older wheel were installed on that node
     return compile_and_call(rank, world, False)
 
 
@@ -120,7 +120,8 @@ def test_settings_that_may_differ_do_not_stop_the_job():
 
 def test_the_setup_record_holds_every_must_match_setting_and_the_versions():
     import compiler_collectives
-    from compiler_collectives import config, setup_agreement
+    from compiler_collectives import config
+    from compiler_collectives.agreements import setup as setup_agreement
 
     record = setup_agreement.local_record({"transport protocol version": 2})
     for row in config.MUST_MATCH:
@@ -142,7 +143,7 @@ def test_the_setup_record_holds_every_must_match_setting_and_the_versions():
     b"\x93\x01\x00\x91\x92\x01\x02",  # an item named by an int
 ])
 def test_a_malformed_setup_record_is_refused_by_validation(data):
-    from compiler_collectives import setup_agreement
+    from compiler_collectives.agreements import setup as setup_agreement
 
     with pytest.raises(setup_agreement._Bad):
         setup_agreement.decode(data, 0)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from compiler_collectives import report
+from compiler_collectives.tools import report
 from tests.harness import run_ranks
 
 CALLS = 6
@@ -95,7 +95,7 @@ def untraced_job(rank: int, world: int) -> dict:
     import sys
 
     import compiler_collectives as cc
-    from compiler_collectives import timing
+    from compiler_collectives.tools import timing
 
     package_dir = os.path.dirname(cc.__file__) + os.sep
     written = []

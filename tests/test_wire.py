@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compiler_collectives  # noqa: F401  (installs the Dynamo seams used by entry_to_torch)
-from compiler_collectives import __version__, dynamo_seams, wire
+from compiler_collectives import __version__
+from compiler_collectives import dynamo
+from compiler_collectives.agreements import wire
 from compiler_collectives.errors import WireFormatError
 from compiler_collectives.state import (
     DYNAMIC,
@@ -716,7 +718,7 @@ def test_encoded_size_is_smaller_than_pickle_of_the_torch_frame_state():
     state = _realistic_model_state()
     assert len(state.automatic_dynamic) == 32
     ours = len(_encode(state))
-    torch_state = {name: dynamo_seams.entry_to_torch(e) for name, e in state.automatic_dynamic.items()}
+    torch_state = {name: dynamo.entry_to_torch(e) for name, e in state.automatic_dynamic.items()}
     theirs = len(pickle.dumps(torch_state, protocol=pickle.HIGHEST_PROTOCOL))
     assert ours < theirs, (ours, theirs)
 

@@ -292,7 +292,7 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     import compiler_collectives as cc
-    from compiler_collectives import audit
+    from compiler_collectives.agreements import audit
 
     # Caches off: a cache hit skips AOTAutograd and inductor, and with them
     # their levels (set here: the environment is read when torch is imported).

@@ -45,12 +45,14 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from . import config, health, wire
-from .errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
+from .. import health
+from . import exchange as exchange_frame
+from . import wire
+from ..errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
-from .state import FrameId
-from .stats import counters
-from .transport import all_gather_bytes, groups
+from ..state import FrameId
+from ..stats import counters
+from ..transport import groups
 
 log = logging.getLogger("compiler_collectives.audit")
 
@@ -302,24 +304,10 @@ def _exchange(
 ) -> list[wire.AuditEnvelope]:
     where = lambda: describe("audit", rank, seq, str(frame))  # noqa: E731
     payload = wire.encode_audit(body, rank=rank, world_size=world, frame=frame, seq=seq, sent_at=time.time())
-    settings = config.settings
-    try:
-        with torch.profiler.record_function("compiler_collectives.audit"):
-            payloads, _ = all_gather_bytes(
-                pg, payload, max_bytes=settings.max_payload_bytes, slot_bytes=settings.inline_slot_bytes
-            )
-        envelopes = [
-            wire.decode_audit(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
-            for i, p in enumerate(payloads)
-        ]
-        _check_agreement(envelopes, rank=rank)
-    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
-        counters.errors += 1
-        err = groups.exchange_failed(e, kind="audit", rank=rank, seq=seq, frame=str(frame), where=where)
-        if err is e:
-            raise
-        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
-    return envelopes
+    return exchange_frame.gather(
+        pg, payload, kind="audit", seq=seq, frame=str(frame), where=where, decode=wire.decode_audit,
+        check=lambda envelopes, me: _check_agreement(envelopes, rank=me),
+    ).envelopes
 
 
 def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> None:

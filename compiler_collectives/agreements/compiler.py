@@ -1,8 +1,8 @@
 """The compiler collective: exchange every rank's LocalState at the end of a preflight.
 
-Plain Python over ``torch.distributed``: the seams module calls ``exchange``
-from inside Dynamo and ``restart_needed`` to decide whether Dynamo must trace
-the frame again. Every rank receives every payload and runs the same
+Plain Python over ``torch.distributed``: the Dynamo seam calls ``exchange``
+from inside Dynamo; its result carries the restart decision
+(``restart_decision``): whether Dynamo must trace the frame again. Every rank receives every payload and runs the same
 validation, so a bad payload, a desync or a "no restart needed" decision comes
 out identically on all ranks.
 """
@@ -13,15 +13,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
-
-from . import config, health, timing, wire
-from .errors import CollectiveDesyncError, CollectiveError, describe
-from .state import DistributedState, FrameId, LocalState
-from .stats import counters
-from .transport import PHASE_INPUTS, PHASE_TRACE, all_gather_bytes, groups
+from .. import config, health
+from ..tools import timing
+from . import exchange as exchange_frame
+from . import wire
+from ..errors import CollectiveDesyncError, describe
+from ..state import DistributedState, FrameId, LocalState
+from ..stats import counters
+from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
 
 log = logging.getLogger("compiler_collectives.compiler")
 
@@ -102,30 +103,14 @@ def exchange(
         seq=seq,
         sent_at=sent_at,
     )
-    settings = config.settings
-    started = time.perf_counter()
-    try:
-        with torch.profiler.record_function("compiler_collectives.compiler_collective"):
-            payloads, rounds = all_gather_bytes(
-                pg,
-                payload,
-                max_bytes=settings.max_payload_bytes,
-                slot_bytes=settings.inline_slot_bytes,
-                phase=PHASE_TRACE if state is None else PHASE_INPUTS,
-                describe=where,
-            )
-        envelopes = [
-            wire.decode(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
-            for i, p in enumerate(payloads)
-        ]
-        check_agreement(envelopes, rank=rank)
-    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
-        counters.errors += 1
-        err = groups.exchange_failed(e, kind="compiler", rank=rank, seq=seq, frame=str(frame), where=where)
-        if err is e:
-            raise
-        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
-    elapsed = time.perf_counter() - started
+    gathered = exchange_frame.gather(
+        pg, payload, kind="compiler", seq=seq, frame=str(frame), where=where,
+        decode=wire.decode, check=lambda envelopes, me: check_agreement(envelopes, rank=me),
+        phase=PHASE_TRACE if state is None else PHASE_INPUTS,
+        profile_as="compiler_collectives.compiler_collective",
+    )
+    envelopes, payloads, rounds, elapsed = (
+        gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
 
     states = [e.state for e in envelopes]
     restart, why = restart_decision(states, ds.early_states) if state is None else (False, "")
@@ -173,14 +158,15 @@ def exchange(
     )
 
 
-def _compile_id() -> str | None:
-    try:
-        from torch._guards import CompileContext
+# The compile id of the compile in progress ("0/1"), from the Dynamo seam
+# (torch keeps it in an internal context); None outside a compile.
+_compile_id: Callable[[], str | None] = lambda: None
 
-        compile_id = CompileContext.current_compile_id()
-    except Exception:  # noqa: BLE001 - outside Dynamo there is no compile id
-        return None
-    return None if compile_id is None else str(compile_id)
+
+def set_compile_id_source(source: Callable[[], str | None]) -> None:
+    """Called by the Dynamo seam at install: how to read the current compile's id."""
+    global _compile_id
+    _compile_id = source
 
 
 def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
@@ -203,11 +189,6 @@ def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
         "(COMPILER_COLLECTIVES_GUARDS=1) if one rank recompiles alone.",
         ranks=tuple(e.rank for e in envelopes if e.seq != mine.seq or _frame_key(e.frame) != _frame_key(mine.frame)),
     )
-
-
-def restart_needed(states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None) -> bool:
-    """Whether Dynamo must trace the frame again after the exchange (see ``restart_decision``)."""
-    return restart_decision(states, early_states)[0]
 
 
 def restart_decision(
@@ -277,3 +258,8 @@ def _shown(entry: Any) -> str:
 
 def group_for_compile() -> Any:
     return groups.compile_pg()
+
+
+def distributed() -> bool:
+    """Whether a default process group exists (else there is nobody to agree with)."""
+    return groups.available()

@@ -20,14 +20,15 @@ import zlib
 from typing import Any, Callable
 
 import torch
-import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
-from . import health, timing
-from .errors import CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
-from .stats import counters
-from .transport import GuardChannel, groups, translate_failure
+from .. import health
+from ..tools import timing
+from ..errors import CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
+from ..stats import counters
+from ..transport import GuardChannel, groups, translate_failure
+from . import failure
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -54,10 +55,28 @@ _state = _GuardState()
 # local ``fn`` is the compiled function), ``Module._call_impl`` (whose local
 # ``forward_call`` is the forward being compiled), or plain Python code that
 # calls the compiled frame directly (a resume function after a graph break,
-# a nested function). The seams fill ``_wrapper_locals`` with the first two.
+# a nested function). The Dynamo seam names the first two, and which code
+# objects are Dynamo's output, through ``set_frame_sources``.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _wrapper_locals: dict[Any, str] = {}  # wrapper code object -> name of the local holding the target
-_is_dynamo_output_code: Callable[[Any], bool] = lambda code: False  # set by the seams
+_is_dynamo_output_code: Callable[[Any], bool] = lambda code: False
+# Whether torch's profiler is on (then each call gets a record_function range);
+# the Dynamo seam supplies the probe, since the flag is a torch internal.
+_profiler_enabled: Callable[[], bool] = lambda: False
+
+
+def set_frame_sources(wrapper_locals: dict[Any, str], is_dynamo_output_code: Callable[[Any], bool]) -> None:
+    """Called by the Dynamo seam at install: torch's wrapper frames, and a test for Dynamo's output code."""
+    global _is_dynamo_output_code
+    _wrapper_locals.update(wrapper_locals)
+    _is_dynamo_output_code = is_dynamo_output_code
+    _code_kinds.clear()
+
+
+def set_profiler_probe(probe: Callable[[], bool]) -> None:
+    """Called by the Dynamo seam at install: a cheap read of whether torch's profiler is on."""
+    global _profiler_enabled
+    _profiler_enabled = probe
 # code -> ("wrapper", local name) | ("torch", None) | ("code", (crc, use f_lasti))
 _code_kinds: dict[Any, tuple[str, Any]] = {}
 
@@ -163,7 +182,7 @@ def hook(guard_eval_result: bool) -> bool:
     profiler ranges cost one global check each when off.
     """
     try:
-        if health._first_failure is not None:
+        if health.first_failure is not None:
             try:
                 health.check("guard")
             except CollectiveError as e:
@@ -181,7 +200,7 @@ def hook(guard_eval_result: bool) -> bool:
         if recorder is not None:
             start_ns = _time_ns()
         started = _perf_counter()
-        if _profiler._is_profiler_enabled:
+        if _profiler_enabled():
             with _record_function("compiler_collectives.guard_collective"):
                 all_hit, in_step = channel.agree(guard_eval_result, seq, site)
         else:
@@ -258,7 +277,7 @@ def _park_failure(error: BaseException) -> None:
         )
         err.__cause__ = error
     if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):  # seen by every rank alike
-        err = groups.fail(err, seq=seq)
+        err = failure.fail(err, seq=seq)
     counters.errors += 1
     health.poison(err)
     health.park(err)
@@ -281,3 +300,8 @@ def _park_interrupt(interrupt: BaseException) -> None:
     note.__cause__ = interrupt
     health.poison(note)
     health.park(interrupt)
+
+
+def group() -> Any:
+    """The process group the guard collective runs on (built on first use, on every rank together)."""
+    return groups.guard_pg()

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
-from . import config, health, wire
-from .errors import CollectiveDesyncError, CollectiveError, describe
-from .stats import counters
-from .transport import all_gather_bytes, groups
+from .. import health
+from . import exchange as exchange_frame
+from . import wire
+from ..errors import CollectiveDesyncError, describe
+from ..stats import counters
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -86,16 +86,8 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
     where = lambda: describe("guard", rank, seq, frame) + " (recompile reasons)"  # noqa: E731
     payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed,
                                   reasons=own if missed else [])
-    settings = config.settings
-    started = time.perf_counter()
-    try:
-        payloads, rounds = all_gather_bytes(
-            pg, payload, max_bytes=settings.max_payload_bytes, slot_bytes=settings.inline_slot_bytes
-        )
-        envelopes = [
-            wire.decode_reasons(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
-            for i, p in enumerate(payloads)
-        ]
+
+    def same_miss(envelopes: list[wire.ReasonsEnvelope], _rank: int) -> None:
         if any(e.seq != seq for e in envelopes):
             lines = "\n".join(f"  rank {e.rank}: guard collective #{e.seq}" for e in envelopes)
             raise CollectiveDesyncError(
@@ -104,13 +96,13 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
                 "please report it with this message.",
                 ranks=tuple(e.rank for e in envelopes if e.seq != seq),
             )
-    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
-        counters.errors += 1
-        err = groups.exchange_failed(e, kind="guard", rank=rank, seq=seq, frame=frame, where=where)
-        if err is e:
-            raise
-        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
-    elapsed = time.perf_counter() - started
+
+    gathered = exchange_frame.gather(
+        pg, payload, kind="guard", seq=seq, frame=frame, where=where, decode=wire.decode_reasons,
+        check=same_miss, profile_as="compiler_collectives.recompile_reasons",
+    )
+    envelopes, payloads, rounds, elapsed = (
+        gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
     everyone = {e.rank: e.reasons for e in envelopes if e.missed}
     counters.guard_reason_exchanges += 1
     shared = Shared(

@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 import msgpack
 
-from . import config
-from .errors import CollectiveTimeoutError, SetupMismatchError
+from .. import config
+from ..errors import CollectiveTimeoutError, SetupMismatchError
+from ..transport import PROTOCOL_VERSION, set_first_rendezvous, shm
 
 log = logging.getLogger("compiler_collectives.setup")
 
@@ -67,7 +68,8 @@ def local_record(versions: dict[str, Any]) -> dict[str, Any]:
     """Everything this rank must hold alike with every other, by the name messages show."""
     import torch
 
-    from . import __version__, wire
+    from ..version import __version__
+    from . import wire
 
     record: dict[str, Any] = {
         "compiler_collectives version": __version__,
@@ -217,3 +219,16 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
         "and COMPILER_COLLECTIVES_GUARDS must be the same on every rank).",
         kind="setup", rank=rank, ranks=tuple(absent),
     )
+
+
+def _prepare_first_rendezvous() -> Callable[[Any, int, int, float], None]:
+    """This rank's record, taken now; the store exchange that compares it runs later, bounded."""
+    record = local_record({
+        "transport protocol version": PROTOCOL_VERSION,
+        "shared-memory layout version": shm.LAYOUT_VERSION,
+    })
+    return lambda store, rank, world, timeout_s: agree(store, rank, world, timeout_s, record)
+
+
+# The setup agreement is every generation's first rendezvous.
+set_first_rendezvous(_prepare_first_rendezvous)

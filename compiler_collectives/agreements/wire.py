@@ -44,10 +44,10 @@ from typing import Any, Callable
 
 import msgpack
 
-from . import __version__
-from .errors import CollectiveDesyncError, WireFormatError
+from ..version import __version__
+from ..errors import CollectiveDesyncError, WireFormatError
 from .fingerprint import Collective
-from .state import (
+from ..state import (
     DYNAMIC,
     UNSET,
     FrameId,

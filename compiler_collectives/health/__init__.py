@@ -16,34 +16,36 @@ from __future__ import annotations
 
 import logging
 
-from .errors import CollectiveError, CollectivePoisonedError
+from ..errors import CollectiveError, CollectivePoisonedError
 
 log = logging.getLogger("compiler_collectives.health")
 
-_first_failure: CollectiveError | None = None
+# The first failure on this rank, None while healthy. Public for one reason:
+# the guard hook reads it on every call, where a function call costs.
+first_failure: CollectiveError | None = None
 _pending: BaseException | None = None
 
 
 def poison(error: CollectiveError) -> None:
-    global _first_failure
-    if _first_failure is None:
-        _first_failure = error
+    global first_failure
+    if first_failure is None:
+        first_failure = error
         log.error("%s", error)
 
 
 def poisoned() -> CollectiveError | None:
-    return _first_failure
+    return first_failure
 
 
 def check(kind: str) -> None:
     """Raise if an earlier collective failed on this rank."""
-    if _first_failure is not None:
+    if first_failure is not None:
         raise CollectivePoisonedError(
             f"{kind} collective refused: an earlier collective failed on this rank "
-            f"({type(_first_failure).__name__}: {_first_failure}). The ranks are no longer "
+            f"({type(first_failure).__name__}: {first_failure}). The ranks are no longer "
             "in step; call compiler_collectives.reset() on every rank (or restart the job).",
             kind=kind,
-        ) from _first_failure
+        ) from first_failure
 
 
 def park(error: BaseException) -> None:
@@ -61,6 +63,6 @@ def raise_parked() -> None:
 
 
 def clear() -> None:
-    global _first_failure, _pending
-    _first_failure = None
+    global first_failure, _pending
+    first_failure = None
     _pending = None

@@ -51,20 +51,12 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from . import config
+from .. import config
+from ..errors import StoreUnresponsive
 
 log = logging.getLogger("compiler_collectives.watchdog")
 
 T = TypeVar("T")
-
-
-class StoreUnresponsive(Exception):
-    """The c10d store did not answer within the bound (internal; callers say what it means)."""
-
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(f"the c10d store did not answer {what} within {timeout_s:.1f}s")
-        self.what = what
-        self.timeout_s = timeout_s
 
 
 def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
+from ..state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
 
 if TYPE_CHECKING:
-    from .recompile_reasons import Shared
+    from ..agreements.reasons import Shared
 
 ARTIFACT_VERSION = 1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import config
+from .. import config
 
 
 def _autoload_facts() -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _autoload_facts() -> dict[str, Any]:
 def _switch_sources() -> dict[str, Any]:
     import torch
 
-    from . import dynamo_seams
+    from .. import dynamo as dynamo_seams
 
     env_flag = os.environ.get("TORCH_COMPILER_COLLECTIVES")
     flag = bool(torch._dynamo.config.enable_compiler_collectives)
@@ -71,7 +71,7 @@ def _switch_sources() -> dict[str, Any]:
 def _groups_facts() -> dict[str, Any]:
     import torch.distributed as dist
 
-    from .transport import groups
+    from ..transport import groups
 
     if not (dist.is_available() and dist.is_initialized()):
         return {"initialized": False}
@@ -93,7 +93,7 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
     facts: dict[str, Any] = {"torch_version": torch.__version__}
     import compiler_collectives as package
 
-    from . import dynamo_seams
+    from .. import dynamo as dynamo_seams
 
     facts["package_version"] = package.__version__
     facts["missing_seams"] = dynamo_seams.missing_seams()
@@ -108,7 +108,7 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
     if create_groups:
         import torch.distributed as dist
 
-        from .transport import groups
+        from ..transport import groups
 
         if dist.is_available() and dist.is_initialized():
             groups.compile_pg()

@@ -15,13 +15,10 @@ import os
 import re
 from typing import Any
 
+from ..errors import ReportError
 from .timing import quantiles
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
-
-
-class ReportError(ValueError):
-    """Raised when the trace directory or one of its files cannot be used."""
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from . import config
+from .. import config
 
 log = logging.getLogger("compiler_collectives.timing")
 

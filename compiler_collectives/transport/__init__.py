@@ -8,9 +8,10 @@ One module per mechanism, and one for the groups they run on:
   a guard outcome in microseconds;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
-* ``groups``: lazily created groups (after the setup agreement), the store
-  side channel, the failure procedure (publish, diagnose), and the teardown
-  at interpreter exit.
+* ``groups``: lazily created groups (after the first rendezvous the
+  agreements layer registers: the setup agreement), the store side channel,
+  and the teardown at interpreter exit. What a failure means for the job is
+  decided above this layer (``agreements/failure.py``).
 
 The layer above (the agreements) imports only what this module exports.
 """
@@ -25,7 +26,7 @@ from .gloo import (
     guard_key,
     translate_failure,
 )
-from .groups import Groups, groups
+from .groups import Groups, groups, set_first_rendezvous
 from .hierarchy import ShmGuardChannel
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "all_gather_bytes",
     "groups",
     "guard_key",
+    "set_first_rendezvous",
     "translate_failure",
 ]

@@ -1,4 +1,4 @@
-"""Our own process groups, their store side channel, and the failure procedure.
+"""Our own process groups and their store side channel.
 
 Both groups are created lazily from the default group with the gloo backend,
 also when the default backend is NCCL, each with the timeout from
@@ -6,9 +6,12 @@ also when the default backend is NCCL, each with the timeout from
 mechanism ``COMPILER_COLLECTIVES_GUARD_TRANSPORT`` selects (see
 ``hierarchy.build_guard_channel``); the compile group carries byte all-gathers.
 
-Before the first group of a generation exists, the ranks run the setup
-agreement (``setup_agreement``): every rank raises ``SetupMismatchError``
-there if they disagree about a version or a setting that must match. At
+Before the first group of a generation exists, the ranks run the first
+rendezvous that the agreements layer registered (``set_first_rendezvous``:
+the setup agreement, where every rank raises ``SetupMismatchError`` if they
+disagree about a version or a setting that must match). What to do when an
+exchange fails is policy, and lives above this layer
+(``agreements/failure.py``); this module only moves bytes and reports. At
 interpreter exit our heartbeat thread is stopped and our groups destroyed
 (``shutdown``), so nothing of ours is left running while Python finalizes.
 """
@@ -25,17 +28,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .. import config, health, setup_agreement
-from ..errors import (
-    CollectiveDesyncError,
-    CollectiveError,
-    CollectiveTimeoutError,
-    PeerFailureError,
-    WireFormatError,
-)
-from ..watchdog import Diagnosis, SideChannel, StoreUnresponsive, bounded, diagnose_with_deadline
+from .. import config, health
+from ..errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, StoreUnresponsive
+from ..health.watchdog import SideChannel, bounded
 from . import shm
-from .gloo import PROTOCOL_VERSION, translate_failure
 from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
@@ -117,12 +113,14 @@ class Groups:
             side = self._side_channel()
             if not self._agreed:
                 # The setup agreement is also this generation's first rendezvous.
-                record = setup_agreement.local_record({
-                    "transport protocol version": PROTOCOL_VERSION,
-                    "shared-memory layout version": shm.LAYOUT_VERSION,
-                })
-                bounded(lambda: setup_agreement.agree(side.store, side.rank, side.world, timeout_s, record),
-                        timeout_s + 5.0, "during the setup check")
+                prepare = _first_rendezvous
+                if prepare is not None:
+                    # Prepared on the caller's thread (it reads switches such as
+                    # Dynamo's config, which can be thread-local); only the store
+                    # exchange runs on the bounded helper thread.
+                    rendezvous = prepare()
+                    bounded(lambda: rendezvous(side.store, side.rank, side.world, timeout_s),
+                            timeout_s + 5.0, "during the setup check")
                 self._agreed = True
             else:
                 # Our own rendezvous first: group creation would otherwise wait on the
@@ -169,6 +167,10 @@ class Groups:
                 self._guard_channel = build_guard_channel(self._guard_pg, self._side_channel().store)
             return self._guard_channel
 
+    def built_guard_channel(self) -> Any:
+        """The guard channel if this generation built one already, else None (never builds)."""
+        return self._guard_channel
+
     def guard_transport(self) -> str | None:
         """The guard mechanism in use ("gloo", "shm", "shm+leaders"), or None before the first call."""
         channel = self._guard_channel
@@ -188,30 +190,6 @@ class Groups:
         if leaders is not None:
             out["guard_leaders"] = leaders
         return out
-
-    def exchange_failed(self, error: BaseException, *, kind: str, rank: int, seq: int | None,
-                        frame: str | None, where: Callable[[], str]) -> CollectiveError:
-        """The error a byte exchange raises after ``error``; this rank is poisoned either way.
-
-        Our own errors take the exchange's context. A bad payload or a desync is
-        seen identically by every rank, so nobody needs telling; anything else (a
-        timeout, a dead peer, gloo's RuntimeError, translated) goes through the
-        failure procedure, which tells the other ranks and names the culprits.
-        """
-        if isinstance(error, CollectiveError):
-            error.kind, error.rank, error.seq, error.frame = kind, rank, seq, frame
-            if isinstance(error, WireFormatError):
-                error.args = (f"{where()}: {error.args[0]}",)
-            if isinstance(error, (WireFormatError, CollectiveDesyncError)):
-                health.poison(error)
-                return error
-            err = self.fail(error, seq=seq)
-        else:
-            translated = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame)
-            translated.__cause__ = error
-            err = self.fail(translated, seq=seq)
-        health.poison(err)
-        return err
 
     def shutdown(self, join_s: float = 2.0) -> None:
         """Interpreter exit: stop the heartbeat thread (joined) and destroy our groups."""
@@ -233,49 +211,20 @@ class Groups:
             self._world = None
             self._generation += 1
 
-    def fail(self, error: CollectiveError, *, seq: int | None) -> CollectiveError:
-        """The failure procedure: publish, diagnose; returns the error to raise (maybe re-typed).
-
-        Publishing is what tells the peers: same-host peers see the segment's
-        failure word within microseconds, every other peer's heartbeat thread
-        sees the store report within a heartbeat and poisons its rank, which
-        makes a rank waiting in one of our collectives stop (gloo's own
-        ``abort`` does nothing, so a blocked gloo operation cannot be ended
-        from here).
-        """
-        side = self.side
-        channel = self._guard_channel
-        if channel is not None and side is not None:
-            channel.publish_failure(side.rank)  # same-host peers stop waiting within microseconds
-        if side is not None:
-            try:
-                side.report_failure(error.kind or "?", seq, str(error))
-            except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
-                log.warning("rank %d could not report its failure on the c10d store (%s); peers on "
-                            "other hosts learn of it only when they time out", side.rank, e)
-        diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
-        return _explain(error, diagnosis)
+Rendezvous = Callable[[Any, int, int, float], None]
+_first_rendezvous: Callable[[], Rendezvous] | None = None
 
 
-def _explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveError:
-    if diagnosis is None:
-        return error
-    base = str(error)
-    details = diagnosis.render()
-    common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame)
-    if diagnosis.absent:
-        new = type(error)(f"{base}\nRanks not in this collective:\n{details}",
-                          ranks=tuple(diagnosis.absent), **common)
-    elif diagnosis.alive_elsewhere:
-        new = CollectiveDesyncError(
-            f"{base}\nRank(s) {diagnosis.alive_elsewhere} are alive but did not enter this "
-            f"collective: the ranks are out of step (desync).\n{details}",
-            ranks=tuple(diagnosis.alive_elsewhere), **common,
-        )
-    else:
-        return error
-    new.__cause__ = error.__cause__
-    return new
+def set_first_rendezvous(prepare: Callable[[], Rendezvous] | None) -> None:
+    """What every rank runs before the first group of a generation.
+
+    ``prepare()`` runs on the caller's thread and returns
+    ``rendezvous(store, rank, world, timeout_s)``, which runs bounded by the
+    timeout. The agreements layer registers the setup agreement here; it
+    raises to stop group creation on every rank.
+    """
+    global _first_rendezvous
+    _first_rendezvous = prepare
 
 
 def _peer_failed(rank: int, message: str) -> None:

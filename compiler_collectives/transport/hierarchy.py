@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import CollectiveError
-from ..watchdog import StoreUnresponsive, bounded
+from ..errors import StoreUnresponsive
+from ..health.watchdog import bounded
 from . import shm
 from .gloo import GlooGuardChannel, wait
 

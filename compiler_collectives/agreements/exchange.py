@@ -1,0 +1,86 @@
+"""One exchange frame for every agreement that all-gathers a payload.
+
+The compiler collective, the program audit and the recompile reasons all do
+the same five things: encode this rank's payload, all-gather every rank's
+bytes on a gloo group of ours, decode each rank's payload (naming the sender
+if it is bad), check that every rank is in the same exchange, and, if any of
+that fails, turn the failure into our error through the failure procedure.
+``gather`` is that frame; each agreement passes its decoder and its check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+import torch
+
+from .. import config, health
+from ..errors import CollectiveError
+from ..stats import counters
+from ..transport import all_gather_bytes
+from . import failure
+
+E = TypeVar("E")
+
+# ``decode(payload, sender=rank, max_bytes=..., expected_world_size=...)``
+Decoder = Callable[..., E]
+
+
+@dataclasses.dataclass
+class Gathered(Generic[E]):
+    """Every rank's decoded envelope in rank order, and what the exchange cost."""
+
+    envelopes: list[E]
+    payloads: list[bytes]
+    rounds: int
+    elapsed_s: float
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+
+def gather(
+    pg: Any,
+    payload: bytes,
+    *,
+    kind: str,
+    seq: int | None,
+    frame: str | None,
+    where: Callable[[], str],
+    decode: Decoder[E],
+    check: Callable[[Sequence[E], int], None] | None = None,
+    phase: int = 0,
+    profile_as: str | None = None,
+) -> Gathered[E]:
+    """All-gather ``payload`` on ``pg``; every rank's envelope, checked by ``check(envelopes, rank)``.
+
+    Any failure raises our error (poisoning this rank), chained to what
+    transport saw; a bad payload or a failed check is raised identically on
+    every rank, since every rank decodes and checks every payload.
+    """
+    health.check(kind)
+    rank, world = pg.rank(), pg.size()
+    settings = config.settings
+    started = time.perf_counter()
+    try:
+        with torch.profiler.record_function(profile_as or f"compiler_collectives.{kind}"):
+            payloads, rounds = all_gather_bytes(
+                pg, payload, max_bytes=settings.max_payload_bytes,
+                slot_bytes=settings.inline_slot_bytes, phase=phase, describe=where,
+            )
+        envelopes = [
+            decode(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            for i, p in enumerate(payloads)
+        ]
+        if check is not None:
+            check(envelopes, rank)
+    except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
+        counters.errors += 1
+        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where)
+        if err is e:
+            raise
+        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
+    return Gathered(envelopes, payloads, rounds, time.perf_counter() - started)

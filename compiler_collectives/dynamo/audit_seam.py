@@ -1,0 +1,173 @@
+"""The program audit's seams: every graph Dynamo hands to a backend, and what AOTAutograd and inductor derive from it.
+
+* ``OutputGraph.call_user_compiler`` (required): the Dynamo graph, and the
+  backend call that ``agreements.audit`` wraps in a record.
+* ``backends.common.aot_module_simplified`` with
+  ``SerializableAOTDispatchCompiler`` (optional, "aot"): AOTAutograd's
+  forward, inference and backward compilers, wrapped so each graph is
+  fingerprinted.
+* ``compile_fx._recursive_post_grad_passes`` (optional, "inductor"):
+  inductor's post-grad graphs.
+
+The optional levels are patched when an audited compile first finds their
+modules imported (importing them at install would add about a second to
+``import compiler_collectives`` for users of the eager backend). Their rows
+in the seam table, reads included, are checked then; on a torch without them
+the audit covers fewer levels and logs so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .. import config
+from ..agreements import audit, compiler, fingerprint
+from . import bound, table, tooling
+from .compiler_seam import frame_of
+
+log = logging.getLogger("compiler_collectives.dynamo")
+
+_backends: dict[str, bool] = {}  # "aot"/"inductor" -> patched (False: seam missing)
+_post_grad = threading.local()  # depth: post-grad passes recurse into subgraphs through our wrapper
+
+
+def missing_backend_seams() -> list[str]:
+    """Problems with the optional audit seams on the installed torch (imports the backend modules)."""
+    return table.problems(table.optional_rows())
+
+
+def _applies(output_graph: Any) -> bool:
+    if not (config.settings.audit and torch._dynamo.config.enable_compiler_collectives):
+        return False
+    if getattr(output_graph, "export", False) or not compiler.distributed():
+        return False
+    from torch._guards import CompileContext
+
+    # A backend call outside a frame compile (a specialization compiled at run
+    # time) happens on whichever ranks take that path: no exchange there.
+    if CompileContext.try_get() is None:
+        return False
+    return torch.distributed.get_world_size() > 1
+
+
+def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+    original = bound.originals["call_user_compiler"]
+    if not _applies(self):
+        return original(self, gm, example_inputs)
+    ensure_backend_seams()
+    code = getattr(getattr(self, "root_tx", None), "f_code", None)
+    frame = frame_of(code) if code is not None else frame_of_unknown()
+    return audit.audit_graph(frame, gm, lambda: original(self, gm, example_inputs))
+
+
+def frame_of_unknown() -> Any:
+    from ..state import FrameId
+
+    return FrameId("<unknown>", "<unknown>", 0)
+
+
+def _patch_backend(level: str, module_name: str) -> Any:
+    """The module if every row of ``level`` resolves and reads as expected, else None (logged once)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    problems = table.problems(table.optional_rows(level))
+    if problems:
+        _backends[level] = False
+        log.warning("program audit: torch %s lacks %s; the %s graphs are not audited",
+                    torch.__version__, "; ".join(problems), level)
+        return None
+    _backends[level] = True
+    return module
+
+
+def ensure_backend_seams() -> None:
+    if len(_backends) == 2:
+        return
+    if "aot" not in _backends:
+        common = _patch_backend("aot", "torch._dynamo.backends.common")
+        if common is not None:
+            from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
+
+            bound.originals["aot_module_simplified"] = common.aot_module_simplified
+            bound.originals["SerializableAOTDispatchCompiler"] = SerializableAOTDispatchCompiler
+            common.aot_module_simplified = aot_module_simplified
+    if "inductor" not in _backends:
+        compile_fx = _patch_backend("inductor", "torch._inductor.compile_fx")
+        if compile_fx is not None:
+            bound.originals["recursive_post_grad_passes"] = compile_fx._recursive_post_grad_passes
+            compile_fx._recursive_post_grad_passes = post_grad_passes
+
+
+def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+    original = bound.originals["aot_module_simplified"]
+    scope = audit.aot_scope() if not rest else None
+    if scope is None:
+        return original(mod, args, *rest, **kwargs)
+    ensure_backend_seams()  # inductor's backend imports compile_fx only once called
+    for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"),
+                       ("bw_compiler", "backward")):
+        if kwargs.get(key) is not None:
+            kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
+    return original(mod, args, **kwargs)
+
+
+def _audited_aot_compiler(compiler_fn: Any, scope: Any, stage: str) -> Any:
+    serializable = bound.originals["SerializableAOTDispatchCompiler"]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def audited_compiler(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return audit.aot_compile(scope, stage, gm, lambda: fn(gm, example_inputs, *args, **kwargs))
+
+        return audited_compiler
+
+    # Keep inductor's compiler serializable: AOTAutograd's cache only serves those.
+    if isinstance(compiler_fn, serializable):
+        return serializable(compiler_fn.output_code_ty, wrap(compiler_fn.compiler_fn))
+    return wrap(compiler_fn)
+
+
+def post_grad_passes(gm: Any, *args: Any, **kwargs: Any) -> Any:
+    depth = getattr(_post_grad, "depth", 0)
+    _post_grad.depth = depth + 1
+    try:
+        result = bound.originals["recursive_post_grad_passes"](gm, *args, **kwargs)
+    finally:
+        _post_grad.depth = depth
+    if depth == 0:  # subgraphs are walked as part of their parent
+        audit.inductor_graph(gm)
+    return result
+
+
+def group_text(group_name: Any) -> str:
+    """A functional collective's group as its member ranks (names are per-process bookkeeping)."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+        return f"ranks {list(get_process_group_ranks(_resolve_process_group(group_name)))}"
+    except Exception:  # noqa: BLE001 - an unknown name still compares by name
+        return f"group {group_name!r}"
+
+
+def install() -> None:
+    fingerprint.set_group_resolver(group_text)
+    audit.set_artifact_sink(tooling.emit_artifact)
+
+
+def uninstall() -> None:
+    if _backends.get("aot"):
+        import torch._dynamo.backends.common as common
+
+        common.aot_module_simplified = bound.originals["aot_module_simplified"]
+    if _backends.get("inductor"):
+        import torch._inductor.compile_fx as compile_fx
+
+        compile_fx._recursive_post_grad_passes = bound.originals["recursive_post_grad_passes"]
+    _backends.clear()
+    fingerprint.set_group_resolver(None)
+    audit.set_artifact_sink(None)

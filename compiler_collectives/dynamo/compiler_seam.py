@@ -1,0 +1,252 @@
+"""The compiler collective's seam: where Dynamo's first trace of a frame meets the exchange.
+
+* ``get_compile_pg`` (in ``convert_frame`` and ``distributed``): hands Dynamo
+  our gloo compile group while compiler collectives are on.
+* ``DistributedState``: Dynamo's constructor call for the per-compile box;
+  ours also runs the input exchange (the frame's arguments, predicted).
+* ``process_automatic_dynamic`` (``pgo``, also bound by name in
+  ``variables.builder``): the first trace records what Dynamo observed; a
+  restarted trace applies every rank's observations in rank order.
+* ``run_compiler_collective``: the end-of-trace exchange and the restart
+  decision (``agreements.compiler``).
+* ``_compile``: raises errors the guard hook had to park, and unwraps our
+  errors from Dynamo's ``InternalTorchDynamoError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .. import config, health
+from ..agreements import compiler
+from ..errors import CollectiveError
+from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
+from ..stats import counters
+from . import bound, tooling
+from .convert import entry_from_torch, entry_to_torch
+
+log = logging.getLogger("compiler_collectives.dynamo")
+
+_pending = threading.local()  # the frame _compile is about to compile
+
+
+def compiler_collectives_flag() -> bool:
+    return bool(torch._dynamo.config.enable_compiler_collectives)
+
+
+def set_compiler_collectives_flag(value: bool) -> None:
+    torch._dynamo.config.enable_compiler_collectives = value
+
+
+def frame_of(code: Any) -> FrameId:
+    return FrameId(code.co_name, code.co_filename, code.co_firstlineno)
+
+
+def get_compile_pg() -> Any:
+    if torch._dynamo.config.enable_compiler_collectives and compiler.distributed():
+        return compiler.group_for_compile()
+    return None
+
+
+def process_automatic_dynamic(
+    tx: Any, name: str, entry: Any, *, is_unspecialized_nn_module: bool = False
+) -> Any:
+    st = tx.distributed_state
+    if not isinstance(st, DistributedState):
+        # No collective for this compile (or torch's own box): torch's logic.
+        return bound.originals["process_automatic_dynamic"](
+            tx, name, entry, is_unspecialized_nn_module=is_unspecialized_nn_module
+        )
+    update = bound.pgo.update_automatic_dynamic
+    if st.all_states is None:
+        # First trace: record what Dynamo observed. A frame argument whose
+        # entries every rank exchanged before the trace is decided now, from
+        # the prior frame state joined with every rank's entry (on a copy:
+        # the frame state itself is updated once, after the exchange). Any
+        # other source is traced as static, as in torch's preflight.
+        st.local_state.automatic_dynamic[name] = entry_from_torch(entry)
+        st.origins[name] = tx
+        if name in st.early_names:
+            return _joined_early_entry(st, tx, name)
+        return entry
+    result = None
+    for state in st.all_states:  # rank order; includes this rank's own state
+        observed = state.automatic_dynamic.get(name)
+        if observed is not None:
+            result = update(
+                tx, name, entry_to_torch(observed), is_unspecialized_nn_module=is_unspecialized_nn_module
+            )
+    if result is None:
+        # No rank saw this source in its preflight (the trace went elsewhere
+        # after the exchange); decide from this rank's observation alone.
+        log.debug("source %s was not in any rank's preflight; using the local observation", name)
+        result = update(tx, name, entry, is_unspecialized_nn_module=is_unspecialized_nn_module)
+    return result
+
+
+def _prior_entry(tx: Any, name: str) -> Any:
+    pgo = bound.pgo
+    code_state = pgo.get_code_state().get(pgo.CodeId.make(tx.f_code, tx.closure))
+    prior = None if code_state is None else code_state.automatic_dynamic.get(name)
+    return pgo.FrameStateSizeEntry() if prior is None else prior
+
+
+def _joined_early_entry(ds: DistributedState, tx: Any, name: str) -> Any:
+    """prior ⊔ every rank's exchanged entry for ``name``, in rank order, on a copy."""
+    joined = copy.copy(_prior_entry(tx, name))
+    assert ds.early_states is not None
+    for state in ds.early_states:
+        observed = state.automatic_dynamic.get(name)
+        if observed is not None:
+            joined |= entry_to_torch(observed)
+    return joined
+
+
+def predicted_entry(value: Any) -> SizeEntry | None:
+    """What Dynamo's builder will record for a frame argument, or None if we cannot tell.
+
+    Mirrors ``record_automatic_dynamic`` (tensors, with its stride inference)
+    and ``make_scalar`` (ints). A wrong prediction costs a restart, never a
+    wrong decision: the restart check compares it with what Dynamo recorded.
+    """
+    if type(value) is int:
+        return SizeEntry(scalar=value, size=DYNAMIC, stride=DYNAMIC)
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout is not torch.strided:
+        return None
+    if value.is_nested or value.device.type == "meta":
+        return None
+    size = tuple(int(s) for s in value.size())
+    ex_stride = value.stride()
+    stride: list[Any] = [None] * len(size)
+    candidates: dict[int, Any] = {}
+    for i_stride, neg_i in sorted((ex_stride[i], -i) for i in range(len(size))):
+        i = -neg_i
+        stride[i] = candidates.get(i_stride, i_stride)
+        candidates.setdefault(i_stride * size[i], InferStride(i))
+    return SizeEntry(scalar=DYNAMIC, size=size, stride=tuple(stride))
+
+
+def new_distributed_state(compile_pg: Any, local_state: LocalState) -> DistributedState:
+    """Dynamo's constructor call for the per-compile box; also runs the input exchange."""
+    ds = DistributedState(compile_pg, local_state)
+    pending = getattr(_pending, "frame", None)
+    settings = config.settings
+    if (
+        pending is None
+        or not settings.exchange_inputs_first
+        or not settings.skip_needless_restart
+        or not torch._dynamo.config.automatic_dynamic_shapes
+    ):
+        return ds
+    code, frame_locals = pending
+    predicted = LocalState(frame_state_fresh=True)
+    for name, value in frame_locals.items():
+        entry = predicted_entry(value)
+        if entry is not None:
+            source = f"L[{name!r}]"
+            predicted.automatic_dynamic[source] = entry
+            # Dynamo also fakifies a view's base, as the source "<view>._base".
+            base = getattr(value, "_base", None) if isinstance(value, torch.Tensor) else None
+            base_entry = None if base is None else predicted_entry(base)
+            if base_entry is not None:
+                predicted.automatic_dynamic[f"{source}._base"] = base_entry
+    result = compiler.exchange(ds, frame_of(code), state=predicted)
+    ds.early_states = result.states
+    ds.early_names = frozenset(n for s in result.states for n in s.automatic_dynamic)
+    tooling.trace_exchange(result, ds)
+    return ds
+
+
+def _frame_state_fresh(ds: DistributedState) -> bool:
+    """True if this rank's frame state cannot change any preflight decision."""
+    if not torch._dynamo.config.automatic_dynamic_shapes:
+        return True  # update_automatic_dynamic overwrites: the entry itself wins
+    for name, observed in ds.local_state.automatic_dynamic.items():
+        if name in ds.early_names:
+            continue  # decided from prior + every rank's entry already
+        tx = ds.origins.get(name)
+        if tx is None:
+            return False
+        prior_entry = entry_from_torch(_prior_entry(tx, name))
+        if prior_entry == SizeEntry():
+            continue  # all unset: the identity of the merge
+        if not (prior_entry.same_decision_as(observed) and prior_entry.excluded_sizes is None
+                and prior_entry.excluded_scalar is None):
+            return False
+    return True
+
+
+def _apply_without_restart(ds: DistributedState) -> None:
+    """Do what the restarted trace's process_automatic_dynamic calls would have done."""
+    update = bound.pgo.update_automatic_dynamic
+    assert ds.all_states is not None
+    for name in ds.local_state.automatic_dynamic:
+        tx = ds.origins[name]
+        for state in ds.all_states:
+            observed = state.automatic_dynamic.get(name)
+            if observed is not None:
+                update(tx, name, entry_to_torch(observed))
+
+
+def run_compiler_collective(self: Any) -> None:
+    tx = self.root_tx
+    ds = tx.distributed_state
+    if ds is None or ds.all_states is not None:
+        return
+    if not isinstance(ds, DistributedState):
+        return bound.originals["run_compiler_collective"](self)
+    ds.local_state.frame_state_fresh = _frame_state_fresh(ds)
+    with bound.dynamo_timed("compiler_collective", log_pt2_compile_event=True):
+        result = compiler.exchange(ds, frame_of(tx.f_code))
+    ds.all_states = result.states
+    tooling.trace_exchange(result, ds)
+    if result.restart:
+        counters.restarts += 1
+        tx.speculation_log.clear()
+        raise bound.exc.CompileCollectiveRestartAnalysis
+    counters.restarts_skipped += 1
+    ds.restart_skipped = True
+    _apply_without_restart(ds)
+
+
+def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo's ``_compile(code, globals, locals, ...)`` with our entry and exit around it."""
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        health.raise_parked()
+        code = args[0] if args else kwargs.get("code")
+        frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
+        previous = getattr(_pending, "frame", None)
+        _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
+        try:
+            return original(*args, **kwargs)
+        except bound.exc.InternalTorchDynamoError as e:
+            # Dynamo rewraps unknown exceptions "from None"; the original is
+            # still the context. Give the user our type back.
+            inner = e.__context__
+            if isinstance(inner, CollectiveError):
+                raise inner from inner.__cause__
+            raise
+        finally:
+            _pending.frame = previous
+
+    _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
+    return _compile
+
+
+def current_compile_id() -> str | None:
+    """The id of the compile in progress on this thread ("0/1"), None outside one."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - outside Dynamo there is no compile id
+        return None
+    return None if compile_id is None else str(compile_id)

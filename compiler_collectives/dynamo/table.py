@@ -1,0 +1,294 @@
+"""The seam table: every torch internal this package replaces or relies on, one row each.
+
+A row names the torch attribute (module and attribute path), our
+replacement (a function in one of the seam modules here, or None for an
+internal we only read), whether it is required, and the fragile reads the
+seam relies on beyond the attribute's existence: a positional layout, keyword
+names, a tracer attribute, a code object's constants. ``install`` checks every
+required row, reads included, before anything is patched, and reports every
+problem in one ``UnsupportedTorchError``. Optional rows (the audit's
+AOTAutograd and inductor levels) are checked, reads included, when an audited
+compile first finds their modules imported; a problem there drops that level
+with one warning. A read marked ``degrades`` only makes a feature coarser
+when it fails: install logs a warning saying what, and goes on.
+
+Tests check the table against torch (every supported release in CI), against
+the code (every seam module's replacements are rows), and against
+docs/design.md (every row is listed there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dataclasses as _dc
+import importlib
+import inspect
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """Something about a torch object that a seam relies on: ``check(obj)`` is True when it holds."""
+
+    what: str
+    check: Callable[[Any], bool]
+    # Set when a failed read only makes a feature coarser: what the user loses.
+    degrades: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    name: str  # our key for it (``bound.originals[name]`` is torch's object)
+    module: str
+    path: str  # attribute path inside ``module``
+    # "seam_module:function" in this package; with ``factory`` the function is
+    # called with torch's original and returns the replacement. None: read only.
+    replace: str | None = None
+    factory: bool = False
+    required: bool = True
+    level: str = ""  # optional rows: the audit level they serve ("aot", "inductor")
+    reads: tuple[Read, ...] = ()
+
+
+# ------------------------------------------------------------ read checks
+
+
+def _params(obj: Any) -> list[str]:
+    return list(inspect.signature(obj).parameters)
+
+
+def _positional(*names: str) -> Callable[[Any], bool]:
+    return lambda obj: _params(obj)[: len(names)] == list(names)
+
+
+def _keywords(*names: str) -> Callable[[Any], bool]:
+    return lambda obj: set(names) <= set(_params(obj))
+
+
+def _fields(*names: str) -> Callable[[Any], bool]:
+    return lambda cls: [f.name for f in _dc.fields(cls)][: len(names)] == list(names)
+
+
+def _sets_attributes(*names: str) -> Callable[[Any], bool]:
+    """The class's ``__init__`` assigns these attributes (they are in its code's names)."""
+    return lambda cls: set(names) <= set(cls.__init__.__code__.co_names)
+
+
+def _has_nested_code(name: str, freevar: str) -> Callable[[Any], bool]:
+    def check(fn: Any) -> bool:
+        pending = [fn.__code__]
+        while pending:
+            code = pending.pop()
+            for const in code.co_consts:
+                if isinstance(const, type(code)):
+                    if const.co_name == name and freevar in const.co_freevars:
+                        return True
+                    pending.append(const)
+        return False
+
+    return check
+
+
+def _has_local(name: str) -> Callable[[Any], bool]:
+    return lambda fn: name in fn.__code__.co_varnames + fn.__code__.co_cellvars
+
+
+def _is_bool(obj: Any) -> bool:
+    return isinstance(obj, bool)
+
+
+def _hook_slot_returns_previous(setter: Any) -> bool:
+    """``set_guard_complete_hook(h)`` returns the hook it replaced (we read the slot that way once).
+
+    Checked by writing the slot and putting back what was there, at install,
+    before any compiled call of ours can run.
+    """
+    from . import bound
+
+    if bound.installed:  # checked at install already; a live slot is never swapped after that
+        return True
+    previous = setter(None)
+    marker = object.__new__(_Marker)
+    try:
+        setter(marker)
+        return setter(previous) is marker
+    except Exception:  # noqa: BLE001 - a slot that refuses a callable: put back what we can
+        setter(previous)
+        return False
+
+
+class _Marker:
+    def __call__(self, result: bool) -> bool:
+        return result
+
+
+def _or_with_copy(cls: Any) -> bool:
+    return hasattr(cls, "__ior__") or hasattr(cls, "__or__")
+
+
+def _has_mapping_contains(obj: Any) -> bool:
+    return hasattr(obj, "__contains__")
+
+
+# ------------------------------------------------------------ the table
+
+CONVERT_FRAME = "torch._dynamo.convert_frame"
+PGO = "torch._dynamo.pgo"
+
+SEAMS: tuple[Seam, ...] = (
+    # -- switches
+    Seam("enable_compiler_collectives", "torch._dynamo.config", "enable_compiler_collectives",
+         reads=(Read("is a bool flag", _is_bool),)),
+    Seam("set_enable_guard_collectives", "torch.compiler", "set_enable_guard_collectives",
+         reads=(Read("takes one positional flag", _positional("enabled")),)),
+    # -- the compiler collective (compiler_seam.py)
+    Seam("get_compile_pg", CONVERT_FRAME, "get_compile_pg", replace="compiler_seam:get_compile_pg"),
+    Seam("distributed_get_compile_pg", "torch._dynamo.distributed", "get_compile_pg",
+         replace="compiler_seam:get_compile_pg"),
+    Seam("DistributedState", CONVERT_FRAME, "DistributedState", replace="compiler_seam:new_distributed_state",
+         reads=(Read("is built as DistributedState(compile_pg, local_state)",
+                     _positional("compile_pg", "local_state")),)),
+    Seam("LocalState", CONVERT_FRAME, "LocalState", replace="compiler_seam:LocalState"),
+    Seam("compile", CONVERT_FRAME, "_compile", replace="compiler_seam:wrap_compile", factory=True,
+         reads=(Read("takes (code, globals, locals, ...) in that order", _positional("code", "globals", "locals")),)),
+    Seam("run_compiler_collective", "torch._dynamo.output_graph", "OutputGraph.run_compiler_collective",
+         replace="compiler_seam:run_compiler_collective"),
+    Seam("OutputGraph", "torch._dynamo.output_graph", "OutputGraph",
+         reads=(Read("sets root_tx and export", _sets_attributes("root_tx", "export")),)),
+    Seam("InstructionTranslatorBase", "torch._dynamo.symbolic_convert", "InstructionTranslatorBase",
+         reads=(Read("sets distributed_state, speculation_log, f_code and closure",
+                     _sets_attributes("distributed_state", "speculation_log", "f_code", "closure")),)),
+    Seam("process_automatic_dynamic", PGO, "process_automatic_dynamic",
+         replace="compiler_seam:process_automatic_dynamic",
+         reads=(Read("takes (tx, name, entry, *, is_unspecialized_nn_module)",
+                     lambda f: _positional("tx", "name", "entry")(f)
+                     and _keywords("is_unspecialized_nn_module")(f)),)),
+    Seam("builder_process_automatic_dynamic", "torch._dynamo.variables.builder", "process_automatic_dynamic",
+         replace="compiler_seam:process_automatic_dynamic"),
+    Seam("update_automatic_dynamic", PGO, "update_automatic_dynamic",
+         reads=(Read("takes (tx, name, entry, *, is_unspecialized_nn_module)",
+                     lambda f: _positional("tx", "name", "entry")(f)
+                     and _keywords("is_unspecialized_nn_module")(f)),)),
+    Seam("FrameStateSizeEntry", PGO, "FrameStateSizeEntry",
+         reads=(Read("has the fields scalar, size, stride, excluded_sizes, excluded_scalar",
+                     _fields("scalar", "size", "stride", "excluded_sizes", "excluded_scalar")),
+                Read("merges with |", _or_with_copy))),
+    Seam("InferStride", PGO, "InferStride", reads=(Read("has the field dim", _fields("dim")),)),
+    Seam("auto_dynamic", PGO, "auto_dynamic"),
+    Seam("auto_unset", PGO, "auto_unset"),
+    Seam("get_code_state", PGO, "get_code_state"),
+    Seam("CodeId.make", PGO, "CodeId.make", reads=(Read("takes (code, closure)", _positional("code", "closure")),)),
+    Seam("CompileCollectiveRestartAnalysis", "torch._dynamo.exc", "CompileCollectiveRestartAnalysis"),
+    Seam("InternalTorchDynamoError", "torch._dynamo.exc", "InternalTorchDynamoError"),
+    Seam("dynamo_timed", "torch._dynamo.utils", "dynamo_timed",
+         reads=(Read("takes log_pt2_compile_event=", _keywords("log_pt2_compile_event")),)),
+    Seam("CompileContext", "torch._guards", "CompileContext",
+         reads=(Read("has current_compile_id() and try_get()",
+                     lambda c: callable(getattr(c, "current_compile_id", None))
+                     and callable(getattr(c, "try_get", None))),)),
+    # -- the guard collective (guard_seam.py)
+    Seam("guard_collectives_hook", "torch._dynamo.eval_frame", "guard_collectives_hook",
+         replace="guard_seam:guard_hook"),
+    Seam("get_guard_pg", "torch._dynamo.distributed", "get_guard_pg", replace="guard_seam:get_guard_pg"),
+    Seam("set_guard_complete_hook", "torch._C._dynamo.eval_frame", "set_guard_complete_hook",
+         replace="guard_seam:set_guard_complete_hook",
+         reads=(Read("returns the hook it replaced", _hook_slot_returns_previous),)),
+    Seam("orig_code_map", "torch._dynamo.utils", "orig_code_map",
+         reads=(Read("maps Dynamo's output code to the user's", _has_mapping_contains),)),
+    Seam("TorchDynamoContext.__call__", "torch._dynamo.eval_frame", "_TorchDynamoContext.__call__",
+         reads=(Read("defines compile_wrapper calling its free variable fn", _has_nested_code("compile_wrapper", "fn"),
+                     degrades="the guard collective names torch.compile'd functions by their caller"),)),
+    Seam("Module._call_impl", "torch.nn", "Module._call_impl",
+         reads=(Read("calls the forward through the local forward_call", _has_local("forward_call"),
+                     degrades="the guard collective names compiled modules by their caller"),)),
+    Seam("profiler_enabled", "torch.autograd.profiler", "_is_profiler_enabled",
+         reads=(Read("is a bool flag", _is_bool,
+                     degrades="guard collectives show no profiler range"),)),
+    # -- PT2 tooling (tooling.py)
+    Seam("get_and_maybe_log_recompilation_reasons", CONVERT_FRAME, "get_and_maybe_log_recompilation_reasons",
+         replace="tooling:recompilation_reasons",
+         reads=(Read("takes (cache_entries, frame, backend, skip_logging)",
+                     _positional("cache_entries", "frame", "backend", "skip_logging")),)),
+    Seam("recompiles_log", "torch._dynamo.guards", "recompiles_log"),
+    Seam("recompiles_verbose_log", "torch._dynamo.guards", "recompiles_verbose_log"),
+    Seam("is_recompiles_enabled", "torch._dynamo.guards", "is_recompiles_enabled"),
+    Seam("is_recompiles_verbose_enabled", "torch._dynamo.guards", "is_recompiles_verbose_enabled"),
+    Seam("error_on_recompile", "torch._dynamo.config", "error_on_recompile"),
+    Seam("RecompileError", "torch._dynamo.exc", "RecompileError"),
+    Seam("trace_structured", "torch._logging", "trace_structured",
+         reads=(Read("takes metadata_fn=, payload_fn= and expect_trace_id=",
+                     _keywords("metadata_fn", "payload_fn", "expect_trace_id")),)),
+    # -- the program audit (audit_seam.py)
+    Seam("call_user_compiler", "torch._dynamo.output_graph", "OutputGraph.call_user_compiler",
+         replace="audit_seam:call_user_compiler",
+         reads=(Read("takes (self, gm, example_inputs)", _positional("self", "gm", "example_inputs")),)),
+    Seam("aot_module_simplified", "torch._dynamo.backends.common", "aot_module_simplified",
+         required=False, level="aot",
+         reads=(Read("takes (mod, args, ...) and fw_compiler=, bw_compiler=, inference_compiler=",
+                     lambda f: _positional("mod", "args")(f)
+                     and _keywords("fw_compiler", "bw_compiler", "inference_compiler")(f)),)),
+    Seam("SerializableAOTDispatchCompiler", "torch._functorch.aot_autograd", "SerializableAOTDispatchCompiler",
+         required=False, level="aot",
+         reads=(Read("is built as (output_code_ty, compiler_fn)", _positional("output_code_ty", "compiler_fn")),)),
+    Seam("recursive_post_grad_passes", "torch._inductor.compile_fx", "_recursive_post_grad_passes",
+         required=False, level="inductor",
+         reads=(Read("takes the graph module first", _positional("gm")),)),
+    Seam("resolve_process_group", "torch.distributed.distributed_c10d", "_resolve_process_group",
+         required=False, level="audit-groups",
+         reads=(Read("is callable", callable, degrades="the audit names functional collectives' groups by name"),)),
+)
+
+
+def resolve(row: Seam) -> Any:
+    obj: Any = importlib.import_module(row.module)
+    for part in row.path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def where(row: Seam) -> str:
+    return f"{row.module}:{row.path}"
+
+
+def required_rows() -> tuple[Seam, ...]:
+    return tuple(r for r in SEAMS if r.required)
+
+
+def optional_rows(level: str | None = None) -> tuple[Seam, ...]:
+    return tuple(r for r in SEAMS if not r.required and (level is None or r.level == level))
+
+
+def patched_rows() -> tuple[Seam, ...]:
+    """The required rows we replace, in the order install patches them."""
+    return tuple(r for r in SEAMS if r.required and r.replace is not None)
+
+
+def check(rows: tuple[Seam, ...]) -> tuple[list[str], list[str]]:
+    """(problems, degradations) of ``rows`` on the installed torch, each as one line."""
+    problems: list[str] = []
+    degraded: list[str] = []
+    for row in rows:
+        try:
+            obj = resolve(row)
+        except (ImportError, AttributeError):
+            if row.reads and all(read.degrades for read in row.reads):
+                degraded.extend(f"{where(row)} is missing: {read.degrades}" for read in row.reads)
+            else:
+                problems.append(f"{where(row)} is missing")
+            continue
+        for read in row.reads:
+            try:
+                ok = bool(read.check(obj))
+            except Exception:  # noqa: BLE001 - a read that cannot even be made fails
+                ok = False
+            if not ok:
+                line = f"{where(row)} no longer {read.what}"
+                if read.degrades:
+                    degraded.append(f"{line}: {read.degrades}")
+                else:
+                    problems.append(line)
+    return problems, degraded
+
+
+def problems(rows: tuple[Seam, ...]) -> list[str]:
+    return check(rows)[0]

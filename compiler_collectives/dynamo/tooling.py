@@ -1,0 +1,122 @@
+"""What PT2's own tooling shows of us: structured-trace artifacts and recompile reasons.
+
+* ``torch._logging.trace_structured``: our ``compiler_collective`` and
+  ``guard_collective`` artifacts in ``TORCH_TRACE`` (tlparse shows them),
+  filed under the compile they belong to.
+* ``convert_frame.get_and_maybe_log_recompilation_reasons``: after an agreed
+  guard miss, every rank's reasons, recorded where Dynamo records its own
+  (its ``recompiles`` log, the ``recompile_reasons`` artifact, the metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..agreements import guard, reasons
+from ..state import DistributedState, FrameId
+from ..tools import artifacts
+from . import bound
+
+_compiler_log = logging.getLogger("compiler_collectives.compiler")
+
+
+def structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
+    """A JSON artifact in torch's structured trace; ``payload_fn`` runs only if TORCH_TRACE is on.
+
+    Inside a compile, torch files it under that compile's id (and attempt).
+    """
+    bound.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=lambda: json.dumps(payload_fn(), indent=1),
+    )
+
+
+def trace_exchange(result: Any, ds: DistributedState) -> None:
+    """The ``compiler_collective`` artifact and the INFO line for one exchange."""
+    built: dict[str, Any] = {}
+
+    def payload() -> dict[str, Any]:
+        if not built:
+            times = [e.sent_at for e in result.envelopes]
+            built.update(artifacts.compiler_collective(
+                phase=result.phase,
+                rank=ds.compile_pg.rank(),
+                frame=str(ds.frame),
+                seq=ds.seq or 0,
+                states=result.states,
+                restart=None if result.phase == "inputs" else result.restart,
+                restart_why=result.restart_why,
+                bytes_sent=result.bytes_sent,
+                bytes_received=result.bytes_received,
+                rounds=result.rounds,
+                elapsed_s=result.elapsed_s,
+                arrival_spread_s=max(times) - min(times),
+                last_rank=max(range(len(times)), key=lambda r: times[r]),
+            ))
+        return built
+
+    structured_artifact("compiler_collective", payload)
+    level = logging.INFO if result.phase == "trace" else logging.DEBUG
+    if _compiler_log.isEnabledFor(level):
+        _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
+
+
+def recompilation_reasons(
+    cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False
+) -> list[str]:
+    """Dynamo's recompile reasons; after an agreed guard miss, every rank's, on every rank."""
+    original = bound.originals["get_and_maybe_log_recompilation_reasons"]
+    miss = None if skip_logging else guard.take_agreed_miss()
+    if miss is None:
+        return original(cache_entries, frame, backend, skip_logging=skip_logging)
+    seq, missed, pg = miss
+    code = frame.f_code
+    where = str(FrameId(code.co_name, code.co_filename, code.co_firstlineno))
+    # A rank that hit has no failing guard to report; Dynamo would say it
+    # cannot find a reason.
+    own = original(cache_entries, frame, backend, skip_logging=True) if missed else []
+    shared = reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)
+    structured_artifact("guard_collective", lambda: artifacts.guard_collective(shared, where))
+    _record_recompile_reasons(code, shared.reasons)
+    return shared.reasons
+
+
+def _record_recompile_reasons(code: Any, reasons_: list[str]) -> None:
+    """Where Dynamo records recompile reasons: its recompile logs and ``recompile_reasons`` artifact.
+
+    The returned list also becomes the compile's metrics ``recompile_reason``
+    (its first item), which tlparse shows in the compile's metrics.
+    """
+    listed = "\n".join("    - " + r.replace("\n", "\n      ") for r in reasons_)
+    message = (
+        f"Recompiling function {code.co_name} in {code.co_filename}:{code.co_firstlineno} "
+        f"with every rank (guard collective); guard failures:\n{listed}"
+    )
+    guards = bound.guards
+    if guards.is_recompiles_verbose_enabled():
+        guards.recompiles_verbose_log.debug(message)
+    elif guards.is_recompiles_enabled():
+        guards.recompiles_log.debug(message)
+    bound.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "recompile_reasons", "encoding": "json"},
+        # the shape Dynamo writes: one reason as a string, several as a list
+        payload_fn=lambda: reasons_[0] if len(reasons_) == 1 else reasons_,
+    )
+    if torch._dynamo.config.error_on_recompile:
+        raise bound.exc.RecompileError(message)
+
+
+def emit_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    """An artifact whose payload is already JSON text (the audit's summaries)."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=payload_fn,
+        expect_trace_id=False,
+    )
