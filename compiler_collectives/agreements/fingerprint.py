@@ -182,11 +182,16 @@ def user_line(stack_trace: str | None) -> str:
 # ------------------------------------------------------------------ targets
 
 
+# The operator types, through the public torch.ops namespace.
+_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
+_OP_OVERLOAD_PACKET = type(torch.ops.aten.add)
+
+
 def _op_name(target: Any) -> str | None:
     """'namespace.op.overload' for an operator, None for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, _OP_OVERLOAD):
         return str(target)
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, _OP_OVERLOAD_PACKET):
         name = str(target)
         return f"{name}.default" if "default" in target.overloads() else name
     return None

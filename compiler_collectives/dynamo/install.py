@@ -19,6 +19,7 @@ import torch
 from .. import config
 from ..agreements import compiler, guard
 from ..errors import UnsupportedTorchError
+from ..health import watchdog
 from . import audit_seam, bound, compiler_seam, guard_seam, table
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -116,6 +117,7 @@ def install() -> None:
         audit_seam.install()
         guard_seam.connect(originals["orig_code_map"])
         compiler.set_compile_id_source(compiler_seam.current_compile_id)
+        watchdog.set_default_store_source(originals["get_default_store"])
         # If torch's own guard hook is active (set_enable_guard_collectives was
         # called before we were imported), keep guard collectives on, but ours.
         # The one read of the slot that has to swap it: at install, before any

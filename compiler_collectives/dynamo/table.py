@@ -233,6 +233,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("recursive_post_grad_passes", "torch._inductor.compile_fx", "_recursive_post_grad_passes",
          required=False, level="inductor",
          reads=(Read("takes the graph module first", _positional("gm")),)),
+    Seam("get_default_store", "torch.distributed.distributed_c10d", "_get_default_store",
+         reads=(Read("takes no argument", lambda f: _params(f) == []),)),
     Seam("resolve_process_group", "torch.distributed.distributed_c10d", "_resolve_process_group",
          required=False, level="audit-groups",
          reads=(Read("is callable", callable, degrades="the audit names functional collectives' groups by name"),)),

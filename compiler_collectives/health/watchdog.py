@@ -129,6 +129,24 @@ def _as_int(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
+# How to reach the default group's c10d store. Torch offers no public
+# accessor; the Dynamo seam (the one place that touches torch internals)
+# supplies it at install, checked by the seam table.
+_default_store: Callable[[], Any] | None = None
+
+
+def set_default_store_source(source: Callable[[], Any]) -> None:
+    global _default_store
+    _default_store = source
+
+
+def default_store() -> Any:
+    """The default process group's c10d store."""
+    if _default_store is None:
+        raise RuntimeError("compiler_collectives is not installed: no way to reach the c10d store")
+    return _default_store()
+
+
 class SideChannel:
     """One per generation of our groups (a new default group starts a new one)."""
 
@@ -146,7 +164,7 @@ class SideChannel:
         self.rank = rank
         self.world = world
         self.generation = generation
-        self.store = dist.PrefixStore(f"compiler_collectives/{generation}/", dist.distributed_c10d._get_default_store())
+        self.store = dist.PrefixStore(f"compiler_collectives/{generation}/", default_store())
         self._progress = progress
         # This process as peers on the same host check it: pid, start time, host key.
         self._identity = dict(identity or {})

@@ -37,12 +37,10 @@ def _autoload_facts() -> dict[str, Any]:
 
 
 def _switch_sources() -> dict[str, Any]:
-    import torch
-
     from .. import dynamo as dynamo_seams
 
     env_flag = os.environ.get("TORCH_COMPILER_COLLECTIVES")
-    flag = bool(torch._dynamo.config.enable_compiler_collectives)
+    flag = dynamo_seams.compiler_collectives_flag()
     if env_flag is not None and (env_flag == "1") == flag:
         flag_source = "env TORCH_COMPILER_COLLECTIVES"
     elif flag:
