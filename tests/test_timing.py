@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from compiler_collectives.tools import report
 from tests.harness import run_ranks
 
 CALLS = 6
+LATE_S = 0.5
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
@@ -22,6 +24,8 @@ def traced_job(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
     f = torch.compile(_fn, backend="eager")
+    if rank == 1:
+        time.sleep(LATE_S)  # rank 1 reaches the first exchange last, by this much
     for _ in range(CALLS):
         f(torch.ones(3 + rank, 2))
     s = cc.stats()
@@ -70,7 +74,12 @@ def test_every_rank_writes_one_valid_chrome_trace_with_an_event_per_collective(t
         assert compiler["args"]["frame"].startswith("_fn at ")
         assert compiler["args"]["restart"] is False  # the differing dim was known before tracing
         assert compiler["args"]["bytes_out"] > 0 and compiler["args"]["bytes_in"] > compiler["args"]["bytes_out"]
-        assert compiler["args"]["last_rank"] in (0, 1)
+        # What the recorder records about each exchange: the compile it belongs
+        # to, how far apart the ranks arrived, and which rank came last.
+        assert inputs["args"]["compile_id"] == compiler["args"]["compile_id"] == "0/0"
+        assert inputs["args"]["last_rank"] == 1
+        assert inputs["args"]["arrival_spread_ms"] >= LATE_S * 1e3 * 0.8
+        assert compiler["args"]["arrival_spread_ms"] < inputs["args"]["arrival_spread_ms"]
         assert all(e["pid"] == rank and e["dur"] >= 0 for e in collectives)
         guards = [e for e in collectives if e["args"]["kind"] == "guard"]
         assert [e["args"]["seq"] for e in guards] == list(range(1, CALLS))

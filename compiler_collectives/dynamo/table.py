@@ -69,6 +69,11 @@ def _fields(*names: str) -> Callable[[Any], bool]:
     return lambda cls: [f.name for f in _dc.fields(cls)][: len(names)] == list(names)
 
 
+def _fields_within(*ours: str) -> Callable[[Any], bool]:
+    """Torch's dataclass has no field beyond ``ours``: our replacement carries all Dynamo reads of it."""
+    return lambda cls: {f.name for f in _dc.fields(cls)} <= set(ours)
+
+
 def _sets_attributes(*names: str) -> Callable[[Any], bool]:
     """The class's ``__init__`` assigns these attributes (they are in its code's names)."""
     return lambda cls: set(names) <= set(cls.__init__.__code__.co_names)
@@ -147,8 +152,11 @@ SEAMS: tuple[Seam, ...] = (
          replace="compiler_seam:get_compile_pg"),
     Seam("DistributedState", CONVERT_FRAME, "DistributedState", replace="compiler_seam:new_distributed_state",
          reads=(Read("is built as DistributedState(compile_pg, local_state)",
-                     _positional("compile_pg", "local_state")),)),
-    Seam("LocalState", CONVERT_FRAME, "LocalState", replace="compiler_seam:LocalState"),
+                     _positional("compile_pg", "local_state")),
+                Read("has only the fields compile_pg, local_state, all_states (ours has them all)",
+                     _fields_within("compile_pg", "local_state", "all_states")))),
+    Seam("LocalState", CONVERT_FRAME, "LocalState", replace="compiler_seam:LocalState",
+         reads=(Read("has only the field automatic_dynamic (ours has it)", _fields_within("automatic_dynamic")),)),
     Seam("compile", CONVERT_FRAME, "_compile", replace="compiler_seam:wrap_compile", factory=True,
          reads=(Read("takes (code, globals, locals, ...) in that order", _positional("code", "globals", "locals")),)),
     Seam("run_compiler_collective", "torch._dynamo.output_graph", "OutputGraph.run_compiler_collective",
@@ -172,7 +180,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("FrameStateSizeEntry", PGO, "FrameStateSizeEntry",
          reads=(Read("has the fields scalar, size, stride, excluded_sizes, excluded_scalar",
                      _fields("scalar", "size", "stride", "excluded_sizes", "excluded_scalar")),
-                Read("merges with |", _or_with_copy))),
+                Read("merges with the or operator", _or_with_copy))),
     Seam("InferStride", PGO, "InferStride", reads=(Read("has the field dim", _fields("dim")),)),
     Seam("auto_dynamic", PGO, "auto_dynamic"),
     Seam("auto_unset", PGO, "auto_unset"),
@@ -269,9 +277,12 @@ def check(rows: tuple[Seam, ...]) -> tuple[list[str], list[str]]:
     """(problems, degradations) of ``rows`` on the installed torch, each as one line."""
     problems: list[str] = []
     degraded: list[str] = []
+    from . import bound
+
     for row in rows:
         try:
-            obj = resolve(row)
+            # Reads are about torch's object: once we replaced it, that is the original.
+            obj = bound.originals[row.name] if bound.installed and row.name in bound.originals else resolve(row)
         except (ImportError, AttributeError):
             if row.reads and all(read.degrades for read in row.reads):
                 degraded.extend(f"{where(row)} is missing: {read.degrades}" for read in row.reads)

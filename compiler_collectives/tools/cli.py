@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from typing import Any, Callable, Sequence
 
 
@@ -106,19 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Without -v, logging is left as configured (e.g. TORCH_LOGS=+compiler_collectives).
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("compiler_collectives").setLevel(logging.INFO if args.verbose == 1 else logging.DEBUG)
-    # A SIGTERM (a CI job cancelled, `timeout`, ...) unwinds like Ctrl-C, so the
-    # commands' cleanup runs.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

@@ -270,9 +270,3 @@ def _at_exit() -> None:
             log.addHandler(handler)
             log.setLevel(logging.INFO)
         log.info("%s", rec.summary())
-
-
-def flush_and_close() -> None:
-    """Close the trace file now (tests, and before a deliberate exit)."""
-    if recorder is not None:
-        recorder.close()
