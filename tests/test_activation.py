@@ -33,6 +33,7 @@ def import_before_init(rank: int, world: int, store_path: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_importing_the_package_before_init_process_group_works(tmp_path):
     store = str(tmp_path / "store")
     outcome = run_ranks(import_before_init, 2, args=(store,), init=False)
@@ -53,6 +54,7 @@ def switch_from_env_only(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_the_torch_env_var_alone_switches_our_compiler_collective_on():
     # spawn: torch reads TORCH_COMPILER_COLLECTIVES when torch._dynamo is imported
     outcome = run_ranks(
@@ -75,6 +77,7 @@ def single_rank(rank: int, world: int) -> dict:
     return summary(rec)
 
 
+@pytest.mark.multiprocess
 def test_a_one_rank_gloo_group_works():
     (r,) = run_ranks(single_rank, 1).results
     assert r["graphs"] == [[[5, 3]]]
@@ -104,6 +107,7 @@ def ours_on_gloo(rank: int, world: int) -> dict:
     return {"ok": bool(torch.allclose(out, _fn(torch.ones(5 + rank, 3))))}
 
 
+@pytest.mark.multiprocess
 def test_torch_own_compiler_collective_fails_on_gloo_where_ours_works():
     theirs = run_ranks(torch_own_on_gloo, 2, timeout=60)
     for r in theirs.results:

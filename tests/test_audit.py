@@ -63,6 +63,7 @@ def size_hint_branch(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_branch_on_a_size_hint_makes_every_rank_raise_program_divergence_naming_the_all_reduce_line():
     outcome = run_ranks(size_hint_branch, 2, env=ENV, timeout=120)
     line = _line_of("size-branch all_reduce")
@@ -96,6 +97,7 @@ def rank_branch(rank: int, world: int) -> dict:
     return _attempt(lambda: compiled(torch.ones(4)))
 
 
+@pytest.mark.multiprocess
 def test_a_collective_under_a_rank_dependent_branch_is_caught_before_any_rank_runs_it():
     outcome = run_ranks(rank_branch, 3, env=ENV, timeout=120)
     line = _line_of("rank-branch all_reduce")
@@ -137,6 +139,7 @@ def rank_constant(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.multiprocess
 def test_graphs_that_differ_only_in_a_rank_dependent_constant_run_and_are_reported_only():
     outcome = run_ranks(rank_constant, 2, env=ENV, timeout=120)
     for r in outcome.results:
@@ -157,6 +160,7 @@ def rank_constant_traced(rank: int, world: int) -> None:
     torch.compile(_scaled_by_rank, backend="eager")(torch.ones(3))
 
 
+@pytest.mark.multiprocess
 def test_each_audit_is_a_structured_trace_artifact_that_names_the_report_only_levels(tmp_path):
     import json
 
@@ -184,6 +188,7 @@ def agreeing_ranks(rank: int, world: int) -> dict:
     return cc.stats()
 
 
+@pytest.mark.multiprocess
 def test_ranks_with_different_sizes_but_the_same_program_pass_the_audit_with_one_exchange_per_graph():
     outcome = run_ranks(agreeing_ranks, 2, env=ENV, timeout=120)
     for s in outcome.results:
@@ -203,6 +208,7 @@ def audit_switched_off(rank: int, world: int) -> dict:
     return cc.stats()
 
 
+@pytest.mark.multiprocess
 def test_with_the_audit_switched_off_compiles_run_no_audit_exchange():
     env = dict(ENV, COMPILER_COLLECTIVES_AUDIT="0")
     outcome = run_ranks(audit_switched_off, 2, env=env, timeout=120)
@@ -246,6 +252,7 @@ def backward_differs(rank: int, world: int) -> dict:
     return result
 
 
+@pytest.mark.multiprocess
 def test_a_forward_that_agrees_and_a_backward_that_differs_raise_at_the_first_backward():
     outcome = run_ranks(backward_differs, 2, env=ENV, timeout=120)
     line = _line_of("recomputed all_reduce")
@@ -271,6 +278,7 @@ def backward_agrees(rank: int, world: int, rows: tuple[int, int]) -> dict:
     return cc.stats()
 
 
+@pytest.mark.multiprocess
 def test_a_lazily_compiled_backward_is_audited_at_its_first_backward_with_one_more_exchange():
     # Static shapes: AOTAutograd compiles the backward at the first backward.
     outcome = run_ranks(backward_agrees, 2, args=((6, 6),), env=ENV, timeout=120)
@@ -283,6 +291,7 @@ def test_a_lazily_compiled_backward_is_audited_at_its_first_backward_with_one_mo
         assert s["audit_graphs"] == 6  # per compile: Dynamo, AOT forward, AOT backward
 
 
+@pytest.mark.multiprocess
 def test_a_backward_compiled_with_its_forward_is_audited_in_the_forward_exchange():
     # Sizes differ: the dim is dynamic, and AOTAutograd compiles the backward
     # together with the forward (it saves a symbolic size for the backward).
@@ -305,6 +314,7 @@ def levels_differ(rank: int, world: int) -> dict:
     return cc.stats()
 
 
+@pytest.mark.multiprocess
 def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones_and_skip_the_lazy_backward():
     outcome = run_ranks(levels_differ, 2, env=ENV, timeout=120)
     s0, s1 = outcome.results
@@ -335,6 +345,7 @@ def backend_fails_on_rank_1(rank: int, world: int) -> dict:
     return {"type": None}
 
 
+@pytest.mark.multiprocess
 def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_waiting():
     outcome = run_ranks(backend_fails_on_rank_1, 2, env=ENV, timeout=120)
     r0, r1 = outcome.results

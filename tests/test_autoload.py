@@ -11,6 +11,9 @@ import textwrap
 
 import pytest
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 PY = sys.executable
 OUR_VARS = (
     "TORCH_COMPILER_COLLECTIVES", "COMPILER_COLLECTIVES_GUARDS", "COMPILER_COLLECTIVES_TIMING",

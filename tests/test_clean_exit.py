@@ -19,6 +19,9 @@ import textwrap
 
 import pytest
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = """
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -8,6 +8,9 @@ import torch
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder, summary
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
     return (x * 2).sum(0) + 1

@@ -56,6 +56,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_demo_runs_both_trainings_and_the_service_makes_ranks_agree(tmp_path):
     out_json = tmp_path / "demo.json"
@@ -97,6 +98,7 @@ def test_demo_runs_both_trainings_and_the_service_makes_ranks_agree(tmp_path):
             assert _gone(rank["pid"]), f"rank process {rank['pid']} of run {run['run']} was not reaped"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_path):
     # Compiler collectives without guard collectives hang as soon as rank 1
@@ -130,6 +132,7 @@ def _demo_parser():
     return demo.build_parser()
 
 
+@pytest.mark.multiprocess
 def test_demo_help_lists_and_explains_every_option():
     demo_parser = _demo_parser()
     help_text = demo_parser.format_help()

@@ -26,6 +26,9 @@ import torch.distributed as dist
 
 from tests.harness import run_ranks
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 # A heartbeat every 0.5 ms keeps the thread inside store calls much of the time.
 ENV = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005", "COMPILER_COLLECTIVES_TIMEOUT": "10",
        "HARNESS_PG_TIMEOUT": "120"}

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from tests.harness import run_ranks
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
 # Where a test measures how fast a failure is noticed: far from any timeout.

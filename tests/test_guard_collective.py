@@ -9,6 +9,9 @@ import torch.distributed as dist
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder, summary
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 
 def _step(x: torch.Tensor) -> torch.Tensor:
     return x.sin() * 2

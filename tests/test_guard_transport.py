@@ -25,6 +25,9 @@ from hypothesis import strategies as st
 from compiler_collectives.transport import shm
 from tests.harness import run_ranks
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
 SEGMENT_PREFIX = "compiler_collectives-"

@@ -9,6 +9,9 @@ import pytest
 
 from tests.harness import RanksFailed, run_ranks
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 
 def report_then_abort_at_exit(rank: int, world: int) -> str:
     import multiprocessing.util

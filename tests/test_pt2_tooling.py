@@ -80,6 +80,7 @@ def _named(artifacts: dict, prefix: str) -> list[dict]:
     return [v for _, v in sorted(chosen, key=lambda item: item[0])]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
     trace_dir = tmp_path / "trace"
@@ -113,6 +114,7 @@ def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
                         "ranks": [1], "why": "differs across ranks"}
 
 
+@pytest.mark.multiprocess
 def test_the_rank_that_hit_records_the_rank_that_missed_and_its_reason():
     outcome = run_ranks(one_rank_changes_size, 2, args=([1],))
     hit, missed = outcome.results
@@ -146,6 +148,7 @@ def _reasons_logged(rank: int, world: int) -> dict:
     return {"log": "\n".join(lines), "metric": _last_recompile_reason()}
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_missed_keeps_its_reason_and_gains_the_other_ranks_that_missed():
     outcome = run_ranks(_reasons_logged, 3)
     logs = [r["log"] for r in outcome.results]
@@ -171,6 +174,7 @@ def no_miss(rank: int, world: int) -> dict:
     return {"guard": s["guard_collectives"], "exchanges": s["guard_reason_exchanges"]}
 
 
+@pytest.mark.multiprocess
 def test_when_every_rank_hits_no_reasons_are_exchanged():
     outcome = run_ranks(no_miss, 2)
     assert outcome.results == [{"guard": 4, "exchanges": 0}] * 2
@@ -182,6 +186,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
                           env={**clean, **env})
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spec, level", [("compiler_collectives", "INFO"), ("+compiler_collectives", "DEBUG")])
 def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
     proc = _python("import logging, torch\n"
@@ -191,6 +196,7 @@ def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
     assert proc.stdout.split()[-1] == level
 
 
+@pytest.mark.multiprocess
 def test_the_retired_log_level_variable_points_to_torch_logs():
     proc = _python("import compiler_collectives", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
     assert proc.returncode == 0, proc.stderr

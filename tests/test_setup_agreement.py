@@ -39,6 +39,7 @@ def compile_and_call(rank: int, world: int, guards: bool) -> dict:
     return {"type": None, "seconds": time.monotonic() - start, "stats": cc.stats()}
 
 
+@pytest.mark.multiprocess
 def test_a_collective_shaping_setting_set_on_one_rank_only_fails_every_rank_within_seconds_naming_it():
     outcome = run_ranks(compile_and_call, 3, args=(True,), env=ENV, timeout=90,
                         rank_env={1: {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}})
@@ -54,6 +55,7 @@ def test_a_collective_shaping_setting_set_on_one_rank_only_fails_every_rank_with
     assert len({r["message"].split(": ", 1)[1] for r in outcome.results}) == 1
 
 
+@pytest.mark.multiprocess
 def test_the_guard_switch_on_one_rank_only_fails_every_rank_naming_the_switch():
     outcome = run_ranks(compile_and_call, 2, args=(False,), env=ENV, timeout=90,
                         rank_env={0: {"COMPILER_COLLECTIVES_GUARDS": "1"}})
@@ -71,6 +73,7 @@ def other_package_version_on_rank_1(rank: int, world: int) -> dict:
     return compile_and_call(rank, world, False)
 
 
+@pytest.mark.multiprocess
 def test_a_different_package_version_on_one_rank_is_named_with_both_versions():
     outcome = run_ranks(other_package_version_on_rank_1, 2, env=ENV, timeout=90)
     import compiler_collectives
@@ -89,6 +92,7 @@ def several_differences(rank: int, world: int) -> dict:
     return compile_and_call(rank, world, False)
 
 
+@pytest.mark.multiprocess
 def test_every_differing_item_and_every_differing_rank_is_named():
     outcome = run_ranks(several_differences, 4, env=ENV, timeout=90,
                         rank_env={3: {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0",
@@ -104,6 +108,7 @@ def test_every_differing_item_and_every_differing_rank_is_named():
         assert "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES" in message
 
 
+@pytest.mark.multiprocess
 def test_settings_that_may_differ_do_not_stop_the_job():
     outcome = run_ranks(compile_and_call, 2, args=(True,), env=ENV, timeout=90,
                         rank_env={1: {"COMPILER_COLLECTIVES_LOG_LEVEL": "ERROR",

@@ -60,6 +60,7 @@ def trace_dir(tmp_path_factory):
     return directory
 
 
+@pytest.mark.multiprocess
 def test_every_rank_writes_one_valid_chrome_trace_with_an_event_per_collective(trace_dir):
     assert sorted(os.listdir(trace_dir)) == ["rank0.json", "rank1.json"]
     for rank in (0, 1):
@@ -86,6 +87,7 @@ def test_every_rank_writes_one_valid_chrome_trace_with_an_event_per_collective(t
         assert all(e["args"]["hit"] and e["args"]["agreed_hit"] for e in guards)
 
 
+@pytest.mark.multiprocess
 def test_the_report_merges_the_ranks_and_its_table_counts_match(trace_dir, tmp_path):
     merged = str(tmp_path / "merged.json")
     text = report.run(trace_dir, merged)
@@ -135,6 +137,7 @@ def untraced_job(rank: int, world: int) -> dict:
             "written": written, "files": os.listdir(os.getcwd())}
 
 
+@pytest.mark.multiprocess
 def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     outcome = run_ranks(untraced_job, 2)
@@ -165,6 +168,7 @@ def unwritable_job(rank: int, world: int) -> dict:
     return {"warnings": warnings, "guard": cc.stats()["guard_collectives"]}
 
 
+@pytest.mark.multiprocess
 def test_an_unwritable_trace_directory_warns_once_and_the_job_goes_on(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the directory should be")
@@ -222,6 +226,7 @@ def test_report_reads_a_trace_left_unterminated_by_a_crash(tmp_path):
     assert [e["args"]["seq"] for e in traces.events[0]] == [1, 2]
 
 
+@pytest.mark.multiprocess
 def test_the_report_command_prints_the_table_and_exits_zero(trace_dir):
     import subprocess
     import sys
@@ -235,6 +240,7 @@ def test_the_report_command_prints_the_table_and_exits_zero(trace_dir):
     assert [(row[0], row[2]) for row in guard_rows] == [("0", str(CALLS - 1)), ("1", str(CALLS - 1))]
 
 
+@pytest.mark.multiprocess
 def test_the_report_command_exits_one_with_the_error_on_an_empty_directory(tmp_path):
     import subprocess
     import sys

@@ -11,6 +11,9 @@ import pytest
 from compiler_collectives.transport.gloo import HEADER_BYTES
 from tests.harness import run_ranks
 
+# Every test here starts rank processes or subprocesses: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
 MAX = 1 << 20
 
 

@@ -281,8 +281,9 @@ def check(rows: tuple[Seam, ...]) -> tuple[list[str], list[str]]:
 
     for row in rows:
         try:
-            # Reads are about torch's object: once we replaced it, that is the original.
-            obj = bound.originals[row.name] if bound.installed and row.name in bound.originals else resolve(row)
+            obj = resolve(row)
+            if bound.installed and row.replace is not None and row.name in bound.originals:
+                obj = bound.originals[row.name]  # reads are about torch's object, not our replacement
         except (ImportError, AttributeError):
             if row.reads and all(read.degrades for read in row.reads):
                 degraded.extend(f"{where(row)} is missing: {read.degrades}" for read in row.reads)
