@@ -7,6 +7,10 @@ Importing the package installs our compiler and guard collectives into
   ``torch._dynamo.config.enable_compiler_collectives = True`` or ``enable()``;
 * guard collectives: ``COMPILER_COLLECTIVES_GUARDS=1``,
   ``torch.compiler.set_enable_guard_collectives(True)`` or ``enable(guards=True)``.
+
+Pipeline parallelism: ``scope(stage_group)`` on every rank before its first
+compile (or ``COMPILER_COLLECTIVES_SCOPE``) keeps every agreement within the
+ranks that run the same program.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from .errors import (
     CollectiveTimeoutError,
     PeerFailureError,
     ProgramDivergenceError,
+    ScopeError,
     SetupMismatchError,
     UnsupportedTorchError,
     WireFormatError,
 )
+from .scoping import scope
 from .state import DistributedState, LocalState, SizeEntry, register_field
 from .stats import counters as _counters
 from .stats import reset_counters as _reset_counters
@@ -72,6 +78,7 @@ __all__ = [
     "enable",
     "disable",
     "enabled",
+    "scope",
     "is_enabled",
     "guards_enabled",
     "stats",
@@ -89,6 +96,7 @@ __all__ = [
     "CollectivePoisonedError",
     "PeerFailureError",
     "ProgramDivergenceError",
+    "ScopeError",
     "SetupMismatchError",
     "WireFormatError",
     "UnsupportedTorchError",

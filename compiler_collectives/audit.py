@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 
 from . import config, health, wire
-from .errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
+from .errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 from .state import FrameId
 from .stats import counters
@@ -251,14 +251,15 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
     global _seq
     health.check("audit")
     pg = groups.compile_pg()
-    rank, world = pg.rank(), pg.size()
+    members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
+    rank, world = members[pg.rank()], pg.size()
     _seq += 1
     seq = _seq
     started = time.perf_counter()
     pending = [s.training and not s.backward_compiled for s in record.scopes]
     summary = wire.AuditSummary(record.phase, failure, record.levels(), pending)
     try:
-        envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
+        envelopes = _exchange(pg, summary, record.frame, seq, rank, world, members)
         counters.audit_exchanges += 1
         summaries: list[wire.AuditSummary] = [e.body for e in envelopes]  # type: ignore[misc]
         failed = [e.rank for e, s in zip(envelopes, summaries) if s.failure is not None]
@@ -272,9 +273,9 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
         if diverged:
             level = diverged[0]
             details = _exchange(pg, wire.AuditDetails(record.phase, level, record.collectives(level)),
-                                record.frame, seq, rank, world)
+                                record.frame, seq, rank, world, members)
             lists = [e.body.collectives for e in details]  # type: ignore[union-attr]
-            err = _divergence(record, level, lists, rank, seq)
+            err = _divergence(record, level, lists, rank, seq, members)
             counters.audit_divergences += 1
             counters.errors += 1
             health.poison(err)
@@ -298,7 +299,8 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
 
 
 def _exchange(
-    pg: Any, body: wire.AuditSummary | wire.AuditDetails, frame: FrameId, seq: int, rank: int, world: int
+    pg: Any, body: wire.AuditSummary | wire.AuditDetails, frame: FrameId, seq: int, rank: int, world: int,
+    members: Sequence[int],
 ) -> list[wire.AuditEnvelope]:
     where = lambda: describe("audit", rank, seq, str(frame))  # noqa: E731
     payload = wire.encode_audit(body, rank=rank, world_size=world, frame=frame, seq=seq, sent_at=time.time())
@@ -309,7 +311,7 @@ def _exchange(
                 pg, payload, max_bytes=settings.max_payload_bytes, slot_bytes=settings.inline_slot_bytes
             )
         envelopes = [
-            wire.decode_audit(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            wire.decode_audit(p, sender=members[i], max_bytes=settings.max_payload_bytes, expected_world_size=world)
             for i, p in enumerate(payloads)
         ]
         _check_agreement(envelopes, rank=rank)
@@ -333,12 +335,13 @@ def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> N
         return
     lines = "\n".join(f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}"
                       for e in envelopes)
-    mine = envelopes[rank]
+    mine = next(e for e in envelopes if e.rank == rank)
     raise CollectiveDesyncError(
         f"{describe('audit', rank, mine.seq, str(mine.frame))}: ranks are auditing different "
         f"compiled graphs:\n{lines}\nThe ranks compiled different graphs or a different number of "
         "them (e.g. a graph break on one rank only, or a backward run on some ranks only). "
-        "Compiler collectives need every rank to compile and run the same code (SPMD).",
+        "Compiler collectives need every rank to compile and run the same code (SPMD)."
+        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
         ranks=tuple(e.rank for e in envelopes if not (
             _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq
             and e.body.phase == mine.body.phase)),
@@ -350,8 +353,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def _divergence(
-    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int
+    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int,
+    members: Sequence[int] | None = None,
 ) -> ProgramDivergenceError:
+    named = list(members) if members is not None else list(range(len(lists)))  # global rank of each list
     longest = max(len(c) for c in lists)
     index = next(
         (i for i in range(longest + 1) if len({c[i].key() if i < len(c) else None for c in lists}) > 1),
@@ -359,18 +364,18 @@ def _divergence(
     )
     versions: dict[int, str | None] = {}
     groups_of: dict[Any, list[int]] = {}
-    for r, c in enumerate(lists):
-        versions[r] = c[index].render() if index < len(c) else None
-        groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(r)
+    for i, c in enumerate(lists):
+        versions[named[i]] = c[index].render() if index < len(c) else None
+        groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(named[i])
     lines = []
     for key, ranks in groups_of.items():
-        c = lists[ranks[0]]
+        c = lists[named.index(ranks[0])]
         text = (c[index].render() if key is not None
                 else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)")
         lines.append(f"  {_ranks_text(ranks)}: {text}")
     # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
     largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
-    implicated = tuple(r for r in range(len(lists)) if r not in largest)
+    implicated = tuple(r for r in named if r not in largest)
     causes = (
         "a branch on a size (`if x.shape[0] > 32:`) traced with each rank's own size hint, Python "
         "code that depends on the rank, or a compiler decision taken from size hints"
@@ -399,7 +404,7 @@ def _fail_partial(
     record: GraphAudit, summaries: list[wire.AuditSummary], failed: list[int], rank: int, seq: int,
     *, this_rank_failed: bool,
 ) -> None:
-    first = summaries[failed[0]].failure
+    first = next(s.failure for s in summaries if s.failure is not None)
     err = ProgramDivergenceError(
         f"{describe('audit', rank, seq, str(record.frame))}: {_ranks_text(failed)} failed to compile "
         f"this {record.phase} graph ({first}) while the other ranks compiled it; no rank has run "

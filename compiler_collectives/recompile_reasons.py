@@ -82,7 +82,8 @@ def recorded_reasons(rank: int, missed: dict[int, list[str]], own: list[str]) ->
 def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | None) -> Shared:
     """Every rank's reasons for the miss agreed on at guard collective ``seq``; a collective on ``pg``."""
     health.check("guard")
-    rank, world = pg.rank(), pg.size()
+    members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
+    rank, world = members[pg.rank()], pg.size()
     where = lambda: describe("guard", rank, seq, frame) + " (recompile reasons)"  # noqa: E731
     payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed,
                                   reasons=own if missed else [])
@@ -93,7 +94,7 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
             pg, payload, max_bytes=settings.max_payload_bytes, slot_bytes=settings.inline_slot_bytes
         )
         envelopes = [
-            wire.decode_reasons(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            wire.decode_reasons(p, sender=members[i], max_bytes=settings.max_payload_bytes, expected_world_size=world)
             for i, p in enumerate(payloads)
         ]
         if any(e.seq != seq for e in envelopes):
