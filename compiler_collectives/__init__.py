@@ -8,6 +8,10 @@ torch's internals). They stay off until switched on:
   ``torch._dynamo.config.enable_compiler_collectives = True`` or ``enable()``;
 * guard collectives: ``COMPILER_COLLECTIVES_GUARDS=1``,
   ``torch.compiler.set_enable_guard_collectives(True)`` or ``enable(guards=True)``.
+
+Pipeline parallelism: ``scope(stage_group)`` on every rank before its first
+compile (or ``COMPILER_COLLECTIVES_SCOPE``) keeps every agreement within the
+ranks that run the same program.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .errors import (
     CollectiveTimeoutError,
     PeerFailureError,
     ProgramDivergenceError,
+    ScopeError,
     SetupMismatchError,
     UnsupportedTorchError,
     WireFormatError,
@@ -72,6 +77,7 @@ __all__ = [
     "enable",
     "disable",
     "enabled",
+    "scope",
     "is_enabled",
     "guards_enabled",
     "stats",
@@ -89,10 +95,39 @@ __all__ = [
     "CollectivePoisonedError",
     "PeerFailureError",
     "ProgramDivergenceError",
+    "ScopeError",
     "SetupMismatchError",
     "WireFormatError",
     "UnsupportedTorchError",
 ]
+
+
+def scope(group: Any = None) -> None:
+    """Make every agreement of this rank run among the ranks of ``group`` only.
+
+    Call it on every rank, after ``init_process_group`` and before the rank's
+    first compile, with the group of the ranks that run the same program as
+    this one (for pipeline parallelism: the ranks of its stage). ``group`` is a
+    ``ProcessGroup``, a 1-D ``DeviceMesh`` or a flattened sub-mesh
+    (``mesh["dp", "tp"]._flatten()``); ``None`` returns to the whole world.
+    It overrides ``COMPILER_COLLECTIVES_SCOPE``. The setup check (settings and
+    versions, across the whole job) and the check that scopes do not overlap
+    run here, on the c10d store, waiting only for the ranks of this scope.
+
+    Raises ``ScopeError`` after a compile (call ``reset()`` on every rank
+    first), for a group without this rank, a mesh that is not 1-D, or scopes
+    that overlap.
+    """
+    import torch.distributed as dist
+
+    from .transport import groups
+    from .transport.scope import from_group
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ScopeError("compiler_collectives.scope() needs torch.distributed: call it after "
+                         "init_process_group, on every rank, before the first compile", kind="scope")
+    chosen = from_group(group, dist.get_rank(), dist.get_world_size())
+    groups.use_scope(chosen)  # raises after a compile; runs the setup check for a scope
 
 
 def install() -> None:

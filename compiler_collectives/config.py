@@ -69,6 +69,20 @@ def _parse_guard_transport(name: str, raw: str) -> str:
 
 GUARD_TRANSPORTS = ("auto", "gloo")
 
+SCOPE_LAYOUTS = ("consecutive", "strided")
+
+
+def _parse_scope(name: str, raw: str) -> str:
+    """'' (the whole world), or 'consecutive:N' / 'strided:N' with N pipeline stages."""
+    value = raw.strip().lower()
+    if value in ("", "world"):
+        return ""
+    layout, _, stages = value.partition(":")
+    if layout not in SCOPE_LAYOUTS or not stages.isdigit() or int(stages) < 1:
+        raise ConfigError(f"{name}={raw!r}: expected world, consecutive:<stages> or strided:<stages> "
+                          "(e.g. consecutive:4 for 4 pipeline stages of consecutive ranks)")
+    return f"{layout}:{int(stages)}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -120,6 +134,18 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "frame at the same call (two int64 per call instead of one; about 50 µs more per call "
         "on a 2-core gloo host). Off: hit/miss agreement only. Applies to the gloo guard "
         "transport only: on shared memory the check is always on, at no cost.",
+        must_match=True,
+    ),
+    Setting(
+        "scope",
+        "COMPILER_COLLECTIVES_SCOPE",
+        "",
+        _parse_scope,
+        "Which ranks make their agreements together (compiler and guard collectives, audit, "
+        "recompile reasons): empty or world: every rank. consecutive:N: N pipeline stages, each a "
+        "block of world/N consecutive ranks (torchtitan's mesh order, pp outermost: stage = "
+        "rank // (world/N)). strided:N: stage = rank % N. compiler_collectives.scope(group) "
+        "overrides it. The setup check still covers every rank.",
         must_match=True,
     ),
     Setting(

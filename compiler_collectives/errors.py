@@ -85,6 +85,24 @@ class ProgramDivergenceError(CollectiveError):
         self.versions = dict(versions or {})
 
 
+class ScopeError(CollectiveError):
+    """Raised by ``compiler_collectives.scope(...)`` (or where our groups are
+    first created under ``COMPILER_COLLECTIVES_SCOPE``) when the scope cannot be
+    used: called after a compile, a group that does not contain the calling
+    rank, a mesh that is not 1-D, or scopes that overlap (two ranks name
+    different, intersecting sets of ranks). Names the ranks and each one's scope."""
+
+
+SCOPE_HINT = (
+    "If these ranks run different programs by design (pipeline-parallel stages), scope the "
+    "service to the ranks that run the same program: compiler_collectives.scope(stage_group) on "
+    "every rank before its first compile, or COMPILER_COLLECTIVES_SCOPE=consecutive:<stages> "
+    "(stage = a block of consecutive ranks, torchtitan's order) or strided:<stages> "
+    "(stage = rank % stages); see docs/usage.md, \"Pipeline parallelism\"."
+)
+"""The fix the messages name when ranks look like they run different programs and no scope is set."""
+
+
 class UnsupportedTorchError(ImportError):
     """Raised at import when the installed torch lacks a Dynamo seam we patch, or one of
     the seam table's reads no longer holds."""

@@ -48,7 +48,7 @@ import torch
 from .. import health
 from . import exchange as exchange_frame
 from . import wire
-from ..errors import CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
+from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 from ..state import FrameId
 from ..stats import counters
@@ -253,7 +253,8 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
     global _seq
     health.check("audit")
     pg = groups.compile_pg()
-    rank, world = pg.rank(), pg.size()
+    members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
+    rank, world = members[pg.rank()], pg.size()
     _seq += 1
     seq = _seq
     started = time.perf_counter()
@@ -276,7 +277,7 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
             details = _exchange(pg, wire.AuditDetails(record.phase, level, record.collectives(level)),
                                 record.frame, seq, rank, world)
             lists = [e.body.collectives for e in details]  # type: ignore[union-attr]
-            err = _divergence(record, level, lists, rank, seq)
+            err = _divergence(record, level, lists, rank, seq, members)
             counters.audit_divergences += 1
             counters.errors += 1
             health.poison(err)
@@ -321,12 +322,13 @@ def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> N
         return
     lines = "\n".join(f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}"
                       for e in envelopes)
-    mine = envelopes[rank]
+    mine = next(e for e in envelopes if e.rank == rank)
     raise CollectiveDesyncError(
         f"{describe('audit', rank, mine.seq, str(mine.frame))}: ranks are auditing different "
         f"compiled graphs:\n{lines}\nThe ranks compiled different graphs or a different number of "
         "them (e.g. a graph break on one rank only, or a backward run on some ranks only). "
-        "Compiler collectives need every rank to compile and run the same code (SPMD).",
+        "Compiler collectives need every rank to compile and run the same code (SPMD)."
+        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
         ranks=tuple(e.rank for e in envelopes if not (
             _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq
             and e.body.phase == mine.body.phase)),
@@ -338,8 +340,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def _divergence(
-    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int
+    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int,
+    members: Sequence[int] | None = None,
 ) -> ProgramDivergenceError:
+    named = list(members) if members is not None else list(range(len(lists)))  # global rank of each list
     longest = max(len(c) for c in lists)
     index = next(
         (i for i in range(longest + 1) if len({c[i].key() if i < len(c) else None for c in lists}) > 1),
@@ -347,18 +351,18 @@ def _divergence(
     )
     versions: dict[int, str | None] = {}
     groups_of: dict[Any, list[int]] = {}
-    for r, c in enumerate(lists):
-        versions[r] = c[index].render() if index < len(c) else None
-        groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(r)
+    for i, c in enumerate(lists):
+        versions[named[i]] = c[index].render() if index < len(c) else None
+        groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(named[i])
     lines = []
     for key, ranks in groups_of.items():
-        c = lists[ranks[0]]
+        c = lists[named.index(ranks[0])]
         text = (c[index].render() if key is not None
                 else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)")
         lines.append(f"  {_ranks_text(ranks)}: {text}")
     # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
     largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
-    implicated = tuple(r for r in range(len(lists)) if r not in largest)
+    implicated = tuple(r for r in named if r not in largest)
     causes = (
         "a branch on a size (`if x.shape[0] > 32:`) traced with each rank's own size hint, Python "
         "code that depends on the rank, or a compiler decision taken from size hints"
@@ -387,7 +391,7 @@ def _fail_partial(
     record: GraphAudit, summaries: list[wire.AuditSummary], failed: list[int], rank: int, seq: int,
     *, this_rank_failed: bool,
 ) -> None:
-    first = summaries[failed[0]].failure
+    first = next(s.failure for s in summaries if s.failure is not None)
     err = ProgramDivergenceError(
         f"{describe('audit', rank, seq, str(record.frame))}: {_ranks_text(failed)} failed to compile "
         f"this {record.phase} graph ({first}) while the other ranks compiled it; no rank has run "

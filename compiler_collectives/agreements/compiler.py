@@ -19,7 +19,7 @@ from .. import config, health
 from ..tools import timing
 from . import exchange as exchange_frame
 from . import wire
-from ..errors import CollectiveDesyncError, describe
+from ..errors import SCOPE_HINT, CollectiveDesyncError, describe
 from ..state import DistributedState, FrameId, LocalState
 from ..stats import counters
 from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
@@ -83,7 +83,9 @@ def exchange(
     global _seq, _last_frame
     health.check("compiler")
     pg = ds.compile_pg if pg is None else pg
-    rank, world = pg.rank(), pg.size()
+    # Global ranks on the wire and in messages; under a scope the group's ranks are a subset.
+    members = groups.member_ranks(pg)
+    rank, world = members[pg.rank()], pg.size()
     _seq += 1
     seq = _seq
     _last_frame = str(frame)
@@ -113,7 +115,7 @@ def exchange(
         gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
 
     states = [e.state for e in envelopes]
-    restart, why = restart_decision(states, ds.early_states) if state is None else (False, "")
+    restart, why = restart_decision(states, ds.early_states, ranks=members) if state is None else (False, "")
     if state is None:
         counters.compiler_collectives += 1
     else:
@@ -125,7 +127,7 @@ def exchange(
     counters.compiler_time_s += elapsed
     times = [e.sent_at for e in envelopes]
     counters.last_arrival_spread_s = max(times) - min(times)
-    counters.last_late_rank = max(range(world), key=lambda r: times[r])
+    counters.last_late_rank = members[max(range(world), key=lambda r: times[r])]
     recorder = timing.recorder if timing.recorder is not None else timing.ensure(rank, world)
     if recorder is not None:
         recorder.compiler(
@@ -179,20 +181,22 @@ def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
     lines = "\n".join(
         f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}" for e in envelopes
     )
-    mine = envelopes[rank]
+    mine = next(e for e in envelopes if e.rank == rank)
     raise CollectiveDesyncError(
         f"{describe('compiler', rank, mine.seq, str(mine.frame))}: ranks are compiling "
         f"different frames or are at different compile counts:\n{lines}\n"
         "No automatic-dynamic decision was applied. Compiler collectives need every rank "
         "to run the same compiled code in the same order (SPMD); look for rank-dependent "
         "control flow around torch.compile'd calls, or turn on guard collectives "
-        "(COMPILER_COLLECTIVES_GUARDS=1) if one rank recompiles alone.",
+        "(COMPILER_COLLECTIVES_GUARDS=1) if one rank recompiles alone."
+        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
         ranks=tuple(e.rank for e in envelopes if e.seq != mine.seq or _frame_key(e.frame) != _frame_key(mine.frame)),
     )
 
 
 def restart_decision(
-    states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None
+    states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None,
+    *, ranks: Sequence[int] | None = None,
 ) -> tuple[bool, str]:
     """Whether Dynamo must trace the frame again after the exchange, and why.
 
@@ -212,6 +216,7 @@ def restart_decision(
     """
     if not config.settings.skip_needless_restart:
         return True, "COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART=0: always restart, as torch does"
+    named = list(ranks) if ranks is not None else list(range(len(states)))  # global rank of each state
     early_names: set[str] = set()
     if early_states is not None:
         for early in early_states:
@@ -223,7 +228,7 @@ def restart_decision(
                 recorded, predicted = s.automatic_dynamic.get(name), e.automatic_dynamic.get(name)
                 if recorded != predicted:
                     return True, (
-                        f"rank {rank}'s trace recorded {name} as {_shown(recorded)} but its "
+                        f"rank {named[rank]}'s trace recorded {name} as {_shown(recorded)} but its "
                         f"exchanged argument was {_shown(predicted)}"
                     )
 
@@ -234,7 +239,7 @@ def restart_decision(
     for rank, s in enumerate(states):
         if not s.frame_state_fresh:
             return True, (
-                f"rank {rank}'s frame state from earlier compiles could change a decision "
+                f"rank {named[rank]}'s frame state from earlier compiles could change a decision "
                 "for a source outside the frame's arguments"
             )
         other = rest(s)
@@ -242,7 +247,7 @@ def restart_decision(
             name = min(n for n in set(first) | set(other) if first.get(n) != other.get(n))
             return True, (
                 f"{name}, which is not a frame argument and was traced as static, differs: "
-                f"rank 0 recorded {_shown(first.get(name))}, rank {rank} {_shown(other.get(name))}"
+                f"rank {named[0]} recorded {_shown(first.get(name))}, rank {named[rank]} {_shown(other.get(name))}"
             )
     if early_names:
         return False, (

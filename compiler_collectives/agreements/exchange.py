@@ -19,7 +19,7 @@ import torch
 from .. import config, health
 from ..errors import CollectiveError
 from ..stats import counters
-from ..transport import all_gather_bytes
+from ..transport import all_gather_bytes, groups
 from . import failure
 
 E = TypeVar("E")
@@ -57,12 +57,15 @@ def gather(
 ) -> Gathered[E]:
     """All-gather ``payload`` on ``pg``; every rank's envelope, checked by ``check(envelopes, rank)``.
 
-    Any failure raises our error (poisoning this rank), chained to what
-    transport saw; a bad payload or a failed check is raised identically on
-    every rank, since every rank decodes and checks every payload.
+    Senders and ``rank`` are global ranks (under a scope the group's members
+    are a subset of the world). Any failure raises our error (poisoning this
+    rank), chained to what transport saw; a bad payload or a failed check is
+    raised identically on every rank, since every rank decodes and checks
+    every payload.
     """
     health.check(kind)
-    rank, world = pg.rank(), pg.size()
+    members = groups.member_ranks(pg)
+    rank, world = members[pg.rank()], pg.size()
     settings = config.settings
     started = time.perf_counter()
     try:
@@ -72,7 +75,7 @@ def gather(
                 slot_bytes=settings.inline_slot_bytes, phase=phase, describe=where,
             )
         envelopes = [
-            decode(p, sender=i, max_bytes=settings.max_payload_bytes, expected_world_size=world)
+            decode(p, sender=members[i], max_bytes=settings.max_payload_bytes, expected_world_size=world)
             for i, p in enumerate(payloads)
         ]
         if check is not None:

@@ -25,7 +25,7 @@ from torch.profiler import record_function as _record_function
 
 from .. import health
 from ..tools import timing
-from ..errors import CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
+from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
 from ..stats import counters
 from ..transport import GuardChannel, groups, translate_failure
 from . import failure
@@ -171,7 +171,7 @@ def _channel() -> GuardChannel | None:
     if _state.channel is None or _state.world is not world:
         _state.channel = groups.guard_channel()
         _state.world = world
-        timing.ensure(_state.channel.pg.rank(), _state.channel.pg.size())
+        timing.ensure(dist.get_rank(), _state.channel.pg.size())
     return _state.channel
 
 
@@ -235,7 +235,8 @@ def hook(guard_eval_result: bool) -> bool:
 
 def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError:
     """Every rank saw the mismatch: one more exchange to say who was where."""
-    rank = channel.pg.rank()
+    members = groups.member_ranks(channel.pg)  # global ranks, under a scope too
+    rank = members[channel.pg.rank()]
     caller = sys._getframe(2)
     while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
         caller = caller.f_back
@@ -246,17 +247,18 @@ def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError
         everyone = []
     mine_seq = [s for s, _ in everyone] or [seq]
     lines = "\n".join(
-        f"  rank {r}: guard collective #{s}, compiled frame id {f:#x}" for r, (s, f) in enumerate(everyone)
+        f"  rank {members[i]}: guard collective #{s}, compiled frame id {f:#x}" for i, (s, f) in enumerate(everyone)
     )
     if len(set(mine_seq)) > 1:
         what = "ranks are at different guard-collective counts"
     else:
         what = "ranks are entering different compiled frames at the same guard-collective count"
-    culprits = tuple(r for r, entry in enumerate(everyone) if entry != (seq, site))
+    culprits = tuple(members[i] for i, entry in enumerate(everyone) if entry != (seq, site))
     return CollectiveDesyncError(
         f"{describe('guard', rank, seq, None)}: {what} (this rank was called from {here}):\n{lines}\n"
         "One rank called compiled code more, fewer or other times than the others; no rank ran "
-        "this call. Look for rank-dependent control flow around torch.compile'd calls.",
+        "this call. Look for rank-dependent control flow around torch.compile'd calls."
+        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
         kind="guard", rank=rank, seq=seq, ranks=culprits,
     )
 

@@ -25,6 +25,7 @@ from . import exchange as exchange_frame
 from . import wire
 from ..errors import CollectiveDesyncError, describe
 from ..stats import counters
+from ..transport import groups
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -82,7 +83,8 @@ def recorded_reasons(rank: int, missed: dict[int, list[str]], own: list[str]) ->
 def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | None) -> Shared:
     """Every rank's reasons for the miss agreed on at guard collective ``seq``; a collective on ``pg``."""
     health.check("guard")
-    rank, world = pg.rank(), pg.size()
+    members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
+    rank, world = members[pg.rank()], pg.size()
     where = lambda: describe("guard", rank, seq, frame) + " (recompile reasons)"  # noqa: E731
     payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed,
                                   reasons=own if missed else [])

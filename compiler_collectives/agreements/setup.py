@@ -43,9 +43,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from .. import config
-from ..errors import CollectiveTimeoutError, SetupMismatchError
-from ..transport import PROTOCOL_VERSION, set_first_rendezvous, shm
+from .. import config, health
+from ..errors import SCOPE_HINT, CollectiveTimeoutError, PeerFailureError, SetupMismatchError
 
 log = logging.getLogger("compiler_collectives.setup")
 
@@ -137,8 +136,10 @@ def _show(record: tuple[int, dict[str, Any]], item: str) -> str:
 
 
 def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
-                   others: list[tuple[int, tuple[int, dict[str, Any]]]], total: int) -> SetupMismatchError:
-    """The error every rank raises: each differing item, rank 0's value and each differing rank's."""
+                   others: list[tuple[int, tuple[int, dict[str, Any]]]], total: int,
+                   *, reference_rank: int = 0) -> SetupMismatchError:
+    """The error every rank raises: each differing item, the reference rank's value (rank 0's, or
+    the scope leader's) and each differing rank's."""
     items: list[str] = []
     for _, record in others:
         for item in differences(reference, record):
@@ -148,10 +149,10 @@ def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
     for item in items:
         values = [f"rank {r}: {_show(record, item)}" for r, record in others]
         rest = "" if world == 1 + len(others) else " (and every rank not named here)"
-        lines.append(f"  {item}: rank 0{rest}: {_show(reference, item)}; " + "; ".join(values))
+        lines.append(f"  {item}: rank {reference_rank}{rest}: {_show(reference, item)}; " + "; ".join(values))
     more = ""
     if total > len(others):
-        more = f"\n  ... and {total - len(others)} more rank(s) differ from rank 0 (not shown)"
+        more = f"\n  ... and {total - len(others)} more rank(s) differ from rank {reference_rank} (not shown)"
     named = tuple(r for r, _ in others)
     return SetupMismatchError(
         f"setup check on rank {rank}: the ranks disagree about settings or versions that must "
@@ -163,11 +164,13 @@ def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
     )
 
 
-def agree(store: Any, rank: int, world: int, timeout_s: float, record: dict[str, Any]) -> None:
+def agree(store: Any, rank: int, world: int, timeout_s: float, record: dict[str, Any],
+          on_reference: Callable[[tuple[int, dict[str, Any]], Any], None] | None = None) -> None:
     """Run the exchange of ``record`` (``local_record``, taken on the caller's thread).
 
     Store calls only, so the caller can run it on a helper thread and bound
-    it. Raises on a mismatch or an absent rank.
+    it. Raises on a mismatch or an absent rank. ``on_reference`` sees rank
+    0's record first and may raise at once (rank 0 in a scope: see ``scope``).
     """
     mine = encode(rank, record)
     deadline = time.monotonic() + timeout_s
@@ -178,6 +181,8 @@ def agree(store: Any, rank: int, world: int, timeout_s: float, record: dict[str,
         _wait_or_raise(store, "setup/0", deadline, rank, world, timeout_s)
         reference_bytes = store.get("setup/0")
     reference = _decode_or_unreadable(reference_bytes, 0)
+    if on_reference is not None:
+        on_reference(reference, store)
     if reference_bytes != mine and differences(reference, decode(mine, rank)):
         index = store.add("setup/mismatches", 1)
         store.set(f"setup/mismatch/{index}", str(rank))
@@ -204,31 +209,29 @@ def _decode_or_unreadable(data: bytes, sender: int) -> tuple[int, dict[str, Any]
 
 def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int, timeout_s: float) -> None:
     """Wait for ``key`` until ``deadline``; past it, raise naming the ranks that never arrived."""
-    remaining = max(0.001, deadline - time.monotonic())
-    try:
-        store.wait([key], datetime.timedelta(seconds=remaining))
-        return
-    except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
-        pass
+    while True:
+        # In slices: a rank that fails its own check (a scope that overlaps) reports it on the
+        # store, and the heartbeat thread poisons this rank; stop then, not at the timeout.
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait([key], datetime.timedelta(seconds=max(0.001, min(0.25, remaining))))
+            return
+        except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
+            pass
+        failure = health.poisoned()
+        if failure is not None:
+            raise PeerFailureError(f"setup check on rank {rank}: stopped waiting: {failure}",
+                                   kind="setup", rank=rank, ranks=failure.ranks)
+        if time.monotonic() >= deadline:
+            break
     absent = [r for r in range(world) if not store.check([f"setup/{r}"])]
     raise CollectiveTimeoutError(
         f"setup check on rank {rank}: rank(s) {absent or '(none missing; the store is slow)'} did not "
         f"arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT) when compiler_collectives "
         "created its process groups. They are stuck, much slower, crashed, never compile this code, "
         "or have the compiler and guard collectives switched differently (TORCH_COMPILER_COLLECTIVES "
-        "and COMPILER_COLLECTIVES_GUARDS must be the same on every rank).",
+        "and COMPILER_COLLECTIVES_GUARDS must be the same on every rank). A rank that never ran "
+        "any of our code cannot be told apart from a slow one; the likely cause in a pipeline-"
+        "parallel job is a later stage waiting for this one's activations. " + SCOPE_HINT,
         kind="setup", rank=rank, ranks=tuple(absent),
     )
-
-
-def _prepare_first_rendezvous() -> Callable[[Any, int, int, float], None]:
-    """This rank's record, taken now; the store exchange that compares it runs later, bounded."""
-    record = local_record({
-        "transport protocol version": PROTOCOL_VERSION,
-        "shared-memory layout version": shm.LAYOUT_VERSION,
-    })
-    return lambda store, rank, world, timeout_s: agree(store, rank, world, timeout_s, record)
-
-
-# The setup agreement is every generation's first rendezvous.
-set_first_rendezvous(_prepare_first_rendezvous)

@@ -45,7 +45,7 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
             times = [e.sent_at for e in result.envelopes]
             built.update(artifacts.compiler_collective(
                 phase=result.phase,
-                rank=ds.compile_pg.rank(),
+                rank=result.envelopes[ds.compile_pg.rank()].rank,  # global rank, under a scope too
                 frame=str(ds.frame),
                 seq=ds.seq or 0,
                 states=result.states,
@@ -56,7 +56,7 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
                 rounds=result.rounds,
                 elapsed_s=result.elapsed_s,
                 arrival_spread_s=max(times) - min(times),
-                last_rank=max(range(len(times)), key=lambda r: times[r]),
+                last_rank=result.envelopes[max(range(len(times)), key=lambda r: times[r])].rank,
             ))
         return built
 

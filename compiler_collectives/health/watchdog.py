@@ -176,20 +176,29 @@ class SideChannel:
         self._seen_failures = 0
         self._beats = 0
         self._store_failing = False
+        # The ranks our agreements span (a scope: compiler_collectives.scope); None: every rank.
+        # Rendezvous and diagnosis cover these only, so another scope is never waited for or
+        # blamed. Failure reports are watched from every rank: a job stops as a whole.
+        self.members: tuple[int, ...] | None = None
+
+    def peers(self) -> tuple[int, ...] | range:
+        """The ranks this rank's agreements span (itself included)."""
+        return self.members if self.members is not None else range(self.world)
 
     # ------------------------------------------------------------ rendezvous
 
     def rendezvous(self, name: str, timeout_s: float) -> list[int]:
         """Wait until every rank reached ``name``; returns the absent ranks ([] on success)."""
-        keys = [f"join/{name}/{r}" for r in range(self.world)]
+        peers = list(self.peers())
+        keys = [f"join/{name}/{r}" for r in peers]
 
         def meet() -> list[int]:
-            self.store.set(keys[self.rank], "1")
+            self.store.set(f"join/{name}/{self.rank}", "1")
             try:
                 self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
                 return []
             except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError
-                return [r for r, key in enumerate(keys) if not self.store.check([key])]
+                return [r for r, key in zip(peers, keys) if not self.store.check([key])]
 
         return bounded(meet, timeout_s + 5.0, f"at the {name} rendezvous")
 
@@ -311,7 +320,7 @@ class SideChannel:
         while True:
             now = time.monotonic()
             peers = []
-            for r in range(self.world):
+            for r in self.peers():
                 if r == self.rank:
                     continue
                 if r in decided:

@@ -8,10 +8,19 @@ mechanism ``COMPILER_COLLECTIVES_GUARD_TRANSPORT`` selects (see
 
 Before the first group of a generation exists, the ranks run the first
 rendezvous that the agreements layer registered (``set_first_rendezvous``:
-the setup agreement, where every rank raises ``SetupMismatchError`` if they
+the setup check, where every rank raises ``SetupMismatchError`` if they
 disagree about a version or a setting that must match). What to do when an
 exchange fails is policy, and lives above this layer
-(``agreements/failure.py``); this module only moves bytes and reports. At
+(``agreements/failure.py``); this module only moves bytes and reports.
+
+Under a scope (``compiler_collectives.scope``, ``COMPILER_COLLECTIVES_SCOPE``)
+the groups span the scope's ranks only, and are made by those ranks only:
+plain ``ProcessGroupGloo`` objects on our own store prefix (generation, scope,
+group), not ``new_group``, because a group made by some ranks only must not
+change the user's later ``new_group`` numbering, and ``new_group(...,
+use_local_synchronization=True)`` names a group after the number of groups
+the calling process already has (torch 2.13), which differs between ranks that
+belong to different user groups: they would never meet. At
 interpreter exit our heartbeat thread is stopped and our groups destroyed
 (``shutdown``), so nothing of ours is left running while Python finalizes.
 """
@@ -29,8 +38,16 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .. import config, health
-from ..errors import CollectiveError, CollectiveTimeoutError, PeerFailureError, StoreUnresponsive
-from ..health.watchdog import SideChannel, bounded
+from ..errors import (
+    SCOPE_HINT,
+    CollectiveError,
+    CollectiveTimeoutError,
+    PeerFailureError,
+    ScopeError,
+    StoreUnresponsive,
+)
+from ..health.watchdog import SideChannel, bounded, diagnose_with_deadline
+from . import scope as scope_mod
 from . import shm
 from .hierarchy import build_guard_channel, host_key
 
@@ -60,6 +77,7 @@ class Groups:
         self._guard_pg: dist.ProcessGroup | None = None
         self._guard_channel: Any = None  # GlooGuardChannel or ShmGuardChannel
         self._agreed = False  # the setup agreement of this generation passed
+        self._scope: scope_mod.Scope | None = None  # the ranks our groups of this generation span
         self.side: SideChannel | None = None
         # Callables returning this rank's progress for the heartbeat.
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
@@ -82,6 +100,7 @@ class Groups:
         self._guard_pg = None
         self._guard_channel = None
         self._agreed = False
+        self._scope = None
 
     @staticmethod
     def available() -> bool:
@@ -106,36 +125,36 @@ class Groups:
             self.side = side
         return self.side
 
-    def _new_group(self, tag: str, kind: str) -> dist.ProcessGroup:
+    def _agree(self, side: SideChannel, chosen: scope_mod.Scope | None) -> None:
+        """The setup check of this generation (the first rendezvous), for the whole world or a scope."""
+        timeout_s = config.settings.timeout_s
+        prepare = _first_rendezvous
+        if prepare is not None:
+            # Prepared on the caller's thread (it reads switches such as Dynamo's
+            # config, which can be thread-local); only the store exchange runs on
+            # the bounded helper thread.
+            rendezvous = prepare(chosen)
+            bounded(lambda: rendezvous(side, timeout_s), timeout_s + 5.0, "during the setup check")
+        side.members = chosen.ranks if chosen is not None else None
+        self._scope = chosen
+        self._agreed = True
+        if chosen is not None:
+            log.info("rank %d: agreements run within scope %s (%s)", side.rank, chosen.render(), chosen.source)
+
+    def _new_group(self, tag: str, kind: str) -> Any:
         timeout_s = config.settings.timeout_s
         rank = dist.get_rank()
         try:
             side = self._side_channel()
             if not self._agreed:
                 # The setup agreement is also this generation's first rendezvous.
-                prepare = _first_rendezvous
-                if prepare is not None:
-                    # Prepared on the caller's thread (it reads switches such as
-                    # Dynamo's config, which can be thread-local); only the store
-                    # exchange runs on the bounded helper thread.
-                    rendezvous = prepare()
-                    bounded(lambda: rendezvous(side.store, side.rank, side.world, timeout_s),
-                            timeout_s + 5.0, "during the setup check")
-                self._agreed = True
+                self._agree(side, scope_mod.effective(rank, dist.get_world_size()))
             else:
                 # Our own rendezvous first: group creation would otherwise wait on the
                 # store with whatever timeout it picks and could not say who is missing.
                 absent = side.rendezvous(tag, timeout_s)
                 if absent:
-                    raise CollectiveTimeoutError(
-                        f"creating the {kind}-collective process group on rank {rank}: rank(s) "
-                        f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
-                        "They are stuck, much slower, crashed, or never compile this code (compiler "
-                        "collectives need every rank to compile the same frames)"
-                        + (", or turned guard collectives on later than this rank or not at all "
-                           "(the switch must be the same on every rank)" if kind == "guard" else "") + ".",
-                        kind=kind, rank=rank, ranks=tuple(absent),
-                    )
+                    raise self._absent_error(side, absent, kind, rank, timeout_s)
         except StoreUnresponsive as e:
             err: CollectiveError = CollectiveTimeoutError(
                 f"creating the {kind}-collective process group on rank {rank}: {e} "
@@ -149,7 +168,43 @@ class Groups:
             health.poison(err)
             raise
         log.debug("creating %s gloo group (timeout %.0fs)", tag, timeout_s)
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag)
+        if self._scope is None:
+            return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag)
+        return self._scoped_group(tag, self._scope.ranks)
+
+    def _scoped_group(self, tag: str, ranks: tuple[int, ...] | list[int]) -> Any:
+        """A gloo group of ``ranks`` (this rank among them), made by those ranks only."""
+        side = self._side_channel()
+        assert self._scope is not None
+        prefix = f"pg/{self._scope.key}/{tag}/{'_'.join(map(str, ranks)) if len(ranks) <= 64 else len(ranks)}/"
+        store = dist.PrefixStore(prefix, side.store)
+        return dist.ProcessGroupGloo(store, list(ranks).index(side.rank), len(ranks),
+                                     datetime.timedelta(seconds=config.settings.timeout_s))
+
+    def _absent_error(self, side: SideChannel, absent: list[int], kind: str, rank: int,
+                      timeout_s: float) -> CollectiveTimeoutError:
+        """Ranks that did not come to make a group: alive ones (heartbeat moving) run other code."""
+        alive: list[int] = []
+        try:
+            diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
+            if diagnosis is not None:
+                alive = [r for r in diagnosis.alive_elsewhere if r in absent]
+        except Exception as e:  # noqa: BLE001 - the message is less precise, the error stands
+            log.debug("could not tell whether the absent ranks are alive: %s", e)
+        message = (
+            f"creating the {kind}-collective process group on rank {rank}: rank(s) "
+            f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
+            "They are stuck, much slower, crashed, or never compile this code (compiler "
+            "collectives need every rank to compile the same frames)"
+            + (", or turned guard collectives on later than this rank or not at all "
+               "(the switch must be the same on every rank)" if kind == "guard" else "") + "."
+        )
+        if alive:
+            message += (f" Rank(s) {alive} are alive (their heartbeat moves) but elsewhere: they run "
+                        "other code than this rank.")
+            if self._scope is None:
+                message += " " + SCOPE_HINT
+        return CollectiveTimeoutError(message, kind=kind, rank=rank, ranks=tuple(absent))
 
     def compile_pg(self) -> dist.ProcessGroup:
         with self._lock:
@@ -164,12 +219,67 @@ class Groups:
             self._check_world()
             if self._guard_channel is None:
                 self._guard_pg = self._new_group("compiler_collectives_guard", "guard")
-                self._guard_channel = build_guard_channel(self._guard_pg, self._side_channel().store)
+                side = self._side_channel()
+                if self._scope is None:
+                    self._guard_channel = build_guard_channel(self._guard_pg, side.store)
+                else:
+                    # Store keys of each scope apart: two scopes on one host both have a host 0.
+                    store = dist.PrefixStore(f"scope/{self._scope.key}/", side.store)
+                    self._guard_channel = build_guard_channel(
+                        self._guard_pg, store, members=self._scope.ranks,
+                        subgroup=lambda ranks: self._scoped_group("compiler_collectives_guard_leaders", ranks))
             return self._guard_channel
 
     def built_guard_channel(self) -> Any:
         """The guard channel if this generation built one already, else None (never builds)."""
         return self._guard_channel
+
+    def use_scope(self, chosen: scope_mod.Scope | None) -> None:
+        """``compiler_collectives.scope()``: refuse after a compile; otherwise remember the choice
+        and, for a scope, run this generation's setup check now (every rank is before its first
+        compile here, so nobody's first compile waits for it)."""
+        with self._lock:
+            self._check_world()
+            rank = dist.get_rank()
+            if self._agreed or self._compile_pg is not None or self._guard_channel is not None:
+                same = (self._scope is None and chosen is None) or (
+                    self._scope is not None and chosen is not None and self._scope.ranks == chosen.ranks)
+                if same:
+                    return
+                now = "the whole world" if self._scope is None else f"ranks {self._scope.render()}"
+                raise ScopeError(
+                    f"compiler_collectives.scope() on rank {rank}: called after this rank's agreements "
+                    f"started (they span {now}): a compile with compiler or guard collectives on, or "
+                    "an earlier scope() call. Call scope() on every rank before the first compile; "
+                    "to change it later, call compiler_collectives.reset() on every rank first.",
+                    kind="scope", rank=rank)
+            scope_mod.choose(chosen)
+            if chosen is None:
+                return
+            try:
+                side = self._side_channel()
+                self._agree(side, chosen)
+            except StoreUnresponsive as e:
+                err = CollectiveTimeoutError(f"compiler_collectives.scope() on rank {rank}: {e}",
+                                             kind="setup", rank=rank)
+                health.poison(err)
+                raise err from None
+            except CollectiveError as err:
+                health.poison(err)
+                raise
+
+    def scope(self) -> scope_mod.Scope | None:
+        """The scope our groups of this generation span (None: every rank, or none agreed yet)."""
+        return self._scope
+
+    def member_ranks(self, pg: Any) -> tuple[int, ...]:
+        """The global ranks of ``pg``'s members, in group-rank order (messages name global ranks)."""
+        if self._scope is not None and pg is not None and (pg is self._compile_pg or pg is self._guard_pg):
+            return self._scope.ranks
+        try:
+            return tuple(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001 - a group torch does not know (a benchmark's own)
+            return tuple(range(pg.size()))
 
     def guard_transport(self) -> str | None:
         """The guard mechanism in use ("gloo", "shm", "shm+leaders"), or None before the first call."""
@@ -196,7 +306,8 @@ class Groups:
         side = self.side
         if side is not None and not side.stop(join_s):
             log.debug("the heartbeat thread did not end within %.1fs (a store call hangs)", join_s)
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and self._scope is None:
+            # (A scope's groups are not registered with torch: dropping them below ends them.)
             for name, pg in self.existing().items():
                 try:
                     dist.destroy_process_group(pg)
@@ -211,17 +322,18 @@ class Groups:
             self._world = None
             self._generation += 1
 
-Rendezvous = Callable[[Any, int, int, float], None]
-_first_rendezvous: Callable[[], Rendezvous] | None = None
+# rendezvous(side, timeout_s): raises to stop group creation on every rank.
+Rendezvous = Callable[[SideChannel, float], None]
+_first_rendezvous: Callable[[Any], Rendezvous] | None = None
 
 
-def set_first_rendezvous(prepare: Callable[[], Rendezvous] | None) -> None:
+def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     """What every rank runs before the first group of a generation.
 
-    ``prepare()`` runs on the caller's thread and returns
-    ``rendezvous(store, rank, world, timeout_s)``, which runs bounded by the
-    timeout. The agreements layer registers the setup agreement here; it
-    raises to stop group creation on every rank.
+    ``prepare(scope)`` (the ``scope.Scope`` this rank's groups will span, or
+    None for the whole world) runs on the caller's thread and returns
+    ``rendezvous(side, timeout_s)``, which runs bounded by the timeout. The
+    agreements layer registers the setup check here.
     """
     global _first_rendezvous
     _first_rendezvous = prepare

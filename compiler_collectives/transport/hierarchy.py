@@ -35,7 +35,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -283,22 +283,30 @@ def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeo
     return (segment, None) if why is None else (None, why)
 
 
-def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
-    """Every rank together: the guard channel the settings ask for and this job can run."""
+def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = None,
+                        subgroup: Callable[[list[int]], Any] | None = None) -> Any:
+    """Every rank of ``pg`` together: the guard channel the settings ask for and this job can run.
+
+    ``members``: the global rank of each of ``pg``'s ranks (a scope's; default: ``pg`` is the
+    world). ``subgroup(ranks)``: how the leaders' group is made, called by its members only
+    (a scope's groups); default: ``new_group``, which every rank of the world calls.
+    """
     settings = config.settings
     if settings.guard_transport == "gloo":
         return GlooGuardChannel(pg, settings.guard_desync_check)
-    rank = pg.rank()
+    ranks = tuple(members) if members is not None else tuple(range(pg.size()))
+    index = pg.rank()
+    rank = ranks[index]
     reason = shm.unavailable_reason()
     keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1])
-    members: dict[int, list[int]] = {}  # host key -> its ranks, hosts in order of their lowest rank
-    for r, (key, _) in enumerate(keys):
-        members.setdefault(key, []).append(r)
-    hosts_order = list(members)
-    host = hosts_order.index(keys[rank][0])
-    local_ranks = members[keys[rank][0]]
+    hosts_of: dict[int, list[int]] = {}  # host key -> its global ranks, hosts in order of their lowest rank
+    for i, (key, _) in enumerate(keys):
+        hosts_of.setdefault(key, []).append(ranks[i])
+    hosts_order = list(hosts_of)
+    host = hosts_order.index(keys[index][0])
+    local_ranks = hosts_of[keys[index][0]]
     # Every rank sees the same lists, so every rank takes the same branch and runs the same collectives.
-    unable = [r for r, (_, ok) in enumerate(keys) if not ok]
+    unable = [ranks[i] for i, (_, ok) in enumerate(keys) if not ok]
     segment = None
     if not unable:
         try:
@@ -309,25 +317,28 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
         except StoreUnresponsive as e:
             segment, reason = None, str(e)
         results = _all_gather_ints(pg, [0 if segment is None else 1])
-        unable = [r for r, (ok,) in enumerate(results) if not ok]
+        unable = [ranks[i] for i, (ok,) in enumerate(results) if not ok]
     if unable:
         if reason:
             log.info("guard collective on rank %d: shared memory unusable here: %s", rank, reason)
-        if rank == 0:
+        if index == 0:
             log.warning("guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
                         "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
                         unable, f" ({reason})" if reason else "; their logs say why")
         return GlooGuardChannel(pg, settings.guard_desync_check)
     assert segment is not None
     hosts = len(hosts_order)
-    leader_ranks = [members[key][0] for key in hosts_order]
+    leader_ranks = [hosts_of[key][0] for key in hosts_order]
     leaders = None
     leaders_pg = None
     if hosts > 1:
-        # Every rank takes part in creating the group; only its members get one.
-        leaders_pg = dist.new_group(ranks=leader_ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=settings.timeout_s),
-                                    group_desc="compiler_collectives_guard_leaders")
+        if subgroup is None:
+            # Every rank takes part in creating the group; only its members get one.
+            leaders_pg = dist.new_group(ranks=leader_ranks, backend="gloo",
+                                        timeout=datetime.timedelta(seconds=settings.timeout_s),
+                                        group_desc="compiler_collectives_guard_leaders")
+        elif rank in leader_ranks:
+            leaders_pg = subgroup(leader_ranks)
         if rank == leader_ranks[host]:
             leaders = LeaderExchange(leaders_pg, host, hosts)
         else:
@@ -335,7 +346,7 @@ def build_guard_channel(pg: dist.ProcessGroup, store: Any) -> Any:
     arrival = shm.Arrival(rank=rank, local_ranks=tuple(local_ranks), leader_index=0)
     exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s,
                                  _describe_guard(rank))
-    if rank == 0:
+    if index == 0:
         log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host",
                  hosts, len(local_ranks))
     return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders, leaders_pg)

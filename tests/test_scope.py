@@ -1,0 +1,354 @@
+"""Pipeline parallelism: the service scoped to the ranks that run the same program (issue 17).
+
+Four gloo ranks as two pipeline stages of two data-parallel ranks each. Stage 0
+runs a compiled function and sends its activations point to point to stage 1,
+which runs another compiled function. Stage 1 cannot compile before stage 0
+has sent, so any agreement that spans both stages deadlocks: that is the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+from tests.rankside import GraphRecorder, summary
+
+ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "120"}
+SHORT_TIMEOUT_S = 4.0
+SHORT_ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(SHORT_TIMEOUT_S), "HARNESS_PG_TIMEOUT": "120"}
+STEPS = 6
+ONE_SIDED_STEP = 3  # from here dp rank 0 of stage 0 passes another int: a guard miss on that rank only
+
+
+def _stage0(x: torch.Tensor, n: int) -> torch.Tensor:
+    return (x * n).sum(0)  # [length, 8] -> [8]: stage 1's input never changes shape
+
+
+def _stage1(h: torch.Tensor) -> torch.Tensor:
+    return torch.relu(h) + 1
+
+
+def _layout(rank: int, strided: bool) -> tuple[int, int, int]:
+    """(stage, dp index, peer in the other stage) for 2 stages x 2 dp ranks."""
+    if strided:  # stage = rank % 2: stage 0 is ranks 0, 2
+        return rank % 2, rank // 2, rank + 1 if rank % 2 == 0 else rank - 1
+    return rank // 2, rank % 2, rank + 2 if rank < 2 else rank - 2
+
+
+def _run_pipeline(rank: int, stage: int, dp: int, peer: int, steps: int = STEPS) -> dict:
+    import compiler_collectives as cc
+
+    recorder = GraphRecorder()
+    f = torch.compile(_stage0 if stage == 0 else _stage1, backend=recorder)
+    for step in range(steps):
+        if stage == 0:
+            length = 4 + 2 * dp + step  # differs per dp rank, and per step
+            n = 3 if (dp == 0 and step >= ONE_SIDED_STEP) else 2
+            dist.send(f(torch.ones(length, 8), n).contiguous(), peer)
+        else:
+            h = torch.empty(8)
+            dist.recv(h, peer)
+            f(h)
+    from compiler_collectives.transport import groups
+
+    scoped = groups.scope()
+    return {**summary(recorder), "stage": stage, "transport": cc.stats()["guard_transport"],
+            "scope": list(scoped.ranks) if scoped is not None else None}
+
+
+def two_stages_scoped(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    stage, dp, peer = _layout(rank, strided=False)
+    stage_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    cc.scope(stage_groups[stage])
+    return _run_pipeline(rank, stage, dp, peer)
+
+
+def _check_stages(results: list[dict], stages: dict[int, list[int]]) -> None:
+    for stage, ranks in stages.items():
+        a, b = (results[r] for r in ranks)
+        assert a["scope"] == ranks and b["scope"] == ranks, (a, b)
+        # The stage's dp ranks end with the same graphs, in the same number of compiles.
+        assert a["graphs"] == b["graphs"], (a, b)
+        assert a["compiles"] == b["compiles"] and a["guard_collectives"] == b["guard_collectives"]
+        assert a["transport"] == "shm", a
+    s0, s1 = ([results[r] for r in ranks] for ranks in stages.values())
+    # Stage 0: dims that differ per dp rank are dynamic from the first compile on; the
+    # one-sided int change made both ranks recompile (the other rank was forced to).
+    assert s0[0]["graphs"][0] == [["s", 8]], s0[0]
+    assert s0[0]["compiles"] == 2, s0[0]
+    assert sorted(r["forced_recompiles"] for r in s0) == [0, 1], s0
+    # Stage 1 never recompiled: the forced recompile stayed within stage 0.
+    assert all(r["compiles"] == 1 and r["forced_recompiles"] == 0 for r in s1), s1
+    assert all(r["guard_collectives"] == STEPS - 1 for r in s1), s1
+    # Each stage counted its own compiler collectives: the stages did not take part in each other's.
+    assert s0[0]["collectives"] > s1[0]["collectives"], (s0, s1)
+
+
+@pytest.mark.multiprocess
+def test_two_pipeline_stages_with_scope_agree_within_each_stage_and_finish():
+    outcome = run_ranks(two_stages_scoped, 4, env=ENV, timeout=120)
+    _check_stages(outcome.results, {0: [0, 1], 1: [2, 3]})
+
+
+def two_stages_strided_by_the_variable(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    stage, dp, peer = _layout(rank, strided=True)
+    return _run_pipeline(rank, stage, dp, peer)
+
+
+@pytest.mark.multiprocess
+def test_the_strided_layout_through_the_variable_scopes_each_stage_without_a_call():
+    env = {**ENV, "COMPILER_COLLECTIVES_SCOPE": "strided:2"}
+    outcome = run_ranks(two_stages_strided_by_the_variable, 4, env=env, timeout=120)
+    _check_stages(outcome.results, {0: [0, 2], 1: [1, 3]})
+
+
+def two_stages_consecutive_by_the_variable(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    stage, dp, peer = _layout(rank, strided=False)
+    return _run_pipeline(rank, stage, dp, peer)
+
+
+@pytest.mark.multiprocess
+def test_the_consecutive_layout_through_the_variable_scopes_each_stage_without_a_call():
+    env = {**ENV, "COMPILER_COLLECTIVES_SCOPE": "consecutive:2"}
+    outcome = run_ranks(two_stages_consecutive_by_the_variable, 4, env=env, timeout=120)
+    _check_stages(outcome.results, {0: [0, 1], 1: [2, 3]})
+
+
+# ---------------------------------------------------------------- the user forgot
+
+
+def two_stages_unscoped(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    stage, dp, peer = _layout(rank, strided=False)
+    start = time.monotonic()
+    try:
+        _run_pipeline(rank, stage, dp, peer, steps=2)
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
+                "seconds": time.monotonic() - start}
+    except RuntimeError as e:  # stage 1: its recv ends when stage 0 gives up and exits
+        return {"type": "recv", "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_without_scope_the_first_stage_stops_at_the_timeout_and_the_error_names_scope():
+    outcome = run_ranks(two_stages_unscoped, 4, env=SHORT_ENV, timeout=90)
+    for r in outcome.results[:2]:
+        assert r["type"] == "CollectiveTimeoutError", r
+        assert r["ranks"] == [2, 3], r
+        assert r["seconds"] < SHORT_TIMEOUT_S + 8, r
+        assert "compiler_collectives.scope(" in r["message"], r["message"]
+        assert "COMPILER_COLLECTIVES_SCOPE" in r["message"], r["message"]
+    for r in outcome.results[2:]:
+        assert r["type"] is not None, r  # never a hang, never a success
+
+
+def stages_compile_different_frames_at_once(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_stage0 if rank < 2 else _stage1, backend="eager")
+    start = time.monotonic()
+    try:
+        f(torch.ones(4, 8), 2) if rank < 2 else f(torch.ones(8))
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_without_scope_stages_compiling_at_once_get_a_desync_error_that_names_scope():
+    outcome = run_ranks(stages_compile_different_frames_at_once, 4, env=ENV, timeout=90)
+    for r in outcome.results:
+        assert r["type"] == "CollectiveDesyncError", r
+        assert r["seconds"] < 20, r
+        assert "compiler_collectives.scope(" in r["message"] and "COMPILER_COLLECTIVES_SCOPE" in r["message"]
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def stage_one_loses_a_rank(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    stage = rank // 2
+    cc.scope([dist.new_group([0, 1]), dist.new_group([2, 3])][stage])
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(2))
+    f(torch.ones(2))
+    if rank == 3:
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 20:
+            f(torch.ones(2))
+            if rank != 2:
+                time.sleep(0.01)
+    except cc.CollectiveError as e:
+        seconds = time.monotonic() - start
+        time.sleep(3)  # stay alive: peers must learn of the failure from us, not from a closed socket
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks), "seconds": seconds}
+    return {"type": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_in_one_stage_is_named_to_its_stage_within_seconds_and_the_other_stage_is_not_blamed():
+    outcome = run_ranks(stage_one_loses_a_rank, 4, env=ENV, timeout=120, check=False,
+                        expect_signals={3: signal.SIGKILL})
+    assert not outcome.errors, outcome.errors
+    peer = outcome.results[2]
+    assert peer["type"] == "PeerFailureError", peer
+    assert peer["ranks"] == [3], peer
+    assert peer["seconds"] < 10, peer
+    # The diagnosis covers the stage only: no rank of stage 0 is called absent or elsewhere.
+    assert "rank 0:" not in peer["message"] and "rank 1:" not in peer["message"], peer["message"]
+    # Stage 0 hears of the job's failure from rank 2's report (a pipeline cannot go on without
+    # a stage), and stops with it within seconds instead of in its next send to stage 1.
+    for r in outcome.results[:2]:
+        assert r["type"] is not None, r
+        assert r["seconds"] < 10, r
+        assert "rank 2 reported" in r["message"], r["message"]
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def scope_after_a_compile(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    torch.compile(_step, backend="eager")(torch.ones(2))
+    stage_groups = [dist.new_group([0]), dist.new_group([1])]
+    try:
+        cc.scope(stage_groups[rank])
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_scope_after_a_compile_is_refused_naming_reset():
+    for r in run_ranks(scope_after_a_compile, 2, env=ENV, timeout=90).results:
+        assert r["type"] == "ScopeError", r
+        assert "before the first compile" in r["message"] and "reset()" in r["message"], r
+
+
+def scope_without_this_rank(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    g = dist.new_group([0])
+    try:
+        cc.scope(g)
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_a_group_without_the_calling_rank_is_refused_at_the_call():
+    outcome = run_ranks(scope_without_this_rank, 2, env=ENV, timeout=90)
+    assert outcome.results[0] == {"type": None}
+    assert outcome.results[1]["type"] == "ScopeError"
+    assert "does not contain this rank" in outcome.results[1]["message"]
+
+
+def overlapping_scopes(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    a, b = dist.new_group([0, 1]), dist.new_group([1, 2])
+    start = time.monotonic()
+    try:
+        cc.scope(a if rank < 2 else b)  # rank 1 says [0, 1], rank 2 says [1, 2]
+        cc.enable(guards=True)
+        f = torch.compile(_step, backend="eager")
+        while time.monotonic() - start < 20:  # ranks 0 and 1 agree with each other: until stopped
+            f(torch.ones(2))
+            time.sleep(0.01)
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_overlapping_scopes_fail_at_the_call_naming_both_scopes_and_stop_every_rank():
+    outcome = run_ranks(overlapping_scopes, 3, env=ENV, timeout=90)
+    rank2 = outcome.results[2]
+    assert rank2["type"] == "ScopeError", rank2
+    assert "ranks [0, 1]" in rank2["message"] and "ranks [1, 2]" in rank2["message"], rank2["message"]
+    for r in outcome.results:
+        assert r["type"] is not None and r["seconds"] < 15, r
+
+
+def scope_with_meshes(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out = {}
+    try:
+        cc.scope(mesh)
+    except cc.CollectiveError as e:
+        out["2d"] = type(e).__name__
+    cc.scope(mesh["dp"])
+    from compiler_collectives.transport import groups
+
+    out["scope"] = list(groups.scope().ranks)
+    cc.enable()
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(2 + rank % 2))
+    out["stats"] = cc.stats()["compiler_collectives"]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_one_dimensional_device_mesh_is_a_scope_and_a_two_dimensional_one_is_refused():
+    outcome = run_ranks(scope_with_meshes, 4, env=ENV, timeout=120)
+    for rank, r in enumerate(outcome.results):
+        assert r["2d"] == "ScopeError", r
+        assert r["scope"] == ([0, 1] if rank < 2 else [2, 3]), r
+        assert r["stats"] == 1, r
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("consecutive:2", {0: (0, 1, 2, 3), 5: (4, 5, 6, 7)}),
+    ("strided:2", {0: (0, 2, 4, 6), 5: (1, 3, 5, 7)}),
+    ("consecutive:4", {3: (2, 3), 6: (6, 7)}),
+    ("strided:4", {3: (3, 7), 6: (2, 6)}),
+])
+def test_the_variable_gives_each_rank_its_stage(spec, expected):
+    from compiler_collectives.transport.scope import from_setting
+
+    for rank, ranks in expected.items():
+        assert from_setting(spec, rank, 8).ranks == ranks
+
+
+def test_a_variable_that_cannot_divide_the_world_is_refused():
+    from compiler_collectives import ScopeError
+    from compiler_collectives.transport.scope import from_setting
+
+    with pytest.raises(ScopeError):
+        from_setting("consecutive:3", 0, 8)
