@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import (artifacts, audit, compiler_collective, config, fingerprint, guard_collective, health,
-               recompile_reasons, setup_agreement)
+from . import (artifacts, audit, compiler_collective, config, entry_agreement, fingerprint, guard_collective,
+               health, recompile_reasons, setup_agreement)
 from .errors import CollectiveError, UnsupportedTorchError
 from .state import DYNAMIC, UNSET, DistributedState, FrameId, InferStride, LocalState, Marker, SizeEntry
 from .stats import counters
@@ -425,8 +425,14 @@ def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
         _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
+        # --- entry agreement (issue 16): which cache entries a frame's compiles add ---
+        building = entry_agreement.compile_started(code)
+        kept = False
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            kept = getattr(result, "guarded_code", None) is not None
+            return result
+        # --- end entry agreement ---
         except _exc.InternalTorchDynamoError as e:
             # Dynamo rewraps unknown exceptions "from None"; the original is
             # still the context. Give the user our type back.
@@ -436,6 +442,9 @@ def _wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             _pending.frame = previous
+            if code is not None:  # --- entry agreement (issue 16) ---
+                entry_agreement.compile_finished(code, FrameId(code.co_name, code.co_filename, code.co_firstlineno),
+                                                 building, kept)
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
     return _compile
@@ -570,6 +579,17 @@ def _prepare() -> dict[str, Any]:
     import torch._dynamo.utils as dynamo_utils
     import torch._dynamo.variables.builder as builder
 
+    # --- entry agreement (issue 16): instance fields the seams above read ---
+    import dataclasses as _dataclasses
+
+    from torch._dynamo.types import ConvertFrameReturn
+    from torch._guards import CompileContext
+
+    if not {"compile_id", "attempt"} <= set(CompileContext.__init__.__code__.co_names):
+        raise AttributeError("torch._guards.CompileContext has no compile_id/attempt")
+    if "guarded_code" not in {f.name for f in _dataclasses.fields(ConvertFrameReturn)}:
+        raise AttributeError("torch._dynamo.types.ConvertFrameReturn has no guarded_code")
+    # --- end entry agreement ---
     return dict(
         modules=dict(c_eval_frame=c_eval_frame, convert_frame=convert_frame,
                      dynamo_distributed=dynamo_distributed, eval_frame=eval_frame,
@@ -757,6 +777,12 @@ def set_compiler_collectives_flag(value: bool) -> None:
 AUDIT_REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.output_graph", "OutputGraph.call_user_compiler"),
     ("torch._guards", "CompileContext.try_get"),
+    # --- entry agreement (issue 16) ---
+    ("torch._guards", "CompileContext.__init__"),  # its compile_id and attempt: checked in _prepare
+    ("torch._dynamo.types", "ConvertFrameReturn"),  # what _compile returns: its guarded_code, ditto
+    ("torch.fx._lazy_graph_module", "_LazyGraphModule.force_recompile"),
+    ("torch.compiler.config", "force_disable_caches"),  # the audit's recompile of cached levels
+    # --- end entry agreement ---
 )
 REQUIRED_SEAMS = REQUIRED_SEAMS + AUDIT_REQUIRED_SEAMS
 
@@ -804,7 +830,26 @@ def _audited_call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     code = getattr(getattr(self, "root_tx", None), "f_code", None)
     frame = (FrameId(code.co_name, code.co_filename, code.co_firstlineno) if code is not None
              else FrameId("<unknown>", "<unknown>", 0))
-    return audit.audit_graph(frame, gm, lambda: original(self, gm, example_inputs))
+    # --- entry agreement (issue 16): the program of the entry this graph belongs to ---
+    compiled, program = audit.audit_graph_program(frame, gm, lambda: original(self, gm, example_inputs))
+    if code is None:
+        return compiled
+    from torch._guards import CompileContext
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    # Dynamo compiles a lazy GraphModule's code right after this returns, which it
+    # recognises only on the unwrapped object: do it here, as it would.
+    lazy = compiled if isinstance(compiled, _LazyGraphModule) else getattr(compiled, "__self__", None)
+    if isinstance(lazy, _LazyGraphModule) and (lazy is compiled or getattr(compiled, "__name__", "") == "_lazy_forward"):
+        _LazyGraphModule.force_recompile(lazy)
+        if lazy is not compiled:
+            compiled = lazy.forward
+    ctx = CompileContext.try_get()
+    return entry_agreement.wrap(
+        compiled, code, frame, str(ctx.compile_id), ctx.attempt, entry_agreement.GraphProgram(program),
+        check=config.settings.entry_check and guard_hook_active(),
+    )
+    # --- end entry agreement ---
 
 
 def _patch_backend(name: str, module_name: str) -> Any:
