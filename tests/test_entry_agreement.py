@@ -167,5 +167,72 @@ def test_lru_order_differing_across_ranks_with_entries_whose_programs_agree_cost
         assert after["compiler_collectives"] == before["compiler_collectives"] == 4  # a hit on both
 
 
+# ---------------------------------------------------------------- inductor: one rank's cache warm
+
+
+def _reduce_then_scale(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(torch.relu(x), "sum", dist.group.WORLD) * 3  # cached all_reduce
+
+
+def inductor_with_caches(rank: int, world: int, swap_reduce_op_on_rank_1: bool) -> dict:
+    import compiler_collectives as cc
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class SwapReduceOp(CustomGraphPass):
+        """A post-grad pass whose cache identity hides what it does: sum becomes max when on."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if swap_reduce_op_on_rank_1 and dist.get_rank() == 1:
+                for node in graph.nodes:
+                    if node.target is torch.ops._c10d_functional.all_reduce.default:
+                        node.args = (node.args[0], "max", *node.args[2:])
+
+        def uuid(self) -> str:
+            return "swap-reduce-op"  # the same whether on or off: a cache hit cannot tell
+
+    torch._inductor.config.post_grad_custom_post_pass = SwapReduceOp()
+    cc.enable(guards=True)
+    compiled = torch.compile(_reduce_then_scale, backend="inductor")
+    out = _attempt(lambda: compiled(torch.ones(4, 2)))
+    out["stats"] = cc.stats()
+    return out
+
+
+@pytest.mark.timeout(1300)
+def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_cached_divergence_caught(tmp_path):
+    dirs = {name: str(tmp_path / name) for name in ("warm", "cold_a", "cold_b", "cold_c")}
+
+    def run(rank0: str, swap: bool):
+        rank_env = {0: {"TORCHINDUCTOR_CACHE_DIR": dirs[rank0]}, 1: {"TORCHINDUCTOR_CACHE_DIR": dirs["warm"]}}
+        # The cold rank compiles inductor's C++ while the warm one waits: a loaded box needs minutes.
+        env = dict(ENV, COMPILER_COLLECTIVES_TIMEOUT="180")
+        return run_ranks(inductor_with_caches, 2, args=(swap,), env=env, rank_env=rank_env, timeout=400).results
+
+    warmup = run("cold_a", False)  # fills rank 1's cache dir
+    assert [r["type"] for r in warmup] == [None, None], warmup
+    assert all(r["stats"]["audit_cache_recompiles"] == 0 for r in warmup)
+
+    # Rank 1 loads the graph from its cache, rank 0 compiles it.
+    same = run("cold_b", False)
+    for rank, r in enumerate(same):
+        assert r["type"] is None, r
+        assert r["stats"]["audit_cache_recompiles"] == (1 if rank == 1 else 0)
+        assert r["stats"]["audit_levels_not_compared"] == 0  # every level compared on both ranks
+        assert r["stats"]["audit_exchanges"] == 2  # the first found levels missing on rank 1
+
+    # Now rank 1's post-grad pass changes the reduce op, but its cache entry
+    # still matches: only compiling again shows the difference.
+    swapped = run("cold_c", True)
+    line = _line_of("cached all_reduce")
+    for r in swapped:
+        assert r["type"] == "ProgramDivergenceError", r
+        assert r["level"] == "inductor_forward"
+        assert "rank 1: _c10d_functional.all_reduce_.default(max)" in r["message"]
+        assert "rank 0: _c10d_functional.all_reduce_.default(sum)" in r["message"]
+        assert f"test_entry_agreement.py:{line} in _reduce_then_scale" in r["message"]
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-x", "-q"])
