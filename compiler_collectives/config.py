@@ -208,6 +208,18 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         must_match=True,
     ),
     Setting(
+        "entry_check",
+        "COMPILER_COLLECTIVES_ENTRY_CHECK",
+        True,
+        _parse_bool,
+        "While the audit and the guard collective are on, check on every call of a frame whose "
+        "cache entries run different collectives that every rank is about to run an entry with "
+        "the same collective program; if not, every rank raises ProgramDivergenceError before "
+        "running it. Frames whose entries all run the same collectives (nearly all) pay one "
+        "attribute read per call. 0: off.",
+        must_match=True,
+    ),
+    Setting(
         "heartbeat_s",
         "COMPILER_COLLECTIVES_HEARTBEAT_S",
         1.0,

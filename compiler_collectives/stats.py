@@ -45,6 +45,19 @@ class Counters:
     audit_divergences: int = 0
     audit_time_s: float = 0.0
     audit_fingerprint_s: float = 0.0
+    # compiles run again without caches because some rank loaded a level from
+    # a cache that another rank compiled (this rank was one of them); levels
+    # produced by some ranks only and left out of a comparison (all ranks had
+    # compiled again and still differ in levels, or a fingerprint failed)
+    audit_cache_recompiles: int = 0
+    audit_levels_not_compared: int = 0
+    # entry agreement (entry_agreement.py): frames whose cache entries came to
+    # run different collectives, entry checks run on calls of such frames
+    # (their time included), divergences raised
+    entry_mixed_frames: int = 0
+    entry_checks: int = 0
+    entry_check_time_s: float = 0.0
+    entry_divergences: int = 0
     # slow path: recompile reasons exchanged after an agreed miss
     guard_reason_exchanges: int = 0
     # failures

@@ -121,6 +121,7 @@ class GraphAudit:
         self.broken: set[str] = set()  # levels this rank could not fingerprint
         self.scopes: list[AotScope] = []
         self.spent_s = 0.0
+        self.compared: list[str] = []  # levels every rank produced, once settled
 
     def add(self, gm: torch.fx.GraphModule, level: str) -> None:
         started = time.perf_counter()
@@ -172,9 +173,19 @@ def _open(record: GraphAudit | None, stage: str | None) -> Iterator[None]:
 
 def audit_graph(frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], T]) -> T:
     """Run Dynamo's backend call ``compile`` for ``gm`` under audit; raises before returning a divergent graph."""
+    return audit_graph_program(frame, gm, compile)[0]
+
+
+def audit_graph_program(
+    frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], T]
+) -> tuple[T, list[tuple[str, bytes, list[Collective]]]]:
+    """``audit_graph``, also returning the program every rank agreed on for this graph:
+    per level compared on every rank, (level, collectives digest, collectives), in ``LEVELS`` order."""
     record = GraphAudit(frame, "forward")
     record.add(gm, "dynamo")
-    return _audited(record, compile, stage=None)
+    result, settled = _audited(record, compile, stage=None)
+    digests = {lv.level: lv.collectives_digest for lv in settled.levels()}
+    return result, [(lv, digests[lv], settled.collectives(lv)) for lv in settled.compared if lv in digests]
 
 
 def aot_scope() -> AotScope | None:
@@ -202,7 +213,7 @@ def aot_compile(scope: AotScope, stage: str, gm: torch.fx.GraphModule, compile: 
         scope.lazy_backward_armed = False  # one exchange per graph, at its first backward
         lazy = GraphAudit(scope.frame, "backward")
         lazy.add(gm, "aot_backward")
-        return _audited(lazy, compile, stage="backward")
+        return _audited(lazy, compile, stage="backward")[0]
     return compile()
 
 
@@ -226,10 +237,10 @@ def _failure_text(error: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:500]
 
 
-def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None) -> T:
+def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None) -> T:
     try:
         with _open(record, stage):
-            result = compile()
+            return compile()
     except CollectiveError:
         raise  # our collectives already failed on this rank: no exchange can be trusted
     except Exception as e:
@@ -237,8 +248,28 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         # learn this rank has no program instead of waiting for it.
         settle(record, failure=_failure_text(e))
         raise
-    settle(record)
-    return result
+
+
+def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None) -> tuple[T, GraphAudit]:
+    """Compile under audit. Returns the backend's result and the record that was compared last."""
+    before = (len(record.graphs), set(record.broken))
+    result = _run(record, compile, stage)
+    missing = settle(record, may_recompile=True)
+    if missing:
+        # Some rank loaded a level from a cache (AOTAutograd's, inductor's FX
+        # graph cache) that another rank compiled: the ranks without it compile
+        # again with the caches off, so that every level is compared. Every
+        # rank knows ``missing`` from the same summaries: all take the second
+        # exchange. The others wait for them, as they would for any compile.
+        if groups.compile_pg().rank() in missing:
+            again = GraphAudit(record.frame, record.phase)
+            again.graphs, again.broken = record.graphs[:before[0]], set(before[1])
+            counters.audit_cache_recompiles += 1
+            with torch.compiler.config.patch(force_disable_caches=True):
+                result = _run(again, compile, stage)
+            record = again
+        settle(record)
+    return result, record
 
 
 # ------------------------------------------------------------------ the exchange
@@ -248,8 +279,13 @@ def _frame_key(frame: FrameId) -> tuple[str, str, int]:
     return (frame.name, os.path.basename(frame.filename), frame.line)
 
 
-def settle(record: GraphAudit, *, failure: str | None = None) -> None:
-    """Exchange ``record`` with every rank and act on the comparison (identically on every rank)."""
+def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: bool = False) -> list[int]:
+    """Exchange ``record`` with every rank and act on the comparison (identically on every rank).
+
+    With ``may_recompile``, returns the ranks that lack a level some other rank
+    produced (a cache hit there) once the shared levels agree: the caller has
+    them compile again without caches and settles once more. Otherwise [].
+    """
     global _seq
     health.check("audit")
     pg = groups.compile_pg()
@@ -268,7 +304,7 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
         if failed:
             if len(failed) < world:
                 _fail_partial(record, summaries, failed, rank, seq, this_rank_failed=failure is not None)
-            return  # every rank failed: each raises its own error
+            return []  # every rank failed: each raises its own error
         by_rank = [{lv.level: lv for lv in s.levels} for s in summaries]
         common = [lv for lv in LEVELS if all(lv in d for d in by_rank)]
         diverged = [lv for lv in common if len({d[lv].collectives_digest for d in by_rank}) > 1]
@@ -282,16 +318,27 @@ def settle(record: GraphAudit, *, failure: str | None = None) -> None:
             counters.errors += 1
             health.poison(err)
             raise err
+        produced = set().union(*by_rank)
+        missing = [r for r, d in enumerate(by_rank) if set(d) != produced]
+        if missing and may_recompile:
+            log.info("audit #%d of %s: %s lack level(s) %s that other ranks compiled (loaded from a "
+                     "cache?); they compile again without caches so that every level is compared",
+                     seq, record.frame, _ranks_text([members[r] for r in missing]),
+                     ", ".join(sorted(produced - set.intersection(*(set(d) for d in by_rank)))))
+            return missing
+        record.compared = common
         report_only = [lv for lv in common if len({d[lv].graph_digest for d in by_rank}) > 1]
         if report_only:
             _report(record, report_only, by_rank, seq)
-        skipped = sorted(set().union(*by_rank) - set(common))
+        skipped = sorted(produced - set(common))
+        counters.audit_levels_not_compared += len(skipped)
         if skipped:
             log.debug("audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
                       seq, record.frame, ", ".join(skipped))
         if record.phase == "forward":
             _arm_lazy_backwards(record, [s.pending_backwards for s in summaries], seq)
         _emit(record, seq, rank, summaries, report_only)
+        return []
     finally:
         elapsed = time.perf_counter() - started
         counters.audit_time_s += elapsed + record.spent_s

@@ -164,6 +164,32 @@ def use_channel(channel: Any) -> None:
     _state.world = dist.group.WORLD
 
 
+def entry_check_channel() -> tuple[GuardChannel, int] | None:
+    """The guard channel and the number of the last guard collective, for entry agreement.
+
+    None when no guard collective has run in this process group (not
+    distributed, or the guard hook is off): then cache contents are not kept
+    in step and there is nothing to check an entry against.
+    """
+    channel = _state.channel
+    if channel is None or _state.seq == 0 or _state.world is not dist.group.WORLD:
+        return None
+    return channel, _state.seq
+
+
+def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
+    """An entry check's transport failure, through the same failure procedure as the hook's."""
+    rank = dist.get_rank() if dist.is_initialized() else None
+    err = error if isinstance(error, CollectiveError) else translate_failure(
+        error, kind="entry", describe=lambda: describe("entry", rank, seq, frame),
+        rank=rank, seq=seq, frame=frame)
+    if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):
+        err = failure.fail(err, seq=seq)
+    counters.errors += 1
+    health.poison(err)
+    return err
+
+
 def _channel() -> GuardChannel | None:
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is None:
@@ -247,9 +273,16 @@ def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError
         everyone = []
     mine_seq = [s for s, _ in everyone] or [seq]
     lines = "\n".join(
-        f"  rank {members[i]}: guard collective #{s}, compiled frame id {f:#x}" for i, (s, f) in enumerate(everyone)
+        f"  rank {members[i]}: guard collective #{s}, compiled frame id {f:#x}" if s >= 0
+        # the entry check's slow path sends (-seq, entry index): see agreements/entry.py
+        else f"  rank {members[i]}: checking which cache entry it runs (entry #{f}) after guard collective #{-s}"
+        for i, (s, f) in enumerate(everyone)
     )
-    if len(set(mine_seq)) > 1:
+    if any(s < 0 for s in mine_seq):
+        what = ("other ranks are checking the cache entry they run of a frame whose entries run "
+                "different collectives, while this rank went on to another compiled frame (it ran "
+                "an entry without a graph there)")
+    elif len(set(mine_seq)) > 1:
         what = "ranks are at different guard-collective counts"
     else:
         what = "ranks are entering different compiled frames at the same guard-collective count"

@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 
 from .. import config
-from ..agreements import audit, compiler, fingerprint
-from . import bound, table, tooling
+from ..agreements import audit, compiler, entry, fingerprint
+from . import bound, guard_seam, table, tooling
 from .compiler_seam import frame_of
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -62,7 +62,26 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     ensure_backend_seams()
     code = getattr(getattr(self, "root_tx", None), "f_code", None)
     frame = frame_of(code) if code is not None else frame_of_unknown()
-    return audit.audit_graph(frame, gm, lambda: original(self, gm, example_inputs))
+    compiled, program = audit.audit_graph_program(frame, gm, lambda: original(self, gm, example_inputs))
+    if code is None:
+        return compiled
+    # Entry agreement: the program of the cache entry this graph belongs to,
+    # checked before the entry runs (agreements/entry.py).
+    from torch._guards import CompileContext
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    # Dynamo compiles a lazy GraphModule's code right after this returns, which it
+    # recognises only on the unwrapped object: do it here, as it would.
+    lazy = compiled if isinstance(compiled, _LazyGraphModule) else getattr(compiled, "__self__", None)
+    if isinstance(lazy, _LazyGraphModule) and (lazy is compiled or getattr(compiled, "__name__", "") == "_lazy_forward"):
+        _LazyGraphModule.force_recompile(lazy)
+        if lazy is not compiled:
+            compiled = lazy.forward
+    ctx = CompileContext.try_get()
+    return entry.wrap(
+        compiled, code, frame, str(ctx.compile_id), ctx.attempt, entry.GraphProgram(program),
+        check=config.settings.entry_check and guard_seam.hook_active(),
+    )
 
 
 def frame_of_unknown() -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .. import config, health
-from ..agreements import compiler
+from ..agreements import compiler, entry
 from ..errors import CollectiveError
 from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
@@ -225,8 +225,13 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
         _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
+        # Entry agreement: which cache entries this frame's compiles add, in order.
+        building = entry.compile_started(code)
+        kept = False
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            kept = getattr(result, "guarded_code", None) is not None
+            return result
         except bound.exc.InternalTorchDynamoError as e:
             # Dynamo rewraps unknown exceptions "from None"; the original is
             # still the context. Give the user our type back.
@@ -236,6 +241,8 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             _pending.frame = previous
+            if code is not None:
+                entry.compile_finished(code, frame_of(code), building, kept)
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
     return _compile

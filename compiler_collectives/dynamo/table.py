@@ -193,7 +193,15 @@ SEAMS: tuple[Seam, ...] = (
     Seam("CompileContext", "torch._guards", "CompileContext",
          reads=(Read("has current_compile_id() and try_get()",
                      lambda c: callable(getattr(c, "current_compile_id", None))
-                     and callable(getattr(c, "try_get", None))),)),
+                     and callable(getattr(c, "try_get", None))),
+                Read("sets compile_id and attempt", _sets_attributes("compile_id", "attempt")))),
+    Seam("ConvertFrameReturn", "torch._dynamo.types", "ConvertFrameReturn",
+         reads=(Read("has the field guarded_code (what _compile returns)",
+                     lambda c: "guarded_code" in {f.name for f in _dc.fields(c)}),)),
+    Seam("LazyGraphModule.force_recompile", "torch.fx._lazy_graph_module", "_LazyGraphModule.force_recompile",
+         reads=(Read("takes the graph module", _positional("gm")),)),
+    Seam("force_disable_caches", "torch.compiler.config", "force_disable_caches",
+         reads=(Read("is a bool flag", _is_bool),)),
     # -- the guard collective (guard_seam.py)
     Seam("guard_collectives_hook", "torch._dynamo.eval_frame", "guard_collectives_hook",
          replace="guard_seam:guard_hook"),
