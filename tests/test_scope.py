@@ -352,3 +352,67 @@ def test_a_variable_that_cannot_divide_the_world_is_refused():
 
     with pytest.raises(ScopeError):
         from_setting("consecutive:3", 0, 8)
+
+
+PIPELINE_STEPS = 3
+
+
+def pipelining_schedule_scoped_to_the_stage(rank: int, world: int, schedule: str) -> dict:
+    """torch.distributed.pipelining on a 2x2 ("pp", "dp") mesh, each stage's submodule compiled.
+
+    Each dp rank has its own sequence length (fixed over the steps: a pipeline
+    stage allocates its receive buffers from the first step's shapes), so the
+    stage's dp ranks must agree to make that dim dynamic.
+    """
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    import compiler_collectives as cc
+    from compiler_collectives.transport import groups
+
+    cc.enable(guards=True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    cc.scope(mesh["dp"])  # the ranks that run this stage's program
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    submod = full[2 * stage_index: 2 * stage_index + 2]
+    recorder = GraphRecorder()
+    stage = PipelineStage(torch.compile(submod, backend=recorder), stage_index, 2, torch.device("cpu"),
+                          group=mesh["pp"].get_group())
+    # loss_fn on every stage: a schedule without it skips the backward set-up on that stage.
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = schedule_class(stage, n_microbatches=2, loss_fn=lambda out, target: F.mse_loss(out, target))
+    length = 3 + dp
+    generator = torch.Generator().manual_seed(100 + dp)
+    for _ in range(PIPELINE_STEPS):
+        x, y = torch.randn(4, length, 8, generator=generator), torch.randn(4, length, 8, generator=generator)
+        for p in submod.parameters():
+            p.grad = None
+        if stage_index == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+        for p in submod.parameters():
+            dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+    return {**summary(recorder), "stage": stage_index, "transport": cc.stats()["guard_transport"],
+            "scope": list(groups.scope().ranks)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_pipelining_stages_compile_alike_within_each_stage_under_scope(schedule):
+    outcome = run_ranks(pipelining_schedule_scoped_to_the_stage, 4, args=(schedule,), env=ENV, timeout=180)
+    results = outcome.results
+    for ranks in ([0, 1], [2, 3]):  # mesh["dp"]: the ranks of one stage
+        a, b = (results[r] for r in ranks)
+        assert a["stage"] == b["stage"] and a["scope"] == b["scope"] == ranks, (a, b)
+        assert a["graphs"] == b["graphs"] and a["compiles"] == b["compiles"], (a, b)
+        assert a["transport"] == b["transport"] == "shm", (a, b)
+        # The sequence length differs between the dp ranks: dynamic on both, in every graph
+        # (its inputs: the stage's weight and bias, then the [microbatch, length, 8] activations).
+        assert a["graphs"] and all(g[-1] == [2, "s", 8] for g in a["graphs"]), a
+        assert a["audit_divergences"] == 0 and a["forced_recompiles"] == b["forced_recompiles"], (a, b)
+    assert results[0]["stage"] == 0 and results[2]["stage"] == 1
