@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import os
 from typing import Any, Callable, Iterator
@@ -268,9 +269,43 @@ Settings.__doc__ = "Current values of every setting; attribute names match ``Set
 Settings.__module__ = __name__
 
 
-def load_from_env(environ: dict[str, str] | None = None) -> Any:
-    """Build a fresh Settings from ``environ`` (``os.environ`` by default)."""
+PREFIX = "COMPILER_COLLECTIVES_"
+AUTOLOAD_ENV = "COMPILER_COLLECTIVES_AUTOLOAD"
+# Read by something other than the settings table: autoload's switch, the
+# retired log-level variable (a warning at import says so), and scripts/dev's
+# venv cache. Every other COMPILER_COLLECTIVES_* name is a typo.
+OTHER_VARIABLES = (AUTOLOAD_ENV, "COMPILER_COLLECTIVES_LOG_LEVEL", "COMPILER_COLLECTIVES_VENV_CACHE")
+
+
+def known_variables() -> tuple[str, ...]:
+    return tuple(row.env for row in SETTINGS_TABLE) + OTHER_VARIABLES
+
+
+def check_names(environ: dict[str, str] | None = None) -> None:
+    """Raise ``ConfigError`` for a ``COMPILER_COLLECTIVES_*`` variable we do not know.
+
+    A misspelt name (``COMPILER_COLLECTIVES_GAURDS=1``) would otherwise be
+    ignored, and that rank would run with the default while its peers do not.
+    """
     environ = os.environ if environ is None else environ
+    known = known_variables()
+    for name in sorted(environ):
+        if name.startswith(PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"the known ones are {', '.join(known)}"
+            raise ConfigError(f"{name} is not a compiler_collectives variable: {hint} "
+                              "(docs/configuration.md lists them)")
+
+
+def load_from_env(environ: dict[str, str] | None = None) -> Any:
+    """Build a fresh Settings from ``environ`` (``os.environ`` by default).
+
+    Raises ``ConfigError`` naming the variable for a value that does not parse
+    or a ``COMPILER_COLLECTIVES_*`` name that is not ours."""
+    environ = os.environ if environ is None else environ
+    check_names(environ)
+    if AUTOLOAD_ENV in environ:
+        _parse_bool(AUTOLOAD_ENV, environ[AUTOLOAD_ENV])
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for row in SETTINGS_TABLE:

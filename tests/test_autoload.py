@@ -22,7 +22,7 @@ OUR_VARS = (
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in OUR_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in OUR_VARS and not k.startswith("COMPILER_COLLECTIVES_")}
     env.update(extra)
     return env
 
@@ -91,6 +91,63 @@ def test_a_broken_autoload_leaves_import_torch_working_with_one_warning(tmp_path
     warnings = [line for line in proc.stderr.splitlines() if "autoload failed" in line]
     assert len(warnings) == 1, proc.stderr
     assert "Dynamo seam(s) missing or changed: torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing" in warnings[0]
+
+
+IMPORT_TORCH = """
+    import torch
+    print("torch imported")
+"""
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARDS": "ture"},
+     "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off"),
+    ({"COMPILER_COLLECTIVES_GUARDS": "ture"},
+     "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off"),
+    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_TIMEOUT": "5m"},
+     "COMPILER_COLLECTIVES_TIMEOUT='5m': expected a number of seconds"),
+    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "shm"},
+     "COMPILER_COLLECTIVES_GUARD_TRANSPORT='shm': expected one of auto, gloo"),
+    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_AUTOLOAD": "yes please"},
+     "COMPILER_COLLECTIVES_AUTOLOAD='yes please': expected 1/0"),
+], ids=["guards-with-torch-switch", "guards-alone", "timeout", "transport", "autoload"])
+def test_a_bad_value_in_one_of_our_variables_fails_import_torch_naming_it_and_the_accepted_values(env, expected):
+    proc = _python(IMPORT_TORCH, **env)
+    assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"ConfigError: {expected}" in proc.stderr, proc.stderr
+    # one ERROR line of ours says what happens and what to do, besides torch's traceback
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("compiler_collectives: ")]
+    assert len(ours) == 1 and expected in ours[0] and "Stopping this process" in ours[0], proc.stderr
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("COMPILER_COLLECTIVES_GAURDS", "COMPILER_COLLECTIVES_GUARDS"),
+    ("COMPILER_COLLECTIVES_TIMEOUT_S", "COMPILER_COLLECTIVES_TIMEOUT"),
+])
+def test_a_misspelt_variable_name_fails_import_torch_naming_the_closest_known_one(typo, meant):
+    proc = _python(IMPORT_TORCH, TORCH_COMPILER_COLLECTIVES="1", **{typo: "1"})
+    assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"ConfigError: {typo} is not a compiler_collectives variable: did you mean {meant}?" in proc.stderr
+
+
+def test_a_misspelt_guard_switch_alone_fails_import_torch_instead_of_being_ignored():
+    proc = _python(IMPORT_TORCH, COMPILER_COLLECTIVES_GAURDS="1")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "did you mean COMPILER_COLLECTIVES_GUARDS?" in proc.stderr
+
+
+def test_autoload_off_and_the_retired_log_level_variable_still_let_import_torch_through():
+    off = _python("""
+        import sys, torch
+        print("compiler_collectives" in sys.modules)
+    """, COMPILER_COLLECTIVES_AUTOLOAD="0", COMPILER_COLLECTIVES_GAURDS="1")
+    assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
+    retired = _python("""
+        import sys, torch
+        print(sys.modules["compiler_collectives"].is_enabled())
+    """, TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
+    assert retired.returncode == 0 and retired.stdout.strip() == "True", retired.stderr
+    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read" in retired.stderr
 
 
 def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value():

@@ -192,6 +192,27 @@ def private_dev_shm(rank: int, world: int) -> dict:
     return {**result, "logs": records}
 
 
+def store_names_a_file(rank: int, world: int, victim: str) -> dict:
+    """Rank 1, as any client of the c10d store could, writes the key that names the
+    host's segment before the leader does; it names a file the job must not touch."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        store = dist.PrefixStore("compiler_collectives/0/", dist.distributed_c10d._get_default_store())
+        store.set("shm/0/path", victim)  # the key our side channel's store gives the segment's name
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("compiler_collectives").addHandler(Keep(level=logging.INFO))
+    logging.getLogger("compiler_collectives").setLevel(logging.INFO)
+    pattern = _random_pattern(5, world, 20)
+    result = agree_pattern(rank, world, 1, pattern)
+    return {**result, "expected": _expected(pattern), "logs": records}
+
+
 # ---------------------------------------------------------------- one host
 
 
@@ -336,6 +357,108 @@ def test_no_segment_is_left_in_dev_shm_after_the_leader_is_sigkilled_mid_collect
     survivor = outcome.results[1]
     assert survivor["type"] == "PeerFailureError" and survivor["ranks"] == [0], survivor
     assert _segments_of(survivor["pids"]) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_file_named_on_the_store_is_never_opened_or_deleted_and_the_job_falls_back_to_gloo(tmp_path):
+    victim = tmp_path / "precious"
+    victim.write_text("keep me")
+    victim.chmod(0o400)
+    outcome = run_ranks(store_names_a_file, 2, args=(str(victim),), env=ENV, timeout=60)
+    assert victim.read_text() == "keep me"
+    for r in outcome.results:
+        assert r["transport"] == "gloo", r
+        assert r["outcomes"] == r["expected"]
+    fallback = [line for line in outcome.results[0]["logs"] if "falls back to gloo" in line]
+    assert len(fallback) == 1, outcome.results[0]["logs"]
+    assert "c10d store key 'shm/0/path' already held" in fallback[0] and str(victim) in fallback[0]
+    assert any("nothing was opened or deleted" in line for line in outcome.results[1]["logs"])
+
+
+def _segment_file(tmp_path, token: int, *, mode: int = 0o600, header: bool = True, owner: int | None = None,
+                  local_ranks: int = 2) -> str:
+    """A file under our name pattern as someone else might leave it."""
+    path = shm.segment_path(os.getpid(), token)
+    words = [0] * shm.segment_words(local_ranks)
+    if header:
+        words[:6] = [shm.MAGIC, shm.LAYOUT_VERSION, local_ranks, 0, token, shm.pid_namespace()]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    os.write(fd, b"".join(w.to_bytes(8, "little") for w in words))
+    os.fchmod(fd, mode)
+    if owner is not None:
+        os.fchown(fd, owner, owner)
+    os.close(fd)
+    return path
+
+
+@pytest.mark.parametrize("case, why", [
+    ("outside-pattern", "is not a compiler_collectives segment name"),
+    ("symlink", "Too many levels of symbolic links"),  # O_NOFOLLOW
+    ("mode", "its mode is 0644, not 0600"),
+    ("owner", "it belongs to uid 65534"),
+    ("no-header", "does not carry the header its creator wrote"),
+    ("other-token", "does not carry the header its creator wrote"),
+    ("other-rank-count", "it holds 320 bytes, not the 384 its ranks need"),
+])
+def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and_never_deleted(tmp_path, case,
+                                                                                               why):
+    token = int.from_bytes(os.urandom(8), "little") >> 1
+    victim = tmp_path / "precious"
+    victim.write_text("keep me")
+    if case == "outside-pattern":
+        path = str(victim)
+    elif case == "symlink":
+        path = shm.segment_path(os.getpid(), token)
+        os.symlink(victim, path)
+    elif case == "owner":
+        if os.geteuid() != 0:
+            pytest.skip("only root can make a file of another owner")
+        path = _segment_file(tmp_path, token, owner=65534)
+    else:
+        path = _segment_file(tmp_path, token, mode=0o644 if case == "mode" else 0o600,
+                             header=case != "no-header")
+    try:
+        with pytest.raises(OSError) as info:
+            shm.Segment.open(path, 3 if case == "other-rank-count" else 2,
+                             token + 1 if case == "other-token" else token)
+        assert why in str(info.value)
+        assert os.path.lexists(path) and victim.read_text() == "keep me"
+    finally:
+        if path != str(victim):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------- leaked segments
+
+LEAK = """
+import os, sys
+from compiler_collectives.transport import shm
+token = int(sys.argv[1])
+shm.Segment.create(shm.segment_path(os.getpid(), token), 2, token, 0)
+print(shm.segment_path(os.getpid(), token), flush=True)
+os._exit(0)  # as if killed between creating the segment and unlinking its name
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept():
+    token = int.from_bytes(os.urandom(8), "little") >> 1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    child = subprocess.run([sys.executable, "-c", LEAK, str(token)], capture_output=True, text=True,
+                           timeout=60, env=env)
+    assert child.returncode == 0, child.stderr
+    leaked = child.stdout.strip()
+    live_path = shm.segment_path(os.getpid(), token + 1)  # this test process is its live owner
+    live = shm.Segment.create(live_path, 2, token + 1, 0)
+    try:
+        assert os.path.exists(leaked) and os.path.exists(live_path)
+        outcome = run_ranks(list_segments_after_setup, 2, env=ENV, timeout=60)
+        assert outcome.results[0]["transport"] == "shm"
+        assert not os.path.exists(leaked)
+        assert os.path.exists(live_path)
+    finally:
+        live.unlink_name()
+        shm.unlink(leaked)
 
 
 # ---------------------------------------------------------------- fallback

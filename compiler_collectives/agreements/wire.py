@@ -34,6 +34,20 @@ Version rule: any change to the envelope or the entry encoding bumps
 ``FORMAT_VERSION``; ranks must run the same format version, and a payload of
 another version is rejected with ``WireFormatError`` naming the sender and
 both versions. Nothing here ever unpickles anything.
+
+**Bounded decoding.** Every rank decodes every rank's payload, so a payload
+must not be able to cost more than a small multiple of its own size. The
+decoders read a payload one value at a time (``_Reader``): the version is
+checked before anything else is read; the envelope's length, the entries'
+shape and each size/stride's dims are checked from msgpack's headers before
+their items are built; msgpack's own limits cap each string, binary, array
+and map at the payload's size; everything built generically (the frame,
+extras, audit bodies, reasons) is charged to a budget of estimated memory
+(``DECODED_BYTES_PER_BYTE`` times the payload, plus ``DECODE_SLACK``); and
+front-coded names, which can legitimately expand, share a budget of
+``NAME_CHARS_PER_BYTE`` characters per payload byte. A payload over any of
+them is a ``WireFormatError`` naming the sender, raised before the excess is
+allocated.
 """
 
 from __future__ import annotations
@@ -221,61 +235,86 @@ def _atom_in(v: Any, what: str, *, allow_infer: bool, lo: int) -> Any:
     raise _Bad(f"{what}: unexpected value {_show(v)}")
 
 
-def _part_in(v: Any, what: str, *, allow_infer: bool) -> Any:
-    if v is None:
-        return DYNAMIC
-    if v is False:
-        return UNSET
-    _expect(type(v) is list, f"{what} must be a marker or a list, got {type(v).__name__}")
-    _expect(len(v) <= _MAX_DIMS, f"{what} has {len(v)} dims (limit {_MAX_DIMS})")
+def _atom_raw(r: _Reader, what: str, *, allow_infer: bool) -> Any:
+    """One atom's msgpack value: a single value, or for strides ``[d]`` (its header checked first)."""
+    if allow_infer and r.array_next():
+        r.array(f"{what} InferStride", 1, 1)
+        return [r.scalar(f"{what} InferStride dim")]
+    return r.scalar(what)
+
+
+def _part_in(r: _Reader, what: str, *, allow_infer: bool) -> Any:
+    if not r.array_next():
+        v = r.scalar(what)
+        _expect(v is None or v is False, f"{what} must be a marker or a list, got {type(v).__name__}")
+        return DYNAMIC if v is None else UNSET
+    n = r.array(what)
+    _expect(n <= _MAX_DIMS, f"{what} has {n} dims (limit {_MAX_DIMS})")
     atoms = tuple(
-        _atom_in(a, f"{what}[{i}]", allow_infer=allow_infer, lo=0) for i, a in enumerate(v)
+        _atom_in(_atom_raw(r, f"{what}[{i}]", allow_infer=allow_infer), f"{what}[{i}]",
+                 allow_infer=allow_infer, lo=0)
+        for i in range(n)
     )
     _expect(all(a is not UNSET for a in atoms), f"{what} has an unset dim")
     return atoms
 
 
-def _entry_in(name: str, v: Any) -> SizeEntry:
+def _entry_in(r: _Reader, name: str) -> SizeEntry:
     what = f"entry {name!r}"
-    _expect(type(v) is list and 3 <= len(v) <= 5, f"{what} must be a list of 3 to 5 items")
-    scalar = _atom_in(v[0], f"{what} scalar", allow_infer=False, lo=_INT64_MIN)
-    size = _part_in(v[1], f"{what} size", allow_infer=False)
-    stride = _part_in(v[2], f"{what} stride", allow_infer=True)
+    n = r.array(what, 3, 5)
+    scalar = _atom_in(r.scalar(f"{what} scalar"), f"{what} scalar", allow_infer=False, lo=_INT64_MIN)
+    size = _part_in(r, f"{what} size", allow_infer=False)
+    stride = _part_in(r, f"{what} stride", allow_infer=True)
     excluded_sizes = None
     excluded_scalar = None
-    if len(v) >= 4 and v[3] is not None:
-        _expect(type(v[3]) is list and len(v[3]) <= _MAX_DIMS, f"{what} excluded_sizes must be a list")
-        excluded_sizes = tuple(
-            None if s is None else _int(s, f"{what} excluded_sizes[{i}]", lo=0)
-            for i, s in enumerate(v[3])
-        )
-    if len(v) == 5:
-        excluded_scalar = _int(v[4], f"{what} excluded_scalar")
+    if n >= 4:
+        if r.array_next():
+            count = r.array(f"{what} excluded_sizes", 0, _MAX_DIMS)
+            excluded_sizes = tuple(
+                None if s is None else _int(s, f"{what} excluded_sizes[{i}]", lo=0)
+                for i, s in ((i, r.scalar(f"{what} excluded_sizes[{i}]")) for i in range(count))
+            )
+        else:
+            _expect(r.scalar(f"{what} excluded_sizes") is None, f"{what} excluded_sizes must be a list")
+    if n == 5:
+        excluded_scalar = _int(r.scalar(f"{what} excluded_scalar"), f"{what} excluded_scalar")
     return SizeEntry(scalar, size, stride, excluded_sizes, excluded_scalar)
 
 
-def _state_in(v: Any) -> LocalState:
-    _expect(type(v) is list and len(v) == 3, "state must be [entries, fresh, extras]")
-    raw_entries, fresh, raw_extras = v
-    _expect(type(raw_entries) is list, "entries must be a list")
-    _expect(type(fresh) is bool, "frame_state_fresh must be a bool")
-    _expect(type(raw_extras) is dict, "extras must be a map")
+def _name_in(r: _Reader, i: int, previous: str) -> str:
+    """entries[i]'s source name: a string, or ``[k, suffix]`` (charged to the name budget)."""
+    if r.array_next():
+        what = f"entries[{i}] front-coded name must be [k <= {len(previous)}, suffix]"
+        r.array(what, 2, 2)
+        k, suffix = r.scalar(what), r.scalar(what)
+        _expect(type(k) is int and 0 <= k <= len(previous) and type(suffix) is str, what)
+        r.charge_name(k + len(suffix))
+        return previous[:k] + suffix
+    name = r.scalar(f"entries[{i}] name")
+    _expect(type(name) is str, f"entries[{i}] name must be a non-empty string")
+    r.charge_name(len(name))
+    return name
+
+
+def _state_in(r: _Reader) -> LocalState:
+    if not r.array_next():
+        r.value()
+        raise _Bad("state must be [entries, fresh, extras]")
+    r.array("state [entries, fresh, extras]", 3, 3)
+    count = r.array("entries")
     entries: dict[str, SizeEntry] = {}
     previous = ""
-    for i, pair in enumerate(raw_entries):
-        _expect(type(pair) is list and len(pair) == 2, f"entries[{i}] must be [name, entry]")
-        name, raw = pair
-        if type(name) is list:
-            _expect(
-                len(name) == 2 and type(name[0]) is int and 0 <= name[0] <= len(previous)
-                and type(name[1]) is str,
-                f"entries[{i}] front-coded name must be [k <= {len(previous)}, suffix]",
-            )
-            name = previous[: name[0]] + name[1]
-        _expect(type(name) is str and name != "", f"entries[{i}] name must be a non-empty string")
+    for i in range(count):
+        r.array(f"entries[{i}] [name, entry]", 2, 2)
+        name = _name_in(r, i, previous)
+        _expect(name != "", f"entries[{i}] name must be a non-empty string")
         previous = name
         _expect(name not in entries, f"source {name!r} appears twice")
-        entries[name] = _entry_in(name, raw)
+        entries[name] = _entry_in(r, name)
+    fresh = r.scalar("frame_state_fresh")
+    _expect(type(fresh) is bool, "frame_state_fresh must be a bool")
+    raw_extras = r.value()
+    _expect(type(raw_extras) is dict, "extras must be a map")
     fields = registered_fields()
     extras: dict[str, Any] = {}
     for name, raw in raw_extras.items():
@@ -291,28 +330,173 @@ def _state_in(v: Any) -> LocalState:
     return LocalState(automatic_dynamic=entries, frame_state_fresh=fresh, extras=extras)
 
 
-def _unpack(data: Any, max_bytes: int, fail: Callable[[str], WireFormatError]) -> Any:
-    """Bounded msgpack decoding of a peer's bytes (never pickle); ``fail(why)`` makes the error."""
+DECODED_BYTES_PER_BYTE = 16
+"""Budget for values built generically (the frame, extras, audit bodies, reasons): estimated
+bytes of Python objects per payload byte, charged before each is built. An empty msgpack
+array is one byte but a 56-byte list; legitimate payloads stay far below."""
+NAME_CHARS_PER_BYTE = 32
+"""Budget for source names, front-coded ones included, in characters per payload byte. A
+front-coded name costs a few bytes however long its shared prefix, so names may legitimately
+expand (long module paths share long prefixes); without a cap a 1 MiB payload built names
+of 3 GB."""
+DECODE_SLACK = 1 << 20  # added to both budgets: small payloads never come near them
+
+_ARRAY_FIRST = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+def _cost(v: Any) -> int:
+    """Estimated bytes of a Python object built from msgpack, beyond its reference; lists and
+    maps are charged on their own (singletons: nothing)."""
+    t = type(v)
+    if t is str:
+        return 49 + len(v) if len(v) > 1 else 0
+    if t is bytes:
+        return 33 + len(v) if len(v) > 1 else 0
+    if t is int:
+        return 0 if -5 <= v <= 256 else 36
+    if t is float:
+        return 24
+    return 0 if v is None or t is bool or t is list or t is dict else 64
+
+
+class _Reader:
+    """A peer's payload read one value at a time, within the limits above (raises ``_Bad``).
+
+    The parts whose shape the format fixes are read header first (``array``, ``scalar``),
+    so a list of the wrong length or a container where a single value belongs is refused
+    before anything in it is built; ``value`` builds anything else, within the budget."""
+
+    __slots__ = ("_data", "_up", "_left", "_names_left")
+
+    def __init__(self, data: bytes) -> None:
+        n = len(data)
+        self._data = data
+        self._left = DECODED_BYTES_PER_BYTE * n + DECODE_SLACK
+        self._names_left = NAME_CHARS_PER_BYTE * n + DECODE_SLACK
+        # No item can be longer than the payload, nor a map hold more pairs than half of it.
+        self._up = msgpack.Unpacker(
+            raw=False, use_list=True, strict_map_key=True, max_buffer_size=max(n, 1),
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
+        )
+        self._up.feed(data)
+
+    def _charge(self, cost: int) -> None:
+        self._left -= cost
+        if self._left < 0:
+            raise _Bad(f"it decodes to more than {DECODED_BYTES_PER_BYTE} bytes of Python objects per "
+                       "payload byte")
+
+    def charge_name(self, chars: int) -> None:
+        self._names_left -= chars
+        if self._names_left < 0:
+            raise _Bad(f"its source names decode to more than {NAME_CHARS_PER_BYTE} characters per "
+                       "payload byte (front-coded names each repeating a long prefix)")
+
+    def _next(self) -> int | None:
+        at = self._up.tell()
+        return self._data[at] if at < len(self._data) else None
+
+    def array_next(self) -> bool:
+        return self._next() in _ARRAY_FIRST
+
+    def container_next(self) -> bool:
+        first = self._next()
+        return first in _ARRAY_FIRST or first in _MAP_FIRST
+
+    def _read(self, step: Callable[[], Any]) -> Any:
+        try:
+            return step()
+        except Exception as e:  # msgpack raises several unrelated types
+            raise _Bad(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
+    def value(self) -> Any:
+        """The next value, whatever it is, charged to the budget as it is built.
+
+        msgpack's C decoder builds it, calling back for each list and map once built
+        (with its items); no single list or map may hold more items than the budget left
+        could pay for, so what is built beyond the budget is at most that budget again."""
+        start = self._up.tell()
+        self._read(self._up.skip)  # its extent, nothing built
+        raw = self._data[start:self._up.tell()]
+        longest = max(self._left // 72, 16)  # 72: the most one item of a list can cost
+        try:
+            v = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True,
+                                max_str_len=len(raw), max_bin_len=len(raw), max_ext_len=len(raw),
+                                max_array_len=min(len(raw), longest), max_map_len=min(len(raw) // 2, longest),
+                                list_hook=self._list, object_hook=self._map)
+        except _Bad:
+            raise
+        except Exception as e:  # msgpack raises several unrelated types
+            raise _Bad(f"not valid msgpack ({type(e).__name__}: {e})") from None
+        self._charge(_cost(v))
+        return v
+
+    def _list(self, items: list) -> list:
+        self._charge(56 + 8 * len(items) + sum(map(_cost, items)))
+        return items
+
+    def _map(self, items: dict) -> dict:
+        self._charge(64 + 48 * len(items) + sum(map(_cost, items.keys())) + sum(map(_cost, items.values())))
+        return items
+
+    def scalar(self, what: str) -> Any:
+        """The next value, which must not be a list or map (checked before it is built)."""
+        _expect(not self.container_next(), f"{what}: a list or map where a single value belongs")
+        return self.value()
+
+    def array(self, what: str, lo: int = 0, hi: int | None = None) -> int:
+        """The next value's length, which must be an array of lo..hi items (from its header)."""
+        if not self.array_next():
+            self.value()  # invalid msgpack says so; anything else is the wrong type
+            raise _Bad(f"{what} must be a list")
+        n = self._read(self._up.read_array_header)
+        if hi is None:
+            _expect(lo <= n, f"{what} must have at least {lo} item(s)")
+        else:
+            _expect(lo <= n <= hi, f"{what} must be a list of {lo if lo == hi else f'{lo} to {hi}'} items, got {n}")
+        return n
+
+    def end(self) -> None:
+        _expect(self._up.tell() == len(self._data),
+                f"not valid msgpack ({len(self._data) - self._up.tell()} bytes of extra data after the envelope)")
+
+
+def _reader(data: Any, max_bytes: int, fail: Callable[[str], WireFormatError]) -> _Reader:
+    """A bounded reader of a peer's bytes (never pickle); ``fail(why)`` makes the error."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise fail(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise fail(f"{len(data)} bytes exceeds the limit of {max_bytes} (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)")
-    try:
-        return msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise fail(f"not valid msgpack ({type(e).__name__}: {e})") from None
+    return _Reader(bytes(data))
 
 
-def _version_in(obj: Any) -> int:
-    """The envelope's format version, which must be ours (raises ``_Bad``)."""
-    _expect(type(obj) is list and len(obj) > 0, "envelope must be a non-empty list")
-    version = obj[0]
+def _envelope_head(r: _Reader, versions: str, *, speaks: int) -> tuple[int, list[Any]]:
+    """(envelope length, [version, package, rank, world, frame, seq, sent_at]), the version
+    checked before any other item is read (raises ``_Bad``)."""
+    if not r.array_next():
+        r.value()
+        raise _Bad("envelope must be a non-empty list")
+    n = r.array("envelope")
+    _expect(n > 0, "envelope must be a non-empty list")
+    version = r.scalar("format version")
+    _version_in(version, lambda: r.value() if n > 1 else None, versions, speaks)
+    _expect(n <= 9, f"envelope must have 8 or 9 items, got {n}")
+    head = [version] + [r.value() for _ in range(1, min(n, 7))]
+    return n, head
+
+
+def _version_in(version: Any, package: Callable[[], Any], what: str = "wire format",
+                speaks: int = FORMAT_VERSION) -> int:
+    """The format version, which must be ours (raises ``_Bad``); ``package()`` reads the
+    sender's package version, only for the message."""
     _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
-    if version != FORMAT_VERSION:
-        pkg = obj[1] if len(obj) > 1 and type(obj[1]) is str else "unknown"
+    if version != speaks:
+        pkg = package()
         raise _Bad(
-            f"wire format version {version} (package {pkg}), this rank speaks version "
-            f"{FORMAT_VERSION} (package {__version__}); install the same compiler_collectives "
+            f"{what} version {version}{f' (package {pkg})' if type(pkg) is str else ''}, "
+            "this rank speaks version "
+            f"{speaks} (package {__version__}); install the same compiler_collectives "
             "version on every rank"
         )
     return version
@@ -354,17 +538,19 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
             ranks=(sender,),
         )
 
-    obj = _unpack(data, max_bytes, fail)
+    r = _reader(data, max_bytes, fail)
     try:
-        version = _version_in(obj)
-        if len(obj) == 9 and obj[7] == AUDIT:
+        n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
+        version = obj[0]
+        if n == 9 and r.value() == AUDIT:
             raise _OutOfStep(
                 f"rank {sender} sent a program-audit payload ({_peer_position(obj)}) while this "
                 "rank runs a compiler collective"
             )
-        _expect(len(obj) == 8, f"envelope must have 8 items, got {len(obj)}")
+        _expect(n == 8, f"envelope must have 8 items, got {n}")
         pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
-        local_state = _state_in(obj[7])
+        local_state = _state_in(r)
+        r.end()
     except _Bad as e:
         raise fail(str(e)) from None
     except _OutOfStep as e:
@@ -567,17 +753,19 @@ def decode_audit(
             ranks=(sender,),
         )
 
-    obj = _unpack(data, max_bytes, fail)
+    r = _reader(data, max_bytes, fail)
     try:
-        version = _version_in(obj)
-        if len(obj) == 8:
+        n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
+        version = obj[0]
+        if n == 8:
             raise _OutOfStep(
                 f"rank {sender} is in a compiler collective ({_peer_position(obj)}) while this rank "
                 "audits a compiled graph"
             )
-        _expect(len(obj) == 9 and obj[7] == AUDIT, "audit envelope must have 9 items tagged 'audit'")
+        _expect(n == 9 and r.value() == AUDIT, "audit envelope must have 9 items tagged 'audit'")
         pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
-        parsed = _audit_body_in(obj[8])
+        parsed = _audit_body_in(r.value())
+        r.end()
     except _Bad as e:
         raise fail(str(e)) from None
     except _OutOfStep as e:
@@ -635,18 +823,18 @@ def decode_reasons(
             ranks=(sender,),
         )
 
-    obj = _unpack(data, max_bytes, fail)
+    r = _reader(data, max_bytes, fail)
     try:
-        _expect(type(obj) is list and len(obj) > 0, "payload must be a non-empty list")
-        version = obj[0]
-        _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
-        _expect(
-            version == REASONS_FORMAT_VERSION,
-            f"recompile-reason format version {version}, this rank speaks version "
-            f"{REASONS_FORMAT_VERSION} (package {__version__}); install the same "
-            "compiler_collectives version on every rank",
-        )
-        _expect(len(obj) == 7, f"payload must have 7 items, got {len(obj)}")
+        if not r.array_next():
+            r.value()
+            raise _Bad("payload must be a non-empty list")
+        n = r.array("payload")
+        _expect(n > 0, "payload must be a non-empty list")
+        _version_in(r.scalar("format version"), lambda: None, "recompile-reason format",
+                    REASONS_FORMAT_VERSION)
+        _expect(n == 7, f"payload must have 7 items, got {n}")
+        obj = [REASONS_FORMAT_VERSION] + [r.value() for _ in range(6)]
+        r.end()
         _, tag, rank, world, seq, missed, reasons = obj
         _expect(tag == REASONS_TAG, f"payload tag {_show(tag)}, expected {REASONS_TAG!r}")
         _int(rank, "sender rank", lo=0)

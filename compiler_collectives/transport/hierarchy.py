@@ -7,11 +7,19 @@ together, and picks the guard mechanism (``COMPILER_COLLECTIVES_GUARD_TRANSPORT`
    agent's ``GROUP_RANK`` when set, so two agents on one machine are two
    hosts) and whether it can use shared memory at all; one all-gather on the
    guard group shares both.
-2. Each host's lowest rank (its leader) creates a segment under a random
-   name and publishes the name on the c10d store; the others map it and
-   register in their slots. Once every local rank has reported, each checks
-   that it sees every peer's slot and process (the probe), and the segment's
-   name is unlinked: nothing is left in /dev/shm whatever happens later.
+   The same all-gather carries each rank's pid and a random token, from
+   which every rank computes the name of its leader's segment.
+2. Each host's lowest rank (its leader) first removes segments that dead
+   jobs left behind (``shm.remove_leaked_segments``), then creates its segment
+   under that name and publishes the name on the c10d store; the others map
+   it only if the store names exactly the segment they computed and the file
+   passes ``shm.Segment.open``'s checks, and register in their slots. The
+   store is reachable by any client that can reach its port, so a name read
+   from it is never opened as given, and never unlinked. Once every local
+   rank has reported, each checks that it sees every peer's slot and process
+   (the probe), and the segment's name is unlinked by its creator and by
+   every rank that verified it: nothing is left in /dev/shm whatever happens
+   later.
 3. A second all-gather shares the probe results. If any rank cannot use
    shared memory, every rank falls back to the gloo all-reduce, and rank 0
    logs one line saying why.
@@ -250,24 +258,36 @@ def _wait_count(store: Any, key: str, target: int, timeout_s: float) -> bool:
     return True
 
 
-def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float
-                 ) -> tuple[shm.Segment | None, str | None]:
-    """Create or map this host's segment and run the probe; (segment, None) or (None, why not)."""
+def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float,
+                 leader: tuple[int, int]) -> tuple[shm.Segment | None, str | None]:
+    """Create or map this host's segment and run the probe; (segment, None) or (None, why not).
+
+    ``leader`` is the (pid, token) the host's leader all-gathered: its segment's name."""
     index = local_ranks.index(rank)
     n = len(local_ranks)
     prefix = f"shm/{host}/"
+    key = prefix + "path"
+    path = shm.segment_path(*leader)
     segment: shm.Segment | None = None
-    path = None
     why: str | None = None
     try:
         if index == 0:
-            path = os.path.join(shm.SHM_DIR, f"compiler_collectives-{os.getpid()}-{secrets.token_hex(8)}")
-            segment = shm.Segment.create(path, n)
-            store.set(prefix + "path", path)
+            for leaked in shm.remove_leaked_segments():
+                log.info("removed %s, a shared-memory segment left by a job whose ranks are all gone", leaked)
+            segment = shm.Segment.create(path, n, leader[1], rank)
+            # compare_set: a value someone else put there first is never overwritten, and is refused.
+            published = store.compare_set(key, "", path).decode(errors="replace")
+            if published != path:
+                raise ValueError(f"the c10d store key {key!r} already held {published[:200]!r}, written "
+                                 "by another client of the store; not sharing a segment through it")
         else:
-            store.wait([prefix + "path"], datetime.timedelta(seconds=timeout_s))
-            path = store.get(prefix + "path").decode()
-            segment = shm.Segment.open(path, n)
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            published = store.get(key).decode(errors="replace")
+            if published != path:
+                raise ValueError(f"the c10d store key {key!r} names {published[:200]!r}, not {path}, the "
+                                 f"segment rank {local_ranks[0]} created: another client of the store wrote "
+                                 "it; nothing was opened or deleted")
+            segment = shm.Segment.open(path, n, leader[1])
         segment.register(index, rank)
     except Exception as e:  # noqa: BLE001 - any reason means: not here, use gloo
         why = f"{type(e).__name__}: {e}"
@@ -276,8 +296,10 @@ def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeo
         store.add(prefix + "reported", 1)
     if not _wait_count(store, prefix + "reported", n, timeout_s):
         why = why or f"not every rank of this host reported on its segment within {timeout_s:.0f}s"
-    if path is not None:
-        shm.unlink(path)  # every local rank has mapped it or given up: the name can go
+    if segment is not None:
+        # Every local rank has mapped it or given up: the name can go. Only a rank that
+        # created or verified this very file removes it.
+        segment.unlink_name()
     if why is None and segment is not None:
         why = segment.probe(local_ranks)
     return (segment, None) if why is None else (None, why)
@@ -298,21 +320,22 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
     index = pg.rank()
     rank = ranks[index]
     reason = shm.unavailable_reason()
-    keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1])
+    keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1, os.getpid(), secrets.randbits(63)])
     hosts_of: dict[int, list[int]] = {}  # host key -> its global ranks, hosts in order of their lowest rank
-    for i, (key, _) in enumerate(keys):
+    for i, (key, *_) in enumerate(keys):
         hosts_of.setdefault(key, []).append(ranks[i])
     hosts_order = list(hosts_of)
     host = hosts_order.index(keys[index][0])
     local_ranks = hosts_of[keys[index][0]]
     # Every rank sees the same lists, so every rank takes the same branch and runs the same collectives.
-    unable = [ranks[i] for i, (_, ok) in enumerate(keys) if not ok]
+    unable = [ranks[i] for i, (_, ok, _, _) in enumerate(keys) if not ok]
+    leader = tuple(keys[ranks.index(local_ranks[0])][2:])  # (pid, token): the name of this host's segment
     segment = None
     if not unable:
         try:
             # Store calls only: bounded, since the store's own timeout bounds none of them.
             segment, reason = bounded(
-                lambda: _map_segment(store, host, local_ranks, rank, settings.timeout_s),
+                lambda: _map_segment(store, host, local_ranks, rank, settings.timeout_s, leader),
                 settings.timeout_s + 5.0, "while mapping the shared-memory segment")
         except StoreUnresponsive as e:
             segment, reason = None, str(e)

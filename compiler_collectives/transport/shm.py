@@ -3,7 +3,9 @@
 Layout, in 64-bit words (eight words are one 64-byte cache line, so no two
 ranks ever write the same line):
 
-* line 0: header: magic, layout version, number of local ranks, failure word;
+* line 0: header: magic, layout version, number of local ranks, failure word,
+  the creator's random token, the creator's pid namespace (inode of
+  /proc/self/ns/pid);
 * line 1 + i: local rank i's slot: [0] its word for even calls, [1] for odd
   calls, [2] pid, [3] process start time, [4] global rank;
 * line 1 + n: the host leader's result: [0] even calls, [1] odd calls
@@ -44,6 +46,19 @@ for still exist, read from ``/proc`` and checked against their start time,
 so a SIGKILLed peer is noticed within tens of milliseconds and a SIGSTOPped
 one is named at the deadline. Where futexes are not available (not Linux on
 x86-64 or AArch64) waiting yields until the word arrives.
+
+**Names and trust.** A segment is ``/dev/shm/compiler_collectives-<pid>-<token>``
+(the creator's pid, 16 hex digits of its random token); a name is computed
+from what the ranks all-gathered, never taken from the store as given.
+``Segment.open`` opens only such names, with ``O_NOFOLLOW``, and uses the file
+only if it is a regular file of this user, mode 0600, of the exact size, whose
+header carries our magic, layout version, rank count and the creator's token.
+Only a rank that created or so verified a segment unlinks its name, and only
+while the name still holds that very file. The creator writes the header and
+registers itself before the name appears (``O_TMPFILE``, then a link), so
+``remove_leaked_segments`` can tell a segment of a job whose every rank died
+before unlinking it (all registered owners gone from ``/proc``) from one
+being set up.
 """
 
 from __future__ import annotations
@@ -55,6 +70,9 @@ import logging
 import mmap
 import os
 import platform
+import re
+import stat
+import struct
 import sys
 import time
 from typing import Callable
@@ -65,11 +83,11 @@ from ..errors import CollectiveTimeoutError, PeerFailureError
 log = logging.getLogger("compiler_collectives.transport.shm")
 
 MAGIC = 0x63635F73686D3031  # "cc_shm01"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 LINE = 8  # words per cache line
 FLAGS_PER_LINE = 8 * LINE  # one byte per local rank
 
-_HDR_MAGIC, _HDR_VERSION, _HDR_NRANKS, _HDR_FAIL = 0, 1, 2, 3
+_HDR_MAGIC, _HDR_VERSION, _HDR_NRANKS, _HDR_FAIL, _HDR_TOKEN, _HDR_PIDNS = 0, 1, 2, 3, 4, 5
 _SLOT_PID, _SLOT_START, _SLOT_RANK = 2, 3, 4
 
 WRITTEN = 1 << 63
@@ -85,6 +103,51 @@ SLEEP_S = 0.002  # one futex sleep at most: bounds a missed wake-up
 LIVENESS_PERIOD_S = 0.05
 
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "compiler_collectives-"
+_SEGMENT_NAME = re.compile(r"compiler_collectives-[1-9][0-9]{0,9}-[0-9a-f]{16}\Z")
+MAX_LOCAL_RANKS = 1 << 16  # a header claiming more is not ours
+
+
+def segment_path(pid: int, token: int) -> str:
+    """The name of the segment a process with this pid and 63-bit token creates."""
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{pid}-{token:016x}")
+
+
+def is_segment_path(path: str) -> bool:
+    """Whether ``path`` has the form ``segment_path`` gives (nothing else is ever opened)."""
+    return os.path.dirname(path) == SHM_DIR and _SEGMENT_NAME.match(os.path.basename(path)) is not None
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (an inode number), 0 if unknown: pids in /proc mean
+    something only within one namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _link_tmpfile(fd: int, path: str) -> None:
+    """Give an ``O_TMPFILE`` file its name. CPython calls link(2), which does not follow
+    the /proc/self/fd symlink, unless a dir fd is passed: then linkat(AT_SYMLINK_FOLLOW)."""
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=root, follow_symlinks=True)
+    finally:
+        os.close(root)
+
+
+def _refusal(st: os.stat_result, size: int) -> str | None:
+    """Why an open file is not one of our segments of ``size`` bytes, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    if st.st_size != size:
+        return f"it holds {st.st_size} bytes, not the {size} its ranks need"
+    return None
 
 
 def tag(n: int) -> int:
@@ -174,6 +237,8 @@ class Segment:
         self.local_ranks = local_ranks
         size = segment_words(local_ranks) * 8
         try:
+            st = os.fstat(fd)
+            self.file_id = (st.st_dev, st.st_ino)  # what unlink_name checks the name still holds
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -183,30 +248,72 @@ class Segment:
         self.asleep = (ctypes.c_uint8 * (flag_lines(local_ranks) * FLAGS_PER_LINE)).from_buffer(self._map, first)
 
     @classmethod
-    def create(cls, path: str, local_ranks: int) -> "Segment":
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def create(cls, path: str, local_ranks: int, token: int, global_rank: int) -> "Segment":
+        """Create ``path`` (``segment_path(os.getpid(), token)``) with its header written and
+        this process registered in slot 0 before the name appears."""
+        size = segment_words(local_ranks) * 8
+        flags = os.O_RDWR | os.O_CLOEXEC
+        try:  # unnamed until complete, so no one ever sees a half-made segment
+            fd = os.open(SHM_DIR, flags | os.O_TMPFILE, 0o600)
+            named = False
+        except (AttributeError, OSError):  # no O_TMPFILE here: the name exists from the start
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            named = True
         try:
-            os.ftruncate(fd, segment_words(local_ranks) * 8)
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.ftruncate(fd, size)
+            seg = cls(path, local_ranks, os.dup(fd))
+            seg.words[_HDR_NRANKS] = local_ranks
+            seg.words[_HDR_TOKEN] = token
+            seg.words[_HDR_PIDNS] = pid_namespace()
+            seg.words[_HDR_VERSION] = LAYOUT_VERSION
+            seg.words[_HDR_MAGIC] = MAGIC
+            seg.register(0, global_rank)
+            if not named:
+                _link_tmpfile(fd, path)
+                named = True
         except BaseException:
-            os.close(fd)
-            unlink(path)
+            if named:
+                unlink(path)
             raise
-        seg = cls(path, local_ranks, fd)
-        seg.words[_HDR_NRANKS] = local_ranks
-        seg.words[_HDR_VERSION] = LAYOUT_VERSION
-        seg.words[_HDR_MAGIC] = MAGIC
+        finally:
+            os.close(fd)
         return seg
 
     @classmethod
-    def open(cls, path: str, local_ranks: int) -> "Segment":
-        fd = os.open(path, os.O_RDWR)
-        if os.fstat(fd).st_size < segment_words(local_ranks) * 8:
+    def open(cls, path: str, local_ranks: int, token: int) -> "Segment":
+        """Map the segment another local rank created, after checking it is one: our name
+        pattern, no symlink, a regular file of this user, mode 0600, exact size, our header
+        with the creator's ``token``. Raises ``OSError`` saying why not; never unlinks."""
+        if not is_segment_path(path):
+            raise OSError(errno.EINVAL, f"{path!r} is not a compiler_collectives segment name "
+                          f"({SHM_DIR}/{SEGMENT_PREFIX}<pid>-<16 hex digits>); not opening it")
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            why = _refusal(os.fstat(fd), segment_words(local_ranks) * 8)
+        except BaseException:
             os.close(fd)
-            raise OSError(errno.EINVAL, f"segment {path} is smaller than {local_ranks} slots need")
+            raise
+        if why is not None:
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"segment {path}: {why}; not using it")
         seg = cls(path, local_ranks, fd)
-        if seg.words[_HDR_MAGIC] != MAGIC or seg.words[_HDR_VERSION] != LAYOUT_VERSION:
-            raise OSError(errno.EINVAL, f"segment {path} has no compiler_collectives header")
+        words = seg.words
+        if (words[_HDR_MAGIC] != MAGIC or words[_HDR_VERSION] != LAYOUT_VERSION
+                or words[_HDR_NRANKS] != local_ranks or words[_HDR_TOKEN] != token):
+            raise OSError(errno.EINVAL, f"segment {path} does not carry the header its creator wrote "
+                          f"(compiler_collectives layout {LAYOUT_VERSION}, {local_ranks} ranks, its token); "
+                          "not using it")
         return seg
+
+    def unlink_name(self) -> None:
+        """Remove this segment's name, if it still names this very file (the mapping stays)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self.file_id:
+            unlink(self.path)
 
     def register(self, index: int, global_rank: int) -> None:
         """Publish this process in its slot, for the probe and for peers' liveness checks."""
@@ -240,6 +347,71 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    ident = process_identity(pid)
+    return ident is not None and ident[0] not in ("Z", "X") and ident[1] == start
+
+
+def _remove_if_leaked(path: str, namespace: int) -> bool:
+    """Unlink ``path`` if it is our segment and every process registered in it is gone."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        header = os.pread(fd, LINE * 8, 0)
+        if len(header) != LINE * 8:
+            return False
+        magic, version, n, _, _, owner_ns = struct.unpack("=6Q", header[:48])
+        if (magic != MAGIC or version != LAYOUT_VERSION or owner_ns != namespace
+                or not 1 <= n <= MAX_LOCAL_RANKS
+                or _refusal(st, segment_words(n) * 8) is not None):
+            return False  # not one of ours, another layout, or pids we cannot judge
+        owners = []
+        for i in range(n):
+            slot = os.pread(fd, LINE * 8, LINE * 8 * (1 + i))
+            pid, start = struct.unpack_from("=2Q", slot, 8 * _SLOT_PID)
+            if pid:
+                owners.append((pid, start))
+        # The creator registers before the name appears: no owner at all is not ours to judge.
+        if not owners or any(_owner_alive(pid, start) for pid, start in owners):
+            return False
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_leaked_segments() -> list[str]:
+    """Unlink the segments of dead jobs; the paths removed.
+
+    A job whose every local rank died between creating its segment and
+    unlinking the name leaves the file behind. Removed: only names of our
+    pattern, regular files of this user with our header, created in this pid
+    namespace, whose every registered process (pid and start time, from
+    /proc) is gone. Never raises.
+    """
+    namespace = pid_namespace()
+    removed: list[str] = []
+    if not namespace:
+        return removed
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        if not is_segment_path(path):
+            continue
+        try:
+            if _remove_if_leaked(path, namespace):
+                removed.append(path)
+        except (OSError, struct.error):
+            continue
+    return removed
 
 
 @dataclasses.dataclass(frozen=True)

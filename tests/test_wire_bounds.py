@@ -1,0 +1,225 @@
+"""What a peer's bytes may cost to decode: memory and time bounded by the payload's size.
+
+Each case runs in a child process whose address space is capped (``RLIMIT_AS``:
+what it has mapped after importing the package, plus ``HEADROOM_MIB``) and
+whose wall time is capped by the parent, so a decoder that blows up fails the
+test (MemoryError, or killed at the deadline) instead of taking the machine
+down. Run as ``python -m tests.test_wire_bounds CASE PAYLOAD_FILE`` it is that
+child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+
+# Every test here decodes in a child process under a memory limit: the multi-process tier.
+pytestmark = pytest.mark.multiprocess
+
+HEADROOM_MIB = 256
+GROWTH_MIB = 128  # what one decode may add to the child's peak resident memory
+DECODE_S = 3.0  # what one decode may take (the fixed decoders take well under 0.1 s here)
+SENDER = 1
+WORLD = 2
+MAX_BYTES = 16 * 1024 * 1024  # the default COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES
+FRAME = ["forward", "/srv/job/model.py", 12]
+
+
+def _header(version: int = 1) -> list:
+    return [version, "0.1.0", SENDER, WORLD, FRAME, 3, 1.5]
+
+
+def _cap_address_space() -> None:
+    import resource
+
+    with open("/proc/self/statm") as fh:
+        mapped = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + HEADROOM_MIB * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _decode_all(data: bytes) -> dict:
+    """Every decoder on ``data``: each must return or raise one of our errors (not, say,
+    MemoryError turned into one), within the memory and time bounds."""
+    import resource
+
+    from compiler_collectives.agreements import wire
+    from compiler_collectives.errors import CollectiveDesyncError, WireFormatError
+
+    out = {}
+    for name in ("decode", "decode_audit", "decode_reasons"):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.monotonic()
+        try:
+            getattr(wire, name)(data, sender=SENDER, max_bytes=MAX_BYTES, expected_world_size=WORLD)
+            outcome = "decoded"
+        except (WireFormatError, CollectiveDesyncError) as e:
+            assert f"rank {SENDER}" in str(e) and e.ranks == (SENDER,), str(e)
+            assert "MemoryError" not in str(e), str(e)
+            outcome = f"{type(e).__name__}: {e}"
+        out[name] = {"outcome": outcome, "seconds": time.monotonic() - start,
+                     "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024}
+        assert out[name]["grew_mib"] < GROWTH_MIB and out[name]["seconds"] < DECODE_S, (name, out[name], len(data))
+    return out
+
+
+def _child_main(case: str, path: str) -> None:
+    import compiler_collectives  # noqa: F401  (imports torch: its mappings count as the baseline)
+    import hypothesis  # noqa: F401
+
+    _cap_address_space()
+    if case == "decode":
+        with open(path, "rb") as fh:
+            data = fh.read()
+        print(json.dumps(_decode_all(data)))
+    elif case == "fuzz":
+        _fuzz(int(path))
+        print(json.dumps({"fuzz": "ok"}))
+
+
+def _bounded(case: str, arg: str, timeout: float = 120) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tests.test_wire_bounds", case, arg], capture_output=True,
+                              text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"decoding took more than {timeout:.0f}s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _decode_in_child(tmp_path, payload: bytes, timeout: float = 120) -> dict:
+    path = tmp_path / "payload"
+    path.write_bytes(payload)
+    return _bounded("decode", str(path), timeout)
+
+
+# ---------------------------------------------------------------- the two reported blow-ups
+
+
+def _front_coded_chain(target_bytes: int) -> bytes:
+    """Entries whose names each repeat the whole previous name plus one character: a few
+    bytes each on the wire, quadratic in characters once decoded."""
+    entries = [["L['x']", [None, None, None]]]
+    k = len(entries[0][0])
+    per_entry = len(msgpack.packb([[1 << 20, "y"], [None, None, None]]))  # k past 65535 takes 5 bytes
+    for _ in range(target_bytes // per_entry):
+        entries.append([[k, "y"], [None, None, None]])
+        k += 1
+    return msgpack.packb(_header() + [[entries, True, {}]], use_bin_type=True)
+
+
+def test_a_1_mib_payload_of_front_coded_names_is_refused_within_the_memory_and_time_bounds(tmp_path):
+    payload = _front_coded_chain(1 << 20)
+    assert len(payload) <= (1 << 20) + 64
+    result = _decode_in_child(tmp_path, payload)["decode"]
+    print(result)
+    assert result["outcome"].startswith("WireFormatError: bad compiler-collective payload from rank 1: its source "
+                                        "names decode to more than 32 characters per payload byte"), result
+
+
+def _empty_arrays(where: str) -> bytes:
+    """16 MiB of empty msgpack arrays (one byte each) where a decoder meets them."""
+    count = MAX_BYTES - 64
+    bomb = b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count  # array32 of `count` empty arrays
+    marker = msgpack.packb("BOMB")
+    if where == "envelope":
+        return bomb
+    if where == "entries":
+        template = _header() + [["BOMB", True, {}]]
+    elif where == "frame":
+        template = [1, "0.1.0", SENDER, WORLD, "BOMB", 3, 1.5, [[], True, {}]]
+    elif where == "audit-body":
+        template = _header() + ["audit", "BOMB"]
+    else:  # recompile reasons
+        template = [1, "recompile_reasons", SENDER, WORLD, 5, True, "BOMB"]
+    packed = msgpack.packb(template, use_bin_type=True)
+    assert packed.count(marker) == 1
+    return packed.replace(marker, bomb)[:MAX_BYTES]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["envelope", "entries", "frame", "audit-body", "reasons"])
+def test_16_mib_of_empty_arrays_is_refused_within_the_memory_and_time_bounds(tmp_path, where):
+    results = _decode_in_child(tmp_path, _empty_arrays(where), timeout=200)
+    meant = {"entries": ["decode"], "frame": ["decode"], "audit-body": ["decode_audit"],
+             "reasons": ["decode_reasons"]}.get(where, list(results))
+    for name in meant:
+        assert results[name]["outcome"].startswith("WireFormatError"), (name, results[name])
+    print(results)  # every decoder, the others too, kept within the bounds (checked in the child)
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+def _fuzz(examples: int) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                       st.text(max_size=8), st.binary(max_size=8))
+    trees = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                                         st.dictionaries(st.text(max_size=4), inner, max_size=4)),
+                         max_leaves=40)
+    # Shapes that cost far more decoded than on the wire.
+    many = st.one_of(st.integers(0, 1000), st.integers(100_000, 400_000))  # small, and past any budget
+    empties = st.builds(lambda n, kind: [[] if kind else {}] * n, many, st.booleans())
+
+    def chain(n: int, suffix: str) -> list:
+        out, k = [["L['x']", [None, None, None]]], 6
+        for _ in range(n):
+            out.append([[k, suffix], [None, None, None]])
+            k += len(suffix)
+        return out
+
+    chains = st.builds(chain, st.one_of(st.integers(0, 1000), st.integers(40_000, 60_000)),
+                       st.text(min_size=1, max_size=3))
+    values = st.one_of(trees, empties, chains)
+    envelopes = st.sampled_from([
+        _header() + [[[], True, {}]],
+        _header() + ["audit", ["summary", "forward", None, [], []]],
+        [1, "recompile_reasons", SENDER, WORLD, 5, True, ["why"]],
+    ])
+
+    def place(envelope: list, path: list[int], value) -> list:
+        envelope = json.loads(json.dumps(envelope))
+        node = envelope
+        for step in path[:-1]:
+            if type(node) is not list or not node:
+                break
+            node = node[step % len(node)]
+        if type(node) is list and node:
+            node[path[-1] % len(node)] = value
+        else:
+            envelope[path[-1] % len(envelope)] = value
+        return envelope
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(envelopes, st.lists(st.integers(0, 10), min_size=1, max_size=4), values, st.booleans(),
+           st.integers(0, 40))
+    def check(envelope, path, value, as_entries, cut):
+        # Anywhere, or as the entries list, where front-coded names are read.
+        obj = _header() + [[value, True, {}]] if as_entries else place(envelope, path, value)
+        data = msgpack.packb(obj, use_bin_type=True)
+        for payload in (data, data[: len(data) - cut]):
+            _decode_all(payload)
+
+    check()
+
+
+@pytest.mark.timeout(600)
+def test_fuzzed_payloads_decode_or_raise_wire_format_error_within_the_memory_and_time_bounds():
+    assert _bounded("fuzz", "100", timeout=540) == {"fuzz": "ok"}
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])
