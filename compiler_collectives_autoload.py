@@ -56,8 +56,8 @@ def load() -> None:
         status = f"failed: {type(e).__name__}: {e}"
         import logging
 
-        # By name: the failed import took compiler_collectives.config out of sys.modules.
-        if (type(e).__module__, type(e).__name__) == ("compiler_collectives.config", "ConfigError"):
+        # By name: the failed import took compiler_collectives.errors out of sys.modules.
+        if (type(e).__module__, type(e).__name__) == ("compiler_collectives.errors", "ConfigError"):
             logging.getLogger("compiler_collectives.autoload").error(
                 "compiler_collectives: %s. Stopping this process: with this variable wrong it would "
                 "not run the compile and guard decisions its peers run. Fix the variable (or unset "
