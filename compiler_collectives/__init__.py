@@ -22,6 +22,7 @@ from .errors import (
     CollectiveError,
     CollectivePoisonedError,
     CollectiveTimeoutError,
+    ConcurrentThreadsError,
     PeerFailureError,
     ProgramDivergenceError,
     SetupMismatchError,
@@ -58,6 +59,36 @@ def _warn_retired_variables() -> None:
         )
 
 
+def _default_group_destroyed() -> None:
+    """``destroy_process_group()``: what ``reset()`` does, without destroying anything
+    (torch has shut our groups down with the default group)."""
+    from . import audit, compiler_collective, guard_collective
+    from .transport import groups
+
+    groups.default_group_destroyed()
+    health.clear()
+    compiler_collective.reset_sequence()
+    guard_collective.reset_sequence()
+    audit.reset_sequence()
+    # A guard channel sits in a reference cycle (its bound methods): collect it now, so
+    # that the old store's server closes its port before a new init_process_group binds it.
+    import gc
+
+    gc.collect()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker): its own fresh state; the parent's is left alone."""
+    from . import audit, compiler_collective, guard_collective
+    from .transport import groups
+
+    groups.after_fork_in_child()
+    health.clear()
+    compiler_collective.reset_sequence()
+    guard_collective.after_fork_in_child()
+    audit.reset_sequence()
+
+
 install_error: UnsupportedTorchError | None = None
 _warn_retired_variables()
 try:
@@ -66,6 +97,13 @@ except UnsupportedTorchError as _e:
     if not _running_doctor():
         raise
     install_error = _e
+
+from . import c10d_seam as _c10d_seam  # noqa: E402
+
+_c10d_seam.install(_default_group_destroyed)
+import os as _os  # noqa: E402
+
+_os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = [
     "__version__",
@@ -87,6 +125,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CollectiveDesyncError",
     "CollectivePoisonedError",
+    "ConcurrentThreadsError",
     "PeerFailureError",
     "ProgramDivergenceError",
     "SetupMismatchError",
