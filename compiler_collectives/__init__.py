@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from . import config, health
+from . import config
 from .version import __version__
 from .errors import (
     CollectiveDesyncError,
     CollectiveError,
     CollectivePoisonedError,
     CollectiveTimeoutError,
+    ConcurrentThreadsError,
     PeerFailureError,
     ProgramDivergenceError,
     ScopeError,
@@ -37,7 +38,10 @@ from .state import DistributedState, LocalState, SizeEntry, register_field
 from .stats import counters as _counters
 from .stats import reset_counters as _reset_counters
 
+import os as _os
+
 from . import dynamo as _seams
+from .agreements import lifecycle as _lifecycle
 
 
 def _running_doctor() -> bool:
@@ -72,6 +76,9 @@ except UnsupportedTorchError as _e:
         raise
     install_error = _e
 
+# A forked child (a DataLoader worker) gets a fresh state of its own.
+_os.register_at_fork(after_in_child=_lifecycle.after_fork_in_child)
+
 __all__ = [
     "__version__",
     "enable",
@@ -93,6 +100,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CollectiveDesyncError",
     "CollectivePoisonedError",
+    "ConcurrentThreadsError",
     "PeerFailureError",
     "ProgramDivergenceError",
     "ScopeError",
@@ -204,11 +212,4 @@ def reset_stats() -> None:
 
 def reset() -> None:
     """Clear a failure on this rank and forget our groups; call on every rank together."""
-    from .agreements import audit, compiler, guard
-    from .transport import groups
-
-    health.clear()
-    groups.forget()
-    compiler.reset_sequence()
-    guard.reset_sequence()
-    audit.reset_sequence()
+    _lifecycle.reset()

@@ -69,6 +69,12 @@ class CollectivePoisonedError(CollectiveError):
     ``compiler_collectives.reset()`` on every rank."""
 
 
+class ConcurrentThreadsError(CollectiveError):
+    """Raised in a second Python thread that calls compiled code with guard
+    collectives on while another thread of the same rank does. Names both
+    threads. Nothing ran for that call; the other thread is unaffected."""
+
+
 class ProgramDivergenceError(CollectiveError):
     """Raised on every rank, before any rank runs the graph, when the ranks
     compiled different collectives for the same compiled graph (the program

@@ -136,6 +136,39 @@ def test_a_peer_killed_before_a_compile_is_named_by_every_survivor_within_5_seco
         assert r["seconds"] < 5.0, r
 
 
+def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+    from compiler_collectives import health
+
+    cc.enable()
+    torch.compile(_step, backend="eager")(torch.ones(2))  # our compile group exists
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2:
+        # Learn of the failure from the side channel first (rank 0's report), then compile:
+        # the order a survivor on a busy machine can meet things in.
+        give_up = time.monotonic() + 30.0
+        while health.poisoned() is None and time.monotonic() < give_up:
+            time.sleep(0.02)
+    else:
+        time.sleep(0.5)
+    result = _caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
+    time.sleep(STAY_S)
+    return result
+
+
+def test_a_survivor_that_hears_of_a_failure_before_its_collective_still_names_the_failed_rank_and_cause():
+    outcome = run_ranks(hears_of_a_failure_before_its_compile, 3, env=LONG_ENV, timeout=90, check=False,
+                        expect_signals={1: signal.SIGKILL})
+    assert not outcome.timed_out and not outcome.errors, outcome
+    r = outcome.results[2]
+    assert r["type"] == "PeerFailureError", r
+    assert r["ranks"] == [1], r
+    assert "rank 1: absent, its process" in r["message"], r["message"]
+    assert "an earlier collective failed on this rank" not in r["message"], r["message"]
+    assert r["seconds"] < 5.0, r
+
+
 def peer_fails_while_others_wait(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 

@@ -64,12 +64,18 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
         channel.publish_failure(side.rank)  # same-host peers stop waiting within microseconds
     if side is not None:
         try:
-            side.report_failure(error.kind or "?", seq, str(error))
+            side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks)
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.warning("rank %d could not report its failure on the c10d store (%s); peers on "
                         "other hosts learn of it only when they time out", side.rank, e)
     diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
-    return explain(error, diagnosis)
+    explained = explain(error, diagnosis)
+    if side is not None and explained is not error:
+        try:  # peers that read the report from now on name the ranks the diagnosis found
+            side.report_failure(explained.kind or "?", seq, str(explained), ranks=explained.ranks, update=True)
+        except Exception as e:  # noqa: BLE001 - the first report stands
+            log.debug("rank %d could not update its failure report: %s", side.rank, e)
+    return explained
 
 
 def explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveError:

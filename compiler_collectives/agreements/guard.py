@@ -8,13 +8,32 @@ to force a compile; if any rank missed, every rank gets False.
 It must never raise: an exception inside the hook aborts the process from C++.
 On failure it parks a ``CollectiveError`` in ``health`` and returns False; the
 compile that follows raises the parked error from the user's call site.
+
+Process models:
+
+* One rank (world size 1) and no default group: nothing to agree with, the
+  hook returns the local result without any exchange.
+* Threads: one Python thread per rank runs compiled code with guards on (the
+  first to do so, until it ends). Each call is a collective numbered in call
+  order, and two threads' calls interleave differently on each rank, so a
+  second thread gets ``ConcurrentThreadsError`` at its call site, naming both
+  threads; the owner's collectives go on undisturbed. The fast path pays one
+  ``threading.get_ident()`` comparison for this.
+* Signal handlers: an exception the user's own signal handler raises while
+  this rank waits (a SIGTERM preemption handler, say) reaches the user as
+  itself; this rank refuses later collectives, and the peers are told that it
+  left (not that a collective failed). ``KeyboardInterrupt`` stays itself and
+  is told to nobody (Ctrl-C usually reaches every rank at once).
+* Fork: a forked child starts from a fresh state (``after_fork_in_child``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import zlib
 from typing import Any, Callable
@@ -25,7 +44,14 @@ from torch.profiler import record_function as _record_function
 
 from .. import health
 from ..tools import timing
-from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, SetupMismatchError, describe
+from ..errors import (
+    SCOPE_HINT,
+    CollectiveDesyncError,
+    CollectiveError,
+    ConcurrentThreadsError,
+    SetupMismatchError,
+    describe,
+)
 from ..stats import counters
 from ..transport import GuardChannel, groups, translate_failure
 from . import failure
@@ -34,15 +60,20 @@ log = logging.getLogger("compiler_collectives.guard")
 
 _perf_counter = time.perf_counter
 _time_ns = time.time_ns
+_get_ident = threading.get_ident
 
 
 class _GuardState:
-    __slots__ = ("seq", "channel", "world", "agreed_miss")
+    __slots__ = ("seq", "channel", "world", "agreed_miss", "owner", "owner_thread", "solo_world")
 
     def __init__(self) -> None:
         self.seq = 0
         self.channel: GuardChannel | None = None
         self.world: object | None = None
+        # The thread that runs compiled code with guards on (see the docstring); 0: none yet.
+        self.owner = 0
+        self.owner_thread: threading.Thread | None = None
+        self.solo_world: object | None = None  # a default group of one rank: no collective
         # (seq, this rank missed) of the last call where some rank missed;
         # the compile that follows exchanges why (take_agreed_miss).
         self.agreed_miss: tuple[int, bool] | None = None
@@ -142,6 +173,17 @@ def reset_sequence() -> None:
     _state.channel = None
     _state.world = None
     _state.agreed_miss = None
+    _state.solo_world = None
+
+
+def after_fork_in_child() -> None:
+    """A forked child: a fresh state. The parent's channel (its segment mapping, its
+    gloo group) stays referenced by ``groups`` and is never used here."""
+    global _claim_lock
+    reset_sequence()
+    _state.owner = 0
+    _state.owner_thread = None
+    _claim_lock = threading.Lock()
 
 
 def take_agreed_miss() -> tuple[int, bool, Any] | None:
@@ -192,7 +234,12 @@ def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None
 
 def _channel() -> GuardChannel | None:
     world = dist.group.WORLD if dist.is_initialized() else None
-    if world is None:
+    if world is None or world is _state.solo_world:
+        return None
+    if not groups.available():  # a forked child: the default group is its parent's
+        return None
+    if dist.get_world_size() == 1:
+        _state.solo_world = world
         return None
     if _state.channel is None or _state.world is not world:
         _state.channel = groups.guard_channel()
@@ -217,8 +264,10 @@ def hook(guard_eval_result: bool) -> bool:
         channel = _state.channel
         if channel is None or _state.world is not dist.group.WORLD:
             channel = _channel()
-            if channel is None:  # not distributed: nothing to agree with
+            if channel is None:  # not distributed, or one rank: nothing to agree with
                 return guard_eval_result
+        if _get_ident() != _state.owner and not _claim():
+            return False  # another thread runs compiled code on this rank: parked an error
         _state.seq += 1
         seq = _state.seq
         site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
@@ -250,13 +299,63 @@ def hook(guard_eval_result: bool) -> bool:
         return all_hit
     except BaseException as e:  # noqa: BLE001 - nothing may escape into C++
         try:
-            if isinstance(e, Exception):
+            if isinstance(e, KeyboardInterrupt):
+                _park_interrupt(e)
+            elif _raised_by_signal_handler(e):
+                _park_left(e)
+            elif isinstance(e, Exception):
                 _park_failure(e)
             else:
                 _park_interrupt(e)
         except BaseException:  # noqa: BLE001
             pass
         return False
+
+
+_claim_lock = threading.Lock()
+
+
+def _claim() -> bool:
+    """Slow path: this thread is not the one running compiled code on this rank. It
+    becomes it if there is none (or it ended); otherwise park the error for this call."""
+    me = threading.current_thread()
+    with _claim_lock:
+        owner = _state.owner_thread
+        if owner is None or owner is me or not owner.is_alive():
+            _state.owner_thread = me
+            _state.owner = _get_ident()
+            return True
+    rank = dist.get_rank() if dist.is_initialized() else None
+    health.park(ConcurrentThreadsError(
+        f"guard collective on rank {rank}: thread {me.name!r} (id {me.ident}) called compiled code "
+        f"while thread {owner.name!r} (id {owner.ident}) is the one running compiled code on this "
+        "rank. Only one thread may run compiled code with guard collectives on: every call is a "
+        "collective numbered in call order, and two threads' calls would interleave differently on "
+        "each rank. This call did not run and the other thread's collectives are unaffected. Run "
+        "compiled code from one thread per rank, or switch guard collectives off "
+        "(COMPILER_COLLECTIVES_GUARDS=0).",
+        kind="guard", rank=rank, seq=_state.seq,
+    ))
+    return False
+
+
+def _raised_by_signal_handler(error: BaseException) -> bool:
+    """Whether ``error`` came out of a Python signal handler (the user's, e.g. SIGTERM's)."""
+    handlers = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        code = getattr(handler, "__code__", None) or getattr(getattr(handler, "__func__", None), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError:
@@ -340,3 +439,25 @@ def _park_interrupt(interrupt: BaseException) -> None:
 def group() -> Any:
     """The process group the guard collective runs on (built on first use, on every rank together)."""
     return groups.guard_pg()
+
+
+def _park_left(error: BaseException) -> None:
+    """The user's own signal handler raised while this rank waited: it stays that exception.
+
+    This rank left a guard collective half-done, so its later collectives
+    refuse; the peers are told that it left, in those words, and stop
+    waiting for it within about a heartbeat.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else None
+    seq = _state.seq
+    what = (f"its own code raised {type(error).__name__}: {error} from a signal handler while it "
+            f"waited in guard collective #{seq}")
+    note = CollectiveError(
+        f"{describe('guard', rank, seq, None)}: this rank left it half-done ({what}); it is no "
+        "longer in step with the others",
+        kind="guard", rank=rank, seq=seq,
+    )
+    note.__cause__ = error
+    health.poison(note)
+    health.park(error)
+    groups.leave(what, seq)

@@ -1,7 +1,8 @@
 """The Dynamo seam: the only part of the package that touches torch's private internals.
 
-Every internal it replaces or relies on is a row of ``table.SEAMS``, checked
-at install. One module per concern:
+Every torch internal the package replaces or relies on (Dynamo's, and one
+function of ``torch.distributed``) is a row of ``table.SEAMS``, checked at
+install. One module per concern:
 
 * ``table``: the seam table and its checks;
 * ``install``: check, patch, unpatch (transactional);
@@ -10,7 +11,9 @@ at install. One module per concern:
 * ``compiler_seam``: the compiler collective inside Dynamo's first trace;
 * ``guard_seam``: torch's guard switch and the C++ guard-hook slot;
 * ``tooling``: structured-trace artifacts and recompile reasons;
-* ``audit_seam``: the program audit's view of each compiled graph.
+* ``audit_seam``: the program audit's view of each compiled graph, and the
+  entry check wrapped around what the backend returns;
+* ``c10d_seam``: ``destroy_process_group``, so a re-init starts afresh.
 
 Everything above this package (the agreements) is plain Python over
 ``torch.distributed``.

@@ -249,6 +249,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("recursive_post_grad_passes", "torch._inductor.compile_fx", "_recursive_post_grad_passes",
          required=False, level="inductor",
          reads=(Read("takes the graph module first", _positional("gm")),)),
+    # -- process model (c10d_seam.py): a destroyed default group drops our generation
+    Seam("destroy_process_group", "torch.distributed", "destroy_process_group",
+         replace="c10d_seam:wrap_destroy", factory=True,
+         reads=(Read("takes the group first", _positional("group")),)),
+    Seam("c10d_destroy_process_group", "torch.distributed.distributed_c10d", "destroy_process_group",
+         replace="c10d_seam:wrap_destroy", factory=True,
+         reads=(Read("takes the group first", _positional("group")),)),
     Seam("get_default_store", "torch.distributed.distributed_c10d", "_get_default_store",
          reads=(Read("takes no argument", lambda f: _params(f) == []),)),
     Seam("resolve_process_group", "torch.distributed.distributed_c10d", "_resolve_process_group",

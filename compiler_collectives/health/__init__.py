@@ -10,13 +10,22 @@ recompile, and the compile entry point raises the parked error from the
 user's own call site. A ``KeyboardInterrupt`` is parked as itself: it reaches
 the user as a ``KeyboardInterrupt``, and only this rank is poisoned (nothing
 is reported to the other ranks).
+
+A rank can also be poisoned by a peer: the heartbeat thread hears of another
+rank's failure through the store (``poison_from_peer``). Refusing then says
+which rank failed and why, as a ``PeerFailureError``, not "an earlier
+collective failed on this rank": this rank's own collectives did nothing
+wrong. The first refusal asks ``explainer`` (set by the transport layer) to
+name the failed rank where the report itself names nobody.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..errors import CollectiveError, CollectivePoisonedError
+from typing import Callable
+
+from ..errors import CollectiveError, CollectivePoisonedError, PeerFailureError
 
 log = logging.getLogger("compiler_collectives.health")
 
@@ -24,6 +33,11 @@ log = logging.getLogger("compiler_collectives.health")
 # the guard hook reads it on every call, where a function call costs.
 first_failure: CollectiveError | None = None
 _pending: BaseException | None = None
+# Whether first_failure is a peer's report (and whether it was explained yet).
+_from_peer = False
+_explained = False
+# peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis); set by groups.
+explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
 
 
 def poison(error: CollectiveError) -> None:
@@ -33,12 +47,38 @@ def poison(error: CollectiveError) -> None:
         log.error("%s", error)
 
 
+def poison_from_peer(error: PeerFailureError) -> None:
+    """A peer's failure, heard through the store: refusals name that peer (see ``check``)."""
+    global first_failure, _from_peer, _explained
+    if first_failure is None:
+        first_failure = error
+        _from_peer = True
+        _explained = False
+        log.error("%s", error)
+
+
 def poisoned() -> CollectiveError | None:
     return first_failure
 
 
 def check(kind: str) -> None:
-    """Raise if an earlier collective failed on this rank."""
+    """Raise if an earlier collective failed on this rank, or a peer reported a failure."""
+    global first_failure, _explained
+    first = first_failure
+    if first is None:
+        return
+    if _from_peer and isinstance(first, PeerFailureError) and first.rank not in first.ranks:
+        if not _explained and explainer is not None:
+            _explained = True
+            try:
+                first = first_failure = explainer(first)
+            except Exception as e:  # noqa: BLE001 - the report as heard still names its sender
+                log.debug("explaining a peer's failure report: %s", e)
+        raise PeerFailureError(
+            f"{kind} collective refused on this rank: {first} Every rank's later collectives "
+            "refuse; call compiler_collectives.reset() on every rank (or restart the job).",
+            kind=kind, rank=first.rank, ranks=first.ranks,
+        ) from first
     if first_failure is not None:
         raise CollectivePoisonedError(
             f"{kind} collective refused: an earlier collective failed on this rank "
@@ -63,6 +103,7 @@ def raise_parked() -> None:
 
 
 def clear() -> None:
-    global first_failure, _pending
+    global first_failure, _pending, _from_peer, _explained
     first_failure = None
     _pending = None
+    _from_peer = _explained = False

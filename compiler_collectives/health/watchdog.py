@@ -172,7 +172,7 @@ class SideChannel:
         self._current = current  # False once the default group this channel serves is gone
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._on_peer_failure: Callable[[int, str], None] | None = None
+        self._on_peer_failure: Callable[[int, dict[str, Any]], None] | None = None
         self._seen_failures = 0
         self._beats = 0
         self._store_failing = False
@@ -213,7 +213,7 @@ class SideChannel:
         """Heartbeats begun so far (tests time a SIGSTOP to fall between two beats)."""
         return self._beats
 
-    def start(self, on_peer_failure: Callable[[int, str], None]) -> None:
+    def start(self, on_peer_failure: Callable[[int, dict[str, Any]], None]) -> None:
         self._on_peer_failure = on_peer_failure
         interval = config.settings.heartbeat_s
         if interval <= 0 or self._thread is not None:
@@ -273,16 +273,27 @@ class SideChannel:
             if self.store.check([key]):
                 report = json.loads(self.store.get(key))
                 if self._on_peer_failure is not None:
-                    self._on_peer_failure(r, str(report.get("message", "")))
+                    self._on_peer_failure(r, report if isinstance(report, dict) else {})
                 return
 
     # ------------------------------------------------------------ failures
 
-    def report_failure(self, kind: str, seq: int | None, message: str) -> None:
-        """Publish this rank's failure (bounded: the store may be what failed)."""
+    def report_failure(self, kind: str, seq: int | None, message: str, *, ranks: tuple[int, ...] = (),
+                       left: bool = False, update: bool = False) -> None:
+        """Publish this rank's failure (bounded: the store may be what failed).
+
+        ``ranks``: the ranks the failure implicates, so that peers who hear of
+        it name them; ``left``: this rank did not fail, it left (its own code
+        raised while it waited), and peers say so. ``update``: replace this
+        rank's report (after its diagnosis named the ranks) without counting
+        a new failure.
+        """
+        record = {"kind": kind, "seq": seq, "message": message[:2000], "ranks": list(ranks), "left": left}
+
         def report() -> None:
-            self.store.set(f"fail/{self.rank}", json.dumps({"kind": kind, "seq": seq, "message": message[:2000]}))
-            self.store.add("failures", 1)
+            self.store.set(f"fail/{self.rank}", json.dumps(record))
+            if not update:
+                self.store.add("failures", 1)
 
         bounded(report, min(config.settings.timeout_s, 2.0 + config.settings.heartbeat_s), "the failure report")
 
@@ -309,8 +320,9 @@ class SideChannel:
             return f"its process (pid {pid}, this host) is stopped (SIGSTOP or a debugger)"
         return None
 
-    def diagnose(self, grace_s: float) -> Diagnosis:
-        """Classify every peer; waits up to ``grace_s`` for undecided ones."""
+    def diagnose(self, grace_s: float, *, until_absent: bool = False) -> Diagnosis:
+        """Classify every peer; waits up to ``grace_s`` for undecided ones (with
+        ``until_absent``, only until some peer is found absent)."""
         interval = config.settings.heartbeat_s
         stale_after = 2.5 * interval + 0.5
         start = time.monotonic()
@@ -354,12 +366,13 @@ class SideChannel:
                 peers.append(status)
             undecided = [p for p in peers if p.state == "alive"]
             left = deadline - time.monotonic()
-            if not undecided or left <= 0:
+            if not undecided or left <= 0 or until_absent and any(p.state == "absent" for p in peers):
                 return Diagnosis(peers)
             time.sleep(min(0.1, left))
 
 
-def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float) -> Diagnosis | None:
+def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float, *,
+                           until_absent: bool = False) -> Diagnosis | None:
     """Run ``channel.diagnose`` for about ``deadline_s``; give up 1.5 s after that (a dead store hangs).
 
     The margin lets the last round of store reads after the grace finish on a
@@ -369,7 +382,8 @@ def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float) -> Di
     if channel is None or config.settings.heartbeat_s <= 0:
         return None
     try:
-        return bounded(lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5)), deadline_s + 1.5,
+        return bounded(lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5), until_absent=until_absent),
+                       deadline_s + 1.5,
                        "during the diagnosis")
     except Exception as e:  # noqa: BLE001
         log.debug("side-channel diagnosis failed: %s", e)

@@ -13,6 +13,9 @@ and the fallback where shared memory cannot be used).
   failed (the heartbeat thread poisons the rank on a peer's store report).
   Gloo's ``abort`` does nothing, so this is how a blocked rank learns of a
   failure within seconds instead of at ``COMPILER_COLLECTIVES_TIMEOUT``.
+  Gloo ends an operation at the group's timeout itself, but only on its own
+  threads (a forked child has none): ``wait`` gives up on its own a little
+  after ``COMPILER_COLLECTIVES_TIMEOUT``, so no wait of ours is unbounded.
 * ``GlooGuardChannel.agree``: one all-reduce (MIN) of a preallocated
   two-element int64 tensor (one element without the desync check).
 * ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors.
@@ -27,6 +30,7 @@ import ctypes
 import datetime
 import logging
 import struct
+import time
 from typing import Any, Callable
 
 import torch
@@ -63,6 +67,7 @@ PHASE_NAMES = {
 }
 
 WAIT_SLICE = datetime.timedelta(milliseconds=200)
+WAIT_MARGIN_S = 5.0  # past COMPILER_COLLECTIVES_TIMEOUT: gloo's own timeout error comes first
 
 
 def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
@@ -72,8 +77,10 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
     timed-out slice leaves the operation running. The operation may complete
     between the slice's timeout and our look at it: then a plain ``wait()``
     returns its own outcome at once (success, or gloo's error). The first
-    slice costs what a plain ``wait()`` does.
+    slice costs what a plain ``wait()`` does. Past ``COMPILER_COLLECTIVES_TIMEOUT``
+    and a margin it raises ``CollectiveTimeoutError`` whatever gloo does.
     """
+    deadline = None
     while True:
         try:
             work.wait(WAIT_SLICE)
@@ -86,6 +93,16 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
         if failure is not None:
             where = describe() if describe is not None else "a collective"
             raise PeerFailureError(f"{where}: stopped waiting: {failure}", ranks=failure.ranks)
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + config.settings.timeout_s + WAIT_MARGIN_S - WAIT_SLICE.total_seconds()
+        elif now >= deadline:
+            where = describe() if describe is not None else "a collective"
+            raise CollectiveTimeoutError(
+                f"{where} timed out: no answer within {config.settings.timeout_s:.0f}s "
+                "(COMPILER_COLLECTIVES_TIMEOUT), and gloo did not end the operation itself (its "
+                "threads are gone: is this a forked child using its parent's process group?). "
+                "A rank is stuck, much slower, or took another code path.")
 
 
 def translate_failure(

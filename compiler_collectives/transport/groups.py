@@ -23,12 +23,27 @@ the calling process already has (torch 2.13), which differs between ranks that
 belong to different user groups: they would never meet. At
 interpreter exit our heartbeat thread is stopped and our groups destroyed
 (``shutdown``), so nothing of ours is left running while Python finalizes.
+
+Two changes of process model drop everything of a generation at once:
+
+* ``default_group_destroyed``: ``destroy_process_group()`` of the default
+  group (the c10d seam calls it). Our groups, store and heartbeat go with it,
+  so that a later ``init_process_group`` (on the same port, say) starts a new
+  generation from nothing, as ``compiler_collectives.reset()`` would.
+* ``after_fork_in_child``: a forked child (a DataLoader worker) inherits the
+  parent's groups, segment mapping, store and heartbeat object, but none of
+  its threads. The child is not a rank: it keeps those objects alive (so
+  their destructors never run here, against the parent's sockets and
+  segment) but never uses them, and our collectives do not run on the
+  inherited default group (``available`` is False); compiled code in the
+  child decides alone. A default group the child creates itself is its own.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import hashlib
 import logging
 import os
@@ -52,6 +67,10 @@ from . import shm
 from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
+
+
+# What a forked child inherited from its parent: kept alive, never used (see the docstring).
+_inherited: list[Any] = []
 
 
 def _identity() -> dict[str, int]:
@@ -78,6 +97,8 @@ class Groups:
         self._guard_channel: Any = None  # GlooGuardChannel or ShmGuardChannel
         self._agreed = False  # the setup agreement of this generation passed
         self._scope: scope_mod.Scope | None = None  # the ranks our groups of this generation span
+        self._inherited_world: object | None = None  # a forked child's parent's default group
+        self._told_child = False
         self.side: SideChannel | None = None
         # Callables returning this rank's progress for the heartbeat.
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
@@ -102,9 +123,45 @@ class Groups:
         self._agreed = False
         self._scope = None
 
-    @staticmethod
-    def available() -> bool:
-        return dist.is_available() and dist.is_initialized()
+    def available(self) -> bool:
+        """Whether our collectives run in this process: a default group exists and is its own."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        if self._inherited_world is not None and dist.group.WORLD is self._inherited_world:
+            if not self._told_child:
+                self._told_child = True
+                log.info("compiled code runs in process %d, forked from a rank: compiler and guard "
+                         "collectives do not run here (a forked child is not a rank of the job)", os.getpid())
+            return False
+        return True
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: forget the parent's generation without touching any of it."""
+        _inherited.append((self._world, self._compile_pg, self._guard_pg, self._guard_channel, self.side))
+        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        self._inherited_world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self._world = None
+        self.side = None
+        self._compile_pg = self._guard_pg = self._guard_channel = None
+        self._agreed = False
+        self._told_child = False
+
+    def default_group_destroyed(self) -> None:
+        """``destroy_process_group()`` ended the default group: drop this generation now.
+
+        Torch has shut our groups down with it. What is left holding the old
+        store (the heartbeat, our group objects) goes now, not at the next
+        collective: the store's server must be gone before a new
+        ``init_process_group`` binds its port again (the caller collects the
+        reference cycles some of them sit in, once every holder let go).
+        """
+        with self._lock:
+            side = self.side
+            self._drop()
+            self._world = None
+            self._generation += 1
+        if side is not None and not side.stop(join_s=2.0):
+            log.debug("the heartbeat thread did not end within 2s of destroy_process_group")
 
     def _progress(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -121,7 +178,7 @@ class Groups:
                 current=lambda: dist.is_initialized() and dist.group.WORLD is world,
             )
             _register_exit()
-            side.start(on_peer_failure=_peer_failed)
+            side.start(on_peer_failure=functools.partial(_peer_failed, side.rank))
             self.side = side
         return self.side
 
@@ -168,9 +225,20 @@ class Groups:
             health.poison(err)
             raise
         log.debug("creating %s gloo group (timeout %.0fs)", tag, timeout_s)
-        if self._scope is None:
-            return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag)
-        return self._scoped_group(tag, self._scope.ranks)
+        if self._scope is not None:
+            return self._scoped_group(tag, self._scope.ranks)
+        try:
+            # Gloo's own connection set-up waits on the store as long as the store lets it.
+            return bounded(lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                                  group_desc=tag),
+                           timeout_s + 5.0, f"while creating the {kind}-collective gloo group")
+        except StoreUnresponsive as e:
+            err = CollectiveTimeoutError(
+                f"creating the {kind}-collective process group on rank {rank}: gloo's connection set-up "
+                f"did not finish within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT; {e}). A peer "
+                "stopped, or the ranks use different stores.", kind=kind, rank=rank)
+            health.poison(err)
+            raise err from None
 
     def _scoped_group(self, tag: str, ranks: tuple[int, ...] | list[int]) -> Any:
         """A gloo group of ``ranks`` (this rank among them), made by those ranks only."""
@@ -322,6 +390,40 @@ class Groups:
             self._world = None
             self._generation += 1
 
+    def leave(self, what: str, seq: int | None, kind: str = "guard") -> None:
+        """This rank leaves mid-collective (its own code raised): tell the peers, in those words.
+
+        Not a failure: nothing is published on the shared-memory failure word
+        and nothing is diagnosed. Peers hear of it through the store within
+        about a heartbeat and stop waiting for this rank.
+        """
+        side = self.side
+        if side is None:
+            return
+        try:
+            side.report_failure(kind, seq, what, ranks=(side.rank,), left=True)
+        except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+            log.warning("rank %d could not tell the other ranks that it left (%s)", side.rank, e)
+
+    def explain_report(self, error: PeerFailureError) -> PeerFailureError:
+        """A peer's report heard through the store, naming the absent rank(s) where it names none
+        (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
+        if error.ranks and error.ranks != getattr(error, "reported_by", ()):
+            return error
+        diagnosis = diagnose_with_deadline(self.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0,
+                                           until_absent=True)
+        if diagnosis is None or not diagnosis.absent:
+            return error
+        absent = [p for p in diagnosis.peers if p.state == "absent"]
+        new = PeerFailureError(
+            f"{error}\nRanks not in the job:\n" + "\n".join("  " + p.describe() for p in absent),
+            kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame,
+            ranks=tuple(p.rank for p in absent),
+        )
+        new.reported_by = getattr(error, "reported_by", ())  # type: ignore[attr-defined]
+        return new
+
+
 # rendezvous(side, timeout_s): raises to stop group creation on every rank.
 Rendezvous = Callable[[SideChannel, float], None]
 _first_rendezvous: Callable[[Any], Rendezvous] | None = None
@@ -339,12 +441,26 @@ def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     _first_rendezvous = prepare
 
 
-def _peer_failed(rank: int, message: str) -> None:
-    """Heartbeat thread: a peer reported a failure; refuse our next collective, and make
-    a wait in progress in one of our collectives stop."""
-    first_line = message.splitlines()[0] if message else "no message"
-    health.poison(PeerFailureError(f"rank {rank} reported a collective failure: {first_line}",
-                                   ranks=(rank,)))
+def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
+    """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
+    collective, and make a wait in progress in one of our collectives stop."""
+    message = report.get("message")
+    lines = message.splitlines() if isinstance(message, str) and message else ["no message"]
+    if report.get("left") is True:
+        err = PeerFailureError(f"rank {peer} left the job: {lines[0]}", rank=own_rank, ranks=(peer,))
+    else:
+        named = report.get("ranks")
+        culprits = tuple(r for r in named if type(r) is int and 0 <= r < 1 << 20) if isinstance(named, list) else ()
+        # The lines of the report that say what became of each rank it names: the cause.
+        causes = [line for line in lines[1:] if any(line.strip().startswith(f"rank {r}:") for r in culprits)]
+        naming = f" naming rank(s) {list(culprits)}" if culprits else ""
+        err = PeerFailureError(
+            f"rank {peer} reported a collective failure{naming}: {lines[0]}"
+            + "".join(f"\n{line}" for line in causes),
+            rank=own_rank, ranks=culprits or (peer,),
+        )
+    err.reported_by = (peer,)  # type: ignore[attr-defined]
+    health.poison_from_peer(err)
 
 
 _exit_registered = False
@@ -365,3 +481,4 @@ def _at_exit() -> None:
 
 
 groups = Groups()
+health.explainer = groups.explain_report

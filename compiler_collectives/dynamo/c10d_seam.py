@@ -1,0 +1,45 @@
+"""The one torch.distributed function we wrap: ``destroy_process_group``.
+
+When the default group is destroyed, everything of ours that belongs to its
+generation (our gloo groups, the store they and the heartbeat hold, the guard
+channel, sequence numbers, a failure) must go at once, as
+``compiler_collectives.reset()`` would drop it, without the user calling it:
+a later ``init_process_group`` on the same port must find the old store's
+server gone, and our next collective must start a new generation. Noticing
+the change only at our next collective would be too late for the port.
+
+Both names users call it by are rows of the seam table
+(``torch.distributed`` and ``torch.distributed.distributed_c10d``). Code that
+took a reference to the function before our import calls torch's own; our
+groups then notice the new default group at their next use, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..agreements import lifecycle
+
+log = logging.getLogger("compiler_collectives.c10d")
+
+
+def wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``destroy_process_group``, then drop our generation if the default group went."""
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        world = dist.group.WORLD
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if world is not None and dist.group.WORLD is not world:
+                try:
+                    lifecycle.default_group_destroyed()
+                except Exception as e:  # noqa: BLE001 - never fail the user's destroy
+                    log.warning("dropping our state with the destroyed default group failed: %s", e)
+
+    return destroy_process_group
