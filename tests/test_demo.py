@@ -106,7 +106,7 @@ def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_pat
     out_json = tmp_path / "demo.json"
     timeout = 45
     proc = _run_cli(
-        ["demo", "--runs", "compiler-only", "--nproc", "2", "--steps", "4",
+        ["--runs", "compiler-only", "--nproc", "2", "--steps", "4",
          "--timeout", str(timeout), "--json", str(out_json)],
         timeout=240,
     )
