@@ -132,6 +132,7 @@ def run_ranks(
     ctx = _context(start_method)
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
+    env.setdefault("HARNESS_JOB_DIR", tmp)  # for release() / stay_until()
     if store == "tcp":
         init_method = f"tcp://127.0.0.1:{_free_port()}"
     else:
@@ -227,6 +228,29 @@ def run_ranks(
     if problems:
         raise RanksFailed("\n".join(problems), outcome)
     return outcome
+
+
+def release(name: str = "released") -> None:
+    """From a rank: let the ranks waiting in ``stay_until(..., name)`` go on.
+
+    A rank that must stay alive (heartbeating, elsewhere) until its peers have
+    their errors waits for their ``release`` instead of a fixed sleep sized for
+    a loaded machine: as short as the behaviour allows.
+    """
+    open(os.path.join(os.environ["HARNESS_JOB_DIR"], f"{name}.{os.getpid()}"), "w").close()
+
+
+def stay_until(count: int, max_s: float, name: str = "released") -> bool:
+    """From a rank: wait until ``count`` ranks called ``release(name)``, or ``max_s``; True if they did."""
+    import glob
+
+    pattern = os.path.join(os.environ["HARNESS_JOB_DIR"], f"{name}.*")
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        if len(glob.glob(pattern)) >= count:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _signal_name(signum: int) -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from tests.harness import release, run_ranks, stay_until
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -177,12 +177,13 @@ def peer_fails_while_others_wait(rank: int, world: int) -> dict:
     f(torch.ones(2))
     f(torch.ones(2))
     if rank == 1:
-        time.sleep(12)  # alive and heartbeating, elsewhere, until the others have raised
+        stay_until(2, 12)  # alive and heartbeating, elsewhere, until the others have raised
         return {"type": "elsewhere"}
     if rank == 2:
         time.sleep(0.5)  # rank 0 is waiting by now; rank 2 times out after 3 s
     result = _caught(lambda: f(torch.ones(2)))
     result["at"] = time.time()
+    release()
     return _with_transport(result)
 
 
@@ -299,9 +300,11 @@ def absent_after_groups_exist(rank: int, world: int) -> dict:
     f(torch.ones(2))
     f(torch.ones(2))
     if rank == 1:
-        time.sleep(TIMEOUT_S + 10)  # alive, and still there when rank 0's diagnosis ends
+        stay_until(1, TIMEOUT_S + 10)  # alive, and still there when rank 0's diagnosis ends
         return {"type": "late"}
-    return _with_transport(_caught(lambda: f(torch.ones(2))))
+    result = _caught(lambda: f(torch.ones(2)))
+    release()
+    return _with_transport(result)
 
 
 @GUARD_TRANSPORTS
@@ -370,9 +373,10 @@ def fewer_calls_then_wait(rank: int, world: int) -> dict:
     for _ in range(3 if rank == 0 else 2):  # same line: the call site cannot tell
         result = _caught(lambda: f(torch.ones(2)))
         if result["type"]:
+            release()
             return _with_transport(result)
     if rank == 1:
-        time.sleep(TIMEOUT_S + 10)  # alive, heartbeating, elsewhere, past rank 0's diagnosis
+        stay_until(1, TIMEOUT_S + 10)  # alive, heartbeating, elsewhere, past rank 0's diagnosis
     return {"type": None}
 
 
@@ -597,10 +601,12 @@ def heartbeat_hits_an_error(rank: int, world: int) -> dict:
             return {}
 
         groups.progress_sources.append(fails_once)  # read by the heartbeat thread at its next beat
-        time.sleep(TIMEOUT_S + 10)  # alive, elsewhere, while rank 0 fails and diagnoses
+        stay_until(1, TIMEOUT_S + 10)  # alive, elsewhere, while rank 0 fails and diagnoses
         first = health.poisoned()
         return {"poisoned": None if first is None else str(first), "beats_after_error": len(calls) - 1}
-    return _caught(lambda: f(torch.ones(2)))
+    result = _caught(lambda: f(torch.ones(2)))
+    release()
+    return result
 
 
 def test_the_heartbeat_survives_a_store_error_so_its_rank_still_hears_of_failures_and_looks_alive():

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiler_collectives.transport import shm
-from tests.harness import run_ranks
+from tests.harness import release, run_ranks, stay_until
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -105,7 +105,7 @@ def sleeps_while_a_peer_fails(rank: int, world: int) -> dict:
     f(torch.ones(2))
     f(torch.ones(2))
     if rank == 1:
-        time.sleep(15.0)
+        stay_until(2, 15.0)  # alive, never calling, until ranks 0 and 2 have their errors
         return {}
     if rank == 0:
         groups.guard_channel().exchange.tune(yield_s=0.0, sleep=True, sleep_s=60.0)
@@ -113,7 +113,9 @@ def sleeps_while_a_peer_fails(rank: int, world: int) -> dict:
     try:
         f(torch.ones(2))
     except cc.CollectiveError as e:
+        release()
         return {"type": type(e).__name__, "ranks": list(e.ranks), "seconds": time.monotonic() - start}
+    release()
     return {"type": None}
 
 
