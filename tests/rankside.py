@@ -67,3 +67,28 @@ def summary(recorder: GraphRecorder) -> dict[str, Any]:
         "audit_exchanges": s["audit_exchanges"],
         "audit_divergences": s["audit_divergences"],
     }
+
+
+def caught(call: Any) -> dict[str, Any]:
+    """Run ``call`` in a rank; describe what it raised (our error's type, message, ranks,
+    level) and how long it took, as plain data for the parent to assert on."""
+    import time
+
+    import compiler_collectives as cc
+
+    start = time.monotonic()
+    try:
+        call()
+    except cc.CollectiveError as e:
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
+                "level": getattr(e, "level", None), "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start}
+
+
+def line_of(path: str, marker: str) -> int:
+    """Line number in ``path`` of the line ending with ``# <marker>`` (what error messages cite)."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return number
+    raise AssertionError(marker)

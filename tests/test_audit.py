@@ -11,30 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
+from tests.rankside import caught, line_of
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
-
-
-def _line_of(marker: str) -> int:
-    """Line number in this file of the line ending with ``# <marker>``."""
-    with open(__file__) as f:
-        for number, line in enumerate(f, start=1):
-            if line.rstrip().endswith(f"# {marker}"):
-                return number
-    raise AssertionError(marker)
-
-
-def _attempt(call) -> dict:
-    """Run ``call``; describe what it raised and how long it took."""
-    import compiler_collectives as cc
-
-    start = time.monotonic()
-    try:
-        call()
-    except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
-                "level": getattr(e, "level", None), "seconds": time.monotonic() - start}
-    return {"type": None, "seconds": time.monotonic() - start}
 
 
 # ---------------------------------------------------------------- divergence at the first compile
@@ -54,7 +33,7 @@ def size_hint_branch(rank: int, world: int) -> dict:
 
     cc.enable()
     compiled = torch.compile(_branch_on_size, backend="aot_eager")
-    out = _attempt(lambda: compiled(torch.ones(24 if rank == 0 else 40, 4)))
+    out = caught(lambda: compiled(torch.ones(24 if rank == 0 else 40, 4)))
     # What the new user did next: a collective of their own on the default group.
     # Without the audit, rank 1's extra all_reduce meets this one and gloo aborts rank 0.
     if out["type"] is None:
@@ -66,7 +45,7 @@ def size_hint_branch(rank: int, world: int) -> dict:
 @pytest.mark.multiprocess
 def test_a_branch_on_a_size_hint_makes_every_rank_raise_program_divergence_naming_the_all_reduce_line():
     outcome = run_ranks(size_hint_branch, 2, env=ENV, timeout=120)
-    line = _line_of("size-branch all_reduce")
+    line = line_of(__file__, "size-branch all_reduce")
     for r in outcome.results:
         assert r["type"] == "ProgramDivergenceError", r
         assert r["seconds"] < 60
@@ -94,13 +73,13 @@ def rank_branch(rank: int, world: int) -> dict:
 
     cc.enable()
     compiled = torch.compile(_branch_on_rank, backend="eager")
-    return _attempt(lambda: compiled(torch.ones(4)))
+    return caught(lambda: compiled(torch.ones(4)))
 
 
 @pytest.mark.multiprocess
 def test_a_collective_under_a_rank_dependent_branch_is_caught_before_any_rank_runs_it():
     outcome = run_ranks(rank_branch, 3, env=ENV, timeout=120)
-    line = _line_of("rank-branch all_reduce")
+    line = line_of(__file__, "rank-branch all_reduce")
     for r in outcome.results:
         assert r["type"] == "ProgramDivergenceError", r
         assert "ranks 0, 2: no collective #1 (its graph has 0 collective(s) in all)" in r["message"]
@@ -246,7 +225,7 @@ def backward_differs(rank: int, world: int) -> dict:
     w = torch.ones(4, 4, requires_grad=True)
     out = compiled(torch.ones(2, 4), w)
     after_forward = cc.stats()
-    result = _attempt(lambda: out.sum().backward())
+    result = caught(lambda: out.sum().backward())
     result["after_forward"] = after_forward
     result["stats"] = cc.stats()
     return result
@@ -255,7 +234,7 @@ def backward_differs(rank: int, world: int) -> dict:
 @pytest.mark.multiprocess
 def test_a_forward_that_agrees_and_a_backward_that_differs_raise_at_the_first_backward():
     outcome = run_ranks(backward_differs, 2, env=ENV, timeout=120)
-    line = _line_of("recomputed all_reduce")
+    line = line_of(__file__, "recomputed all_reduce")
     for r in outcome.results:
         assert r["after_forward"]["audit_exchanges"] == 1 and r["after_forward"]["audit_divergences"] == 0
         assert r["type"] == "ProgramDivergenceError", r

@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
+from tests.rankside import caught, line_of
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
 TRANSPORTS = ["auto", "gloo"]
-
-
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for number, line in enumerate(f, start=1):
-            if line.rstrip().endswith(f"# {marker}"):
-                return number
-    raise AssertionError(marker)
-
-
-def _attempt(call) -> dict:
-    import compiler_collectives as cc
-
-    start = time.monotonic()
-    try:
-        call()
-    except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
-                "level": getattr(e, "level", None), "seconds": time.monotonic() - start}
-    return {"type": None, "seconds": time.monotonic() - start}
 
 
 # ---------------------------------------------------------------- the issue's three phases
@@ -57,7 +37,7 @@ def three_phases(rank: int, world: int) -> dict:
     phases = [(32, 32), (8, 12), (32, 8)]
     out: dict = {"phases": []}
     for phase, rows in enumerate(phases):
-        result = _attempt(lambda: step(torch.ones(rows[rank], 4)))
+        result = caught(lambda: step(torch.ones(rows[rank], 4)))
         out["phases"].append(result)
         if result["type"] is not None:
             break
@@ -74,7 +54,7 @@ def three_phases(rank: int, world: int) -> dict:
 def test_ranks_hitting_entries_with_different_collectives_raise_before_the_lone_all_reduce_runs(transport):
     env = dict(ENV, COMPILER_COLLECTIVES_GUARD_TRANSPORT=transport)
     outcome = run_ranks(three_phases, 2, env=env, timeout=180)  # a rank killed by a signal fails here
-    line = _line_of("the lone all_reduce")
+    line = line_of(__file__, "the lone all_reduce")
     for rank, r in enumerate(outcome.results):
         p0, p1, p2 = r["phases"]
         assert p0["type"] is None and p1["type"] is None, r
@@ -140,14 +120,14 @@ def lru_order(rank: int, world: int, programs: str) -> dict:
     f(*((torch.ones(6), torch.ones(4)) if rank == 0 else (torch.ones(8), torch.ones(6))))   # E0 | E2
     f(*((torch.ones(10), torch.ones(6)) if rank == 0 else (torch.ones(4), torch.ones(6))))  # E3 | E1
     before = cc.stats()
-    result = _attempt(lambda: f(torch.ones(4), torch.ones(4)))
+    result = caught(lambda: f(torch.ones(4), torch.ones(4)))
     return {"result": result, "before": before, "after": cc.stats()}
 
 
 @pytest.mark.timeout(300)
 def test_lru_order_differing_across_ranks_with_entries_whose_programs_differ_raises():
     outcome = run_ranks(lru_order, 2, args=("differ",), env=ENV, timeout=240)
-    line = _line_of("LRU all_reduce")
+    line = line_of(__file__, "LRU all_reduce")
     for r in outcome.results:
         assert r["before"]["entry_divergences"] == 0 and r["before"]["compiler_collectives"] == 4
         assert r["result"]["type"] == "ProgramDivergenceError", r
@@ -198,13 +178,13 @@ def inductor_with_caches(rank: int, world: int, swap_reduce_op_on_rank_1: bool) 
     torch._inductor.config.post_grad_custom_post_pass = SwapReduceOp()
     cc.enable(guards=True)
     compiled = torch.compile(_reduce_then_scale, backend="inductor")
-    out = _attempt(lambda: compiled(torch.ones(4, 2)))
+    out = caught(lambda: compiled(torch.ones(4, 2)))
     out["stats"] = cc.stats()
     return out
 
 
 @pytest.mark.timeout(1300)
-def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_cached_divergence_caught(tmp_path):
+def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_cached_divergencecaught(tmp_path):
     dirs = {name: str(tmp_path / name) for name in ("warm", "cold_a", "cold_b", "cold_c")}
 
     def run(rank0: str, swap: bool):
@@ -228,7 +208,7 @@ def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_
     # Now rank 1's post-grad pass changes the reduce op, but its cache entry
     # still matches: only compiling again shows the difference.
     swapped = run("cold_c", True)
-    line = _line_of("cached all_reduce")
+    line = line_of(__file__, "cached all_reduce")
     for r in swapped:
         assert r["type"] == "ProgramDivergenceError", r
         assert r["level"] == "inductor_forward"

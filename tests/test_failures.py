@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import release, run_ranks, stay_until
+from tests.rankside import caught
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -53,19 +54,6 @@ def _other(x: torch.Tensor) -> torch.Tensor:
     return x - 3
 
 
-def _caught(call) -> dict:
-    """Run ``call`` and describe what it raised, with how long it took."""
-    import compiler_collectives as cc
-
-    start = time.monotonic()
-    try:
-        call()
-    except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "ranks": list(e.ranks), "message": str(e),
-                "seconds": time.monotonic() - start}
-    return {"type": None, "seconds": time.monotonic() - start}
-
-
 # ---------------------------------------------------------------- dead and absent peers
 
 
@@ -86,7 +74,7 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
     # so this call may still agree; the next one must fail.
     start = time.monotonic()
     for call in range(2):
-        result = _caught(lambda: f(torch.ones(2)))
+        result = caught(lambda: f(torch.ones(2)))
         if result["type"]:
             break
     result = _with_transport({**result, "call": call, "seconds": time.monotonic() - start})
@@ -118,7 +106,7 @@ def peer_killed_before_a_compile(rank: int, world: int) -> dict:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
-    result = _caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
+    result = caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
     time.sleep(STAY_S)
     return result
 
@@ -152,7 +140,7 @@ def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
             time.sleep(0.02)
     else:
         time.sleep(0.5)
-    result = _caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
+    result = caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
     time.sleep(STAY_S)
     return result
 
@@ -181,7 +169,7 @@ def peer_fails_while_others_wait(rank: int, world: int) -> dict:
         return {"type": "elsewhere"}
     if rank == 2:
         time.sleep(0.5)  # rank 0 is waiting by now; rank 2 times out after 3 s
-    result = _caught(lambda: f(torch.ones(2)))
+    result = caught(lambda: f(torch.ones(2)))
     result["at"] = time.time()
     release()
     return _with_transport(result)
@@ -229,12 +217,12 @@ def peer_stopped(rank: int, world: int) -> dict:
         give_up = time.monotonic() + 15.0  # resumed: its heartbeat thread reads the failure reports
         while health.poisoned() is None and time.monotonic() < give_up:
             time.sleep(0.05)
-        return {"after_cont": _caught(lambda: f(torch.ones(2)))}
+        return {"after_cont": caught(lambda: f(torch.ones(2)))}
     if rank == 2:
         # Enters 3 s later: rank 0's timeout comes first, and rank 2 hears of it (on gloo
         # through its heartbeat thread, up to a heartbeat and a wait slice later).
         time.sleep(3.0)
-    result = _with_transport(_caught(lambda: f(torch.ones(2))))
+    result = _with_transport(caught(lambda: f(torch.ones(2))))
     result["at"] = time.time()
     # Rank 1 stays stopped until rank 2 has its error too: resumed early, it would
     # no longer be "stopped" when rank 2's diagnosis looks at it.
@@ -280,7 +268,7 @@ def absent_before_groups_exist(rank: int, world: int) -> dict:
         time.sleep(TIMEOUT_S + 6)  # never compiles in time
         return {"type": "absent"}
     f = torch.compile(_step, backend="eager")
-    return _caught(lambda: f(torch.ones(2)))
+    return caught(lambda: f(torch.ones(2)))
 
 
 def test_our_timeout_bounds_group_creation_even_with_a_30_minute_default_group():
@@ -302,7 +290,7 @@ def absent_after_groups_exist(rank: int, world: int) -> dict:
     if rank == 1:
         stay_until(1, TIMEOUT_S + 10)  # alive, and still there when rank 0's diagnosis ends
         return {"type": "late"}
-    result = _caught(lambda: f(torch.ones(2)))
+    result = caught(lambda: f(torch.ones(2)))
     release()
     return _with_transport(result)
 
@@ -327,7 +315,7 @@ def different_frames(rank: int, world: int) -> dict:
 
     cc.enable()
     f = torch.compile(_step if rank == 0 else _other, backend="eager")
-    return _caught(lambda: f(torch.ones(2)))
+    return caught(lambda: f(torch.ones(2)))
 
 
 def test_ranks_compiling_different_frames_all_raise_a_desync_listing_every_rank():
@@ -347,7 +335,7 @@ def extra_call(rank: int, world: int) -> dict:
     f(torch.ones(2))  # both compile on every rank
     g(torch.ones(2))
     for fn in ([f, f, g] if rank == 0 else [f, g]):  # rank 0 calls f one extra time
-        result = _caught(lambda: fn(torch.ones(2)))
+        result = caught(lambda: fn(torch.ones(2)))
         if result["type"]:
             return _with_transport(result)
     return {"type": None}
@@ -371,7 +359,7 @@ def fewer_calls_then_wait(rank: int, world: int) -> dict:
     cc.enable(guards=True)
     f = torch.compile(_step, backend="eager")
     for _ in range(3 if rank == 0 else 2):  # same line: the call site cannot tell
-        result = _caught(lambda: f(torch.ones(2)))
+        result = caught(lambda: f(torch.ones(2)))
         if result["type"]:
             release()
             return _with_transport(result)
@@ -434,7 +422,7 @@ def bad_payload_from_rank_1(rank: int, world: int, how: str) -> dict:
     if rank == 1:
         _corrupting(rank, how)
     f = torch.compile(_step, backend="eager")
-    return _caught(lambda: f(torch.ones(2)))
+    return caught(lambda: f(torch.ones(2)))
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "oversized", "old_version"])
@@ -469,9 +457,9 @@ def poisoned_then_reset(rank: int, world: int) -> dict:
     if rank == 1:
         _corrupting(rank, "corrupt")
     f = torch.compile(_step, backend="eager")
-    first = _caught(lambda: f(torch.ones(2)))
+    first = caught(lambda: f(torch.ones(2)))
     g = torch.compile(_other, backend="eager")
-    second = _caught(lambda: g(torch.ones(2)))
+    second = caught(lambda: g(torch.ones(2)))
     # explicit recovery on every rank
     from compiler_collectives.agreements import wire
 
@@ -481,7 +469,7 @@ def poisoned_then_reset(rank: int, world: int) -> dict:
         importlib.reload(wire)
     cc.reset()
     h = torch.compile(lambda x: x + 7, backend="eager")
-    third = _caught(lambda: h(torch.ones(2)))
+    third = caught(lambda: h(torch.ones(2)))
     return {"first": first["type"], "second": second["type"], "second_msg": second.get("message", ""),
             "third": third["type"]}
 
@@ -505,7 +493,7 @@ def guard_failure_reaches_user(rank: int, world: int) -> dict:
     if rank == 1:
         os._exit(0)  # leave without a word: rank 0's guard collective fails
     time.sleep(1.0)
-    return _with_transport(_caught(lambda: f(torch.ones(2))))
+    return _with_transport(caught(lambda: f(torch.ones(2))))
 
 
 @GUARD_TRANSPORTS
@@ -567,7 +555,7 @@ def store_host_stopped(rank: int, world: int) -> dict:
         os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 hosts the TCPStore: every store call now hangs
         return {"type": "resumed"}
     time.sleep(0.5)
-    result = _caught(lambda: f(torch.ones(2)))
+    result = caught(lambda: f(torch.ones(2)))
     os.kill(pids[0], signal.SIGCONT)
     return result
 
@@ -604,7 +592,7 @@ def heartbeat_hits_an_error(rank: int, world: int) -> dict:
         stay_until(1, TIMEOUT_S + 10)  # alive, elsewhere, while rank 0 fails and diagnoses
         first = health.poisoned()
         return {"poisoned": None if first is None else str(first), "beats_after_error": len(calls) - 1}
-    result = _caught(lambda: f(torch.ones(2)))
+    result = caught(lambda: f(torch.ones(2)))
     release()
     return result
 
@@ -659,7 +647,7 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
         time.sleep(4.0)  # stay while rank 0 runs its call and listens for reports
         return out
     time.sleep(2.0)
-    result = _with_transport(_caught(lambda: f(torch.ones(2))))
+    result = _with_transport(caught(lambda: f(torch.ones(2))))
     time.sleep(3.0)  # three heartbeats: any failure report would have poisoned this rank by now
     first = health.poisoned()
     result["poisoned"] = None if first is None else str(first)
@@ -689,7 +677,7 @@ def phases_differ(rank: int, world: int) -> dict:
     torch.compile(_step, backend="eager")(torch.ones(2))  # groups exist: the setup check has passed
     if rank == 1:
         config.set_value("exchange_inputs_first", False)  # changed behind the setup check's back
-    return _caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
+    return caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
 
 
 def test_ranks_in_different_exchanges_of_a_compile_raise_a_desync_naming_each_ranks_exchange():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import _free_port, run_ranks
+from tests.rankside import caught
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -34,18 +35,6 @@ def _step(x: torch.Tensor) -> torch.Tensor:
 
 def _other(x: torch.Tensor) -> torch.Tensor:
     return x - 3
-
-
-def _caught(call) -> dict:
-    import compiler_collectives as cc
-
-    start = time.monotonic()
-    try:
-        call()
-    except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "ranks": list(e.ranks), "message": str(e),
-                "seconds": time.monotonic() - start}
-    return {"type": None, "seconds": time.monotonic() - start}
 
 
 # ---------------------------------------------------------------- reinit
@@ -142,7 +131,7 @@ def forked_child_runs_compiled_code(rank: int, world: int) -> dict:
         child = _in_forked_child(in_child)
     dist.barrier()
     # The ranks go on together: nothing of the child's reached either of them.
-    after = [_caught(lambda: f(torch.ones(2)))["type"] for _ in range(5)]
+    after = [caught(lambda: f(torch.ones(2)))["type"] for _ in range(5)]
     first = health.poisoned()
     return {"child": child, "at_fork": at_fork, "after": after, "poisoned": None if first is None else str(first),
             "guard_collectives": cc.stats()["guard_collectives"], "transport": cc.stats()["guard_transport"]}
@@ -208,7 +197,7 @@ def two_threads_run_compiled_code(rank: int, world: int, calls: int) -> dict:
 
     def second_thread() -> None:
         for _ in range(calls):
-            result = _caught(lambda: f(torch.ones(2)))
+            result = caught(lambda: f(torch.ones(2)))
             if result["type"]:
                 other.update(result)
                 return
@@ -216,7 +205,7 @@ def two_threads_run_compiled_code(rank: int, world: int, calls: int) -> dict:
 
     thread = threading.Thread(target=second_thread, name="loader-thread")
     thread.start()
-    main = [_caught(lambda: f(torch.ones(2))) for _ in range(calls)]
+    main = [caught(lambda: f(torch.ones(2))) for _ in range(calls)]
     thread.join(60)
     first = health.poisoned()
     return {"other": other, "main": [m["type"] for m in main], "poisoned": None if first is None else str(first),
@@ -269,16 +258,16 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out = {"raised": type(e).__name__, "message": str(e)}
         out["seconds"] = time.monotonic() - start
-        out["afterwards"] = _caught(lambda: f(torch.ones(2)))["type"]  # this rank left a collective half-done
+        out["afterwards"] = caught(lambda: f(torch.ones(2)))["type"]  # this rank left a collective half-done
         time.sleep(6.0)  # alive while rank 0 hears of it
         return out
     time.sleep(2.0)
     # Rank 1's part of this call was in before it left: the call may still agree, the next cannot.
-    first = _caught(lambda: f(torch.ones(2)))
+    first = caught(lambda: f(torch.ones(2)))
     give_up = time.monotonic() + 10.0
     while health.poisoned() is None and time.monotonic() < give_up:
         time.sleep(0.05)
-    second = _caught(lambda: f(torch.ones(2))) if first["type"] is None else first
+    second = caught(lambda: f(torch.ones(2))) if first["type"] is None else first
     return {"second": second, "transport": cc.stats()["guard_transport"]}
 
 

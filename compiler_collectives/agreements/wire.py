@@ -522,6 +522,21 @@ def _header_in(
     return pkg, rank, world, FrameId(frame[0], frame[1], line), seq, sent_at
 
 
+def _failure(payload: str, kind: str, sender: int, versions: str) -> Callable[[str], WireFormatError]:
+    """How a decoder of ``payload`` payloads names what is wrong with the one ``sender`` sent."""
+    same = "it does" if versions.endswith("version") else "they do"
+
+    def fail(why: str) -> WireFormatError:
+        return WireFormatError(
+            f"bad {payload} payload from rank {sender}: {why}. Check that every rank runs the same "
+            f"{versions}; if {same}, this is a bug or a corrupted transport.",
+            kind=kind,
+            ranks=(sender,),
+        )
+
+    return fail
+
+
 def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> Envelope:
     """Parse and validate one rank's payload; raise ``WireFormatError`` on anything wrong.
 
@@ -529,15 +544,7 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
     it; the payload's own claim is checked against it).
     """
 
-    def fail(why: str) -> WireFormatError:
-        return WireFormatError(
-            f"bad compiler-collective payload from rank {sender}: {why}. "
-            "Check that every rank runs the same compiler_collectives and torch "
-            "versions; if they do, this is a bug or a corrupted transport.",
-            kind="compiler",
-            ranks=(sender,),
-        )
-
+    fail = _failure("compiler-collective", "compiler", sender, "compiler_collectives and torch versions")
     r = _reader(data, max_bytes, fail)
     try:
         n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
@@ -744,15 +751,7 @@ def decode_audit(
     """Parse and validate one rank's audit payload; ``WireFormatError`` on anything wrong,
     ``CollectiveDesyncError`` if the sender is in a compiler collective instead."""
 
-    def fail(why: str) -> WireFormatError:
-        return WireFormatError(
-            f"bad program-audit payload from rank {sender}: {why}. Check that every rank runs "
-            "the same compiler_collectives and torch versions; if they do, this is a bug or a "
-            "corrupted transport.",
-            kind="audit",
-            ranks=(sender,),
-        )
-
+    fail = _failure("program-audit", "audit", sender, "compiler_collectives and torch versions")
     r = _reader(data, max_bytes, fail)
     try:
         n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
@@ -814,15 +813,7 @@ def decode_reasons(
 ) -> ReasonsEnvelope:
     """Parse and validate one rank's recompile reasons; raise ``WireFormatError`` naming the sender."""
 
-    def fail(why: str) -> WireFormatError:
-        return WireFormatError(
-            f"bad recompile-reason payload from rank {sender}: {why}. Check that every rank "
-            "runs the same compiler_collectives version; if it does, this is a bug or a "
-            "corrupted transport.",
-            kind="guard",
-            ranks=(sender,),
-        )
-
+    fail = _failure("recompile-reason", "guard", sender, "compiler_collectives version")
     r = _reader(data, max_bytes, fail)
     try:
         if not r.array_next():
