@@ -211,5 +211,12 @@ def reset_stats() -> None:
 
 
 def reset() -> None:
-    """Clear a failure on this rank and forget our groups; call on every rank together."""
+    """Clear a failure on this rank, forget our groups and entry agreement; call on every rank together.
+
+    Frames whose cache entries ran different collectives (checked on every
+    call, ``docs/design.md`` "Entry agreement") lose their compiled entries
+    too, and compile again at their next call.
+    """
+    if _seams.installed():
+        _seams.forget_entries()
     _lifecycle.reset()

@@ -8,6 +8,8 @@ and what to set or check next.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class CollectiveError(RuntimeError):
     """Raised when a compiler or guard collective cannot reach agreement.
@@ -130,6 +132,11 @@ class StoreUnresponsive(Exception):
         super().__init__(f"the c10d store did not answer {what} within {timeout_s:.1f}s")
         self.what = what
         self.timeout_s = timeout_s
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'rank 3' or 'ranks 0, 2': how messages name (global) ranks."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def describe(

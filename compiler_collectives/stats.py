@@ -34,7 +34,7 @@ class Counters:
     forced_recompiles: int = 0
     guard_time_s: float = 0.0
     # program audit (audit.py): graphs fingerprinted, exchanges run (one per
-    # compiled graph, one per lazily compiled backward), graphs whose
+    # compiled graph, backward included), graphs whose
     # whole-graph hash differed across ranks while their collectives agreed
     # (report only), divergences raised; time in the audit (fingerprinting and
     # exchanging, the exchange including any wait for the slowest rank) and the
@@ -51,13 +51,20 @@ class Counters:
     # compiled again and still differ in levels, or a fingerprint failed)
     audit_cache_recompiles: int = 0
     audit_levels_not_compared: int = 0
-    # entry agreement (entry_agreement.py): frames whose cache entries came to
+    # backward graphs lowered lazily at run time, outside an audited compile
+    # (not audited; audited compiles lower backwards eagerly)
+    audit_lazy_backwards: int = 0
+    # entry agreement (agreements/entry.py): frames whose cache entries came to
     # run different collectives, entry checks run on calls of such frames
     # (their time included), divergences raised
     entry_mixed_frames: int = 0
     entry_checks: int = 0
     entry_check_time_s: float = 0.0
     entry_divergences: int = 0
+    # calls in which the ranks took different graph-break paths through one
+    # compiled frame (entries that communicate nothing): each went on alone
+    # until its next call from its own code (agreements/guard.py, paths_diverged)
+    diverged_paths: int = 0
     # slow path: recompile reasons exchanged after an agreed miss
     guard_reason_exchanges: int = 0
     # failures

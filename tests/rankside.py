@@ -85,6 +85,20 @@ def caught(call: Any) -> dict[str, Any]:
     return {"type": None, "seconds": time.monotonic() - start}
 
 
+def kept_logs(logger: str, level: str = "INFO") -> list[str]:
+    """A list that fills with the messages ``logger`` (and its children) logs at ``level`` or above."""
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    logging.getLogger(logger).addHandler(Keep(level=getattr(logging, level)))
+    return kept
+
+
 def line_of(path: str, marker: str) -> int:
     """Line number in ``path`` of the line ending with ``# <marker>`` (what error messages cite)."""
     with open(path) as f:

@@ -223,27 +223,24 @@ def backward_differs(rank: int, world: int) -> dict:
     cc.enable()
     compiled = torch.compile(_checkpointed, backend="aot_eager")
     w = torch.ones(4, 4, requires_grad=True)
-    out = compiled(torch.ones(2, 4), w)
-    after_forward = cc.stats()
-    result = caught(lambda: out.sum().backward())
-    result["after_forward"] = after_forward
+    result = caught(lambda: compiled(torch.ones(2, 4), w))
     result["stats"] = cc.stats()
     return result
 
 
 @pytest.mark.multiprocess
-def test_a_forward_that_agrees_and_a_backward_that_differs_raise_at_the_first_backward():
+def test_a_forward_that_agrees_and_a_backward_that_differs_raise_at_compile_before_the_forward_runs():
+    # The backward is lowered with its forward, so it is compared in the forward's one exchange.
     outcome = run_ranks(backward_differs, 2, env=ENV, timeout=120)
     line = line_of(__file__, "recomputed all_reduce")
     for r in outcome.results:
-        assert r["after_forward"]["audit_exchanges"] == 1 and r["after_forward"]["audit_divergences"] == 0
         assert r["type"] == "ProgramDivergenceError", r
         assert r["level"] == "aot_backward"
-        assert "for the same backward graph; no rank has run it" in r["message"]
+        assert "for the same graph's backward; no rank has run it" in r["message"]
         # Both backwards reduce the gradient; rank 1 also recomputes the forward's all_reduce.
         assert "rank 0: no collective #2 (its graph has 1 collective(s) in all)" in r["message"]
         assert f"test_audit.py:{line} in block" in r["message"]
-        assert r["stats"]["audit_exchanges"] == 2  # the forward's, then the backward's
+        assert r["stats"]["audit_exchanges"] == 1  # the forward's, which holds the backward too
 
 
 def backward_agrees(rank: int, world: int, rows: tuple[int, int]) -> dict:
@@ -258,16 +255,15 @@ def backward_agrees(rank: int, world: int, rows: tuple[int, int]) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_a_lazily_compiled_backward_is_audited_at_its_first_backward_with_one_more_exchange():
-    # Static shapes: AOTAutograd compiles the backward at the first backward.
+def test_a_static_graphs_backward_is_lowered_with_its_forward_and_audited_in_its_exchange():
+    # Static shapes: AOTAutograd alone would compile the backward at the first backward.
     outcome = run_ranks(backward_agrees, 2, args=((6, 6),), env=ENV, timeout=120)
     for s in outcome.results:
         assert s["audit_divergences"] == 0
-        # step 0: the forward's exchange, then the backward's at its first
-        # backward; step 1 (7 rows) recompiles with the dim dynamic, which
-        # compiles its backward with the forward: one exchange for both
-        assert s["audit_exchanges"] == 3
+        # step 0 (static) and step 1 (7 rows: the dim dynamic): one exchange each, backward included
+        assert s["audit_exchanges"] == 2
         assert s["audit_graphs"] == 6  # per compile: Dynamo, AOT forward, AOT backward
+        assert s["audit_lazy_backwards"] == 0
 
 
 @pytest.mark.multiprocess
@@ -286,7 +282,7 @@ def levels_differ(rank: int, world: int) -> dict:
 
     cc.enable()
     # As after an AOTAutograd cache hit on some ranks only: rank 1 produces
-    # Dynamo's graph alone, rank 0 also the AOTAutograd graphs and a lazy backward.
+    # Dynamo's graph alone, rank 0 also the AOTAutograd graphs (backward included).
     compiled = torch.compile(_branch_on_size, backend="aot_eager" if rank == 0 else "eager")
     x = torch.ones(6, 4, requires_grad=True)
     compiled(x).sum().backward()
@@ -294,7 +290,7 @@ def levels_differ(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones_and_skip_the_lazy_backward():
+def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones():
     outcome = run_ranks(levels_differ, 2, env=ENV, timeout=120)
     s0, s1 = outcome.results
     assert s0["audit_divergences"] == s1["audit_divergences"] == 0
@@ -302,8 +298,8 @@ def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones_and_s
     # again without caches (still Dynamo's graph only) and both exchange again.
     assert (s0["audit_cache_recompiles"], s1["audit_cache_recompiles"]) == (0, 1)
     assert s0["audit_exchanges"] == s1["audit_exchanges"] == 2  # no backward exchange rank 1 would never join
-    assert s0["audit_levels_not_compared"] == s1["audit_levels_not_compared"] == 1  # aot_forward
-    assert (s0["audit_graphs"], s1["audit_graphs"]) == (2, 1)  # the lazy backward is compiled unaudited
+    assert s0["audit_levels_not_compared"] == s1["audit_levels_not_compared"] == 2  # aot_forward, aot_backward
+    assert (s0["audit_graphs"], s1["audit_graphs"]) == (3, 1)
 
 
 # ---------------------------------------------------------------- one rank fails to compile

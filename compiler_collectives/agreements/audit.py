@@ -22,10 +22,12 @@ Flow, per graph Dynamo hands to a backend (the seams module calls in):
   naming the frame, the first differing collective, each rank's version of it
   and its user source line. Only the whole-graph digest differs: logged at INFO
   and kept in ``reports()`` (report only).
-* A backward AOTAutograd compiles lazily gets its own exchange at its first
-  backward. It is armed only if every rank announced the same pending
-  backwards in the forward exchange, so no rank ever waits for an exchange
-  its peers will not run.
+* Backwards are compiled with their forward (the seam has AOTAutograd lower
+  them eagerly in audited compiles), so a training graph's backward levels
+  are in its one exchange and a backward that fails to compile fails the
+  forward's compile, named, on every rank. A backward compiled lazily at run
+  time would be compiled only on the ranks that run it first: it is never
+  exchanged.
 
 Plain Python over ``torch.distributed``; the graph walk is ``fingerprint.py``.
 """
@@ -48,7 +50,7 @@ import torch
 from .. import health
 from . import exchange as exchange_frame
 from . import wire
-from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe
+from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe, ranks_text
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 from ..state import FrameId
 from ..stats import counters
@@ -108,11 +110,10 @@ class AotScope:
     frame: FrameId
     training: bool = False  # the forward compiler ran: there is a backward graph
     backward_compiled: bool = False  # ... and it was compiled with the forward
-    lazy_backward_armed: bool = False  # every rank will audit its lazy compile
 
 
 class GraphAudit:
-    """Fingerprints gathered for one exchange: a Dynamo graph's compile, or a lazy backward."""
+    """Fingerprints gathered for one exchange: a Dynamo graph's compile."""
 
     def __init__(self, frame: FrameId, phase: str) -> None:
         self.frame = frame
@@ -209,11 +210,11 @@ def aot_compile(scope: AotScope, stage: str, gm: torch.fx.GraphModule, compile: 
         record.add(gm, "aot_backward" if stage == "backward" else "aot_forward")
         with _open(record, stage):
             return compile()
-    if stage == "backward" and scope.lazy_backward_armed:
-        scope.lazy_backward_armed = False  # one exchange per graph, at its first backward
-        lazy = GraphAudit(scope.frame, "backward")
-        lazy.add(gm, "aot_backward")
-        return _audited(lazy, compile, stage="backward")[0]
+    # Outside the forward's compile: a backward lowered lazily at its first run,
+    # on the ranks that run it first only. No exchange can pair up here.
+    if stage == "backward" and scope.training and not scope.backward_compiled:
+        counters.audit_lazy_backwards += 1
+        log.debug("program audit: a backward graph of %s is compiled lazily; it is not audited", scope.frame)
     return compile()
 
 
@@ -323,7 +324,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         if missing and may_recompile:
             log.info("audit #%d of %s: %s lack level(s) %s that other ranks compiled (loaded from a "
                      "cache?); they compile again without caches so that every level is compared",
-                     seq, record.frame, _ranks_text([members[r] for r in missing]),
+                     seq, record.frame, ranks_text([members[r] for r in missing]),
                      ", ".join(sorted(produced - set.intersection(*(set(d) for d in by_rank)))))
             return missing
         record.compared = common
@@ -335,8 +336,6 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         if skipped:
             log.debug("audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
                       seq, record.frame, ", ".join(skipped))
-        if record.phase == "forward":
-            _arm_lazy_backwards(record, [s.pending_backwards for s in summaries], seq)
         _emit(record, seq, rank, summaries, report_only)
         return []
     finally:
@@ -382,10 +381,6 @@ def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> N
     )
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 def _divergence(
     record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int,
     members: Sequence[int] | None = None,
@@ -406,7 +401,7 @@ def _divergence(
         c = lists[named.index(ranks[0])]
         text = (c[index].render() if key is not None
                 else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)")
-        lines.append(f"  {_ranks_text(ranks)}: {text}")
+        lines.append(f"  {ranks_text(ranks)}: {text}")
     # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
     largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
     implicated = tuple(r for r in named if r not in largest)
@@ -417,9 +412,11 @@ def _divergence(
     if level.endswith("backward"):
         causes += (" (here in the backward: e.g. an activation-checkpointing policy or the "
                    "partitioner recomputing a collective on some ranks only)")
+    # A backward is lowered with its forward, in the forward's exchange.
+    what = "graph's backward" if level.endswith("backward") else f"{record.phase} graph"
     message = (
         f"{describe('audit', rank, seq, str(record.frame))}: the ranks compiled different "
-        f"collectives for the same {record.phase} graph; no rank has run it.\n"
+        f"collectives for the same {what}; no rank has run it.\n"
         f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n"
         + "\n".join(lines) + "\n"
         f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
@@ -440,7 +437,7 @@ def _fail_partial(
 ) -> None:
     first = next(s.failure for s in summaries if s.failure is not None)
     err = ProgramDivergenceError(
-        f"{describe('audit', rank, seq, str(record.frame))}: {_ranks_text(failed)} failed to compile "
+        f"{describe('audit', rank, seq, str(record.frame))}: {ranks_text(failed)} failed to compile "
         f"this {record.phase} graph ({first}) while the other ranks compiled it; no rank has run "
         "it. Read the failing rank's own error first; the ranks cannot go on with different programs.",
         kind="audit", rank=rank, seq=seq, frame=str(record.frame), ranks=tuple(failed),
@@ -468,16 +465,6 @@ def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.
         seq, record.frame, record.phase, ", ".join(levels),
         "; ".join(f"{lv}: {' '.join(d)}" for lv, d in entry["levels"].items()),
     )
-
-
-def _arm_lazy_backwards(record: GraphAudit, pendings: list[list[bool]], seq: int) -> None:
-    if all(p == pendings[0] for p in pendings):
-        for scope, pending in zip(record.scopes, pendings[0]):
-            scope.lazy_backward_armed = pending
-    elif any(any(p) for p in pendings):
-        log.info("audit #%d of %s: the ranks' AOTAutograd compiles differ in which backward graphs "
-                 "compile lazily (a cache hit on some ranks?); those backward graphs are not audited",
-                 seq, record.frame)
 
 
 def _emit(record: GraphAudit, seq: int, rank: int, summaries: list[wire.AuditSummary],

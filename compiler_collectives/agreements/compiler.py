@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from .. import config, health
 from ..tools import timing
 from . import exchange as exchange_frame
+from . import guard
 from . import wire
 from ..errors import SCOPE_HINT, CollectiveDesyncError, describe
 from ..state import DistributedState, FrameId, LocalState
@@ -266,5 +267,6 @@ def group_for_compile() -> Any:
 
 
 def distributed() -> bool:
-    """Whether a default process group exists (else there is nobody to agree with)."""
-    return groups.available()
+    """Whether a default process group exists (else there is nobody to agree with), and
+    this rank is not apart from its peers inside one call (``guard.paths_diverged``)."""
+    return groups.available() and not guard.apart()

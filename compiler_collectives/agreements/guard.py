@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,10 +64,14 @@ _get_ident = threading.get_ident
 
 
 class _GuardState:
-    __slots__ = ("seq", "channel", "world", "agreed_miss", "owner", "owner_thread", "solo_world")
+    __slots__ = ("seq", "channel", "world", "agreed_miss", "owner", "owner_thread", "solo_world", "apart")
 
     def __init__(self) -> None:
         self.seq = 0
+        # Ranks took different graph-break paths through one call of a frame (see
+        # ``paths_diverged``): calls made from inside compiled code decide alone
+        # until this rank is back at a call from the user's own code.
+        self.apart = False
         self.channel: GuardChannel | None = None
         self.world: object | None = None
         # The thread that runs compiled code with guards on (see the docstring); 0: none yet.
@@ -170,6 +174,7 @@ groups.progress_sources.append(lambda: {"guard_seq": _state.seq})
 
 def reset_sequence() -> None:
     _state.seq = 0
+    _state.apart = False
     _state.channel = None
     _state.world = None
     _state.agreed_miss = None
@@ -211,10 +216,11 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
 
     None when no guard collective has run in this process group (not
     distributed, or the guard hook is off): then cache contents are not kept
-    in step and there is nothing to check an entry against.
+    in step and there is nothing to check an entry against. None too while
+    this rank is apart (``paths_diverged``): its peers run other frames.
     """
     channel = _state.channel
-    if channel is None or _state.seq == 0 or _state.world is not dist.group.WORLD:
+    if channel is None or _state.seq == 0 or _state.world is not dist.group.WORLD or _state.apart:
         return None
     return channel, _state.seq
 
@@ -268,6 +274,8 @@ def hook(guard_eval_result: bool) -> bool:
                 return guard_eval_result
         if _get_ident() != _state.owner and not _claim():
             return False  # another thread runs compiled code on this rank: parked an error
+        if _state.apart and _apart_call(sys._getframe(1)):
+            return guard_eval_result
         _state.seq += 1
         seq = _state.seq
         site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
@@ -284,7 +292,11 @@ def hook(guard_eval_result: bool) -> bool:
         counters.guard_time_s += elapsed
         counters.guard_collectives += 1
         if not in_step:
-            raise _desync(channel, seq, site)
+            everyone = _describe_mismatch(channel, seq, site, sys._getframe(1))
+            if paths_diverged(everyone):
+                go_apart(seq - 1)
+                return guard_eval_result
+            raise _desync(channel, seq, site, everyone)
         if not guard_eval_result:
             counters.guard_local_misses += 1
         if not all_hit:
@@ -358,23 +370,101 @@ def _raised_by_signal_handler(error: BaseException) -> bool:
     return False
 
 
-def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError:
+# ------------------------------------------------------------------ paths through one call
+
+# Flags on the slow path's (seq, site) all-gather. A guard call made from inside
+# compiled code (a resume function after a graph break) sends its site with
+# NESTED; an entry check (agreements/entry.py) sends (-seq, entry index), with
+# EMPTY when its entry runs no collective.
+NESTED = 1 << 46  # above the 46-bit frame id, which the channels' keys use alone
+EMPTY = 1 << 40  # above any entry index
+
+
+def apart() -> bool:
+    """Whether this rank is on its own path through a call (``paths_diverged``): no collective runs."""
+    return _state.apart
+
+
+def paths_diverged(everyone: Sequence[tuple[int, int]]) -> bool:
+    """Whether a mismatch is the ranks taking different graph-break paths through one call of a frame.
+
+    After guard collective #p every rank entered a cache entry of the same
+    frame, each as its own guards chose. An entry whose code calls a resume
+    function (a graph break) has its rank's next guard call come from inside
+    compiled code, at #p+1 (NESTED); a rank in an entry whose programs differ
+    checks the entry at -p. When no rank is at a call of its own code, and every
+    checking rank's entry runs no collective, the ranks merely run different
+    compiled frames inside one call that communicates nothing: a job without
+    this service runs it correctly, so each rank goes on alone
+    (``go_apart``) until it calls compiled code from its own code again,
+    where all ranks meet. Decided from the all-gather alone: the same on every
+    rank.
+    """
+    checks = [f for s, f in everyone if s < 0]
+    nested = [s for s, f in everyone if s > 0 and f & NESTED]
+    if not nested or len(checks) + len(nested) != len(everyone):
+        return False
+    parents = {-s for s, _ in everyone if s < 0} | {s - 1 for s in nested}
+    return len(parents) == 1 and all(f & EMPTY for f in checks)
+
+
+def go_apart(parent_seq: int) -> None:
+    """Every rank agreed that their paths through this call differ: go on alone (``paths_diverged``)."""
+    _state.seq = parent_seq  # where every rank stands: the next call of the user's own code is #p+1
+    _state.apart = True
+    counters.diverged_paths += 1
+    log.debug("after guard collective #%d the ranks run different compiled frames of one call; "
+              "each goes on alone until its next call from its own code", parent_seq)
+
+
+def in_compiled_code(frame: Any) -> bool:
+    """Whether ``frame`` or a frame below it runs Dynamo's output code (a compiled frame's bytecode)."""
+    depth = 0
+    while frame is not None and depth < 512:
+        if _is_dynamo_output_code(frame.f_code):
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def _apart_call(caller: Any) -> bool:
+    """While apart: True for a call from inside compiled code (decided alone); else the ranks meet here again."""
+    if in_compiled_code(caller):
+        return True
+    _state.apart = False
+    return False
+
+
+def at_compile(caller: Any) -> None:
+    """A frame compile starts: one called from the user's own code ends going apart (all ranks meet there)."""
+    if _state.apart and not in_compiled_code(caller):
+        _state.apart = False
+
+
+def _describe_mismatch(channel: GuardChannel, seq: int, site: int, caller: Any) -> list[tuple[int, int]]:
     """Every rank saw the mismatch: one more exchange to say who was where."""
+    flag = NESTED if in_compiled_code(caller) else 0
+    try:
+        return channel.describe_all(seq, site | flag)
+    except Exception:  # noqa: BLE001 - the message is less precise, the error stands
+        return []
+
+
+def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int, int]]) -> CollectiveDesyncError:
     members = groups.member_ranks(channel.pg)  # global ranks, under a scope too
     rank = members[channel.pg.rank()]
     caller = sys._getframe(2)
     while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
         caller = caller.f_back
     here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
-    try:
-        everyone = channel.describe_all(seq, site)
-    except Exception:  # noqa: BLE001 - the message is less precise, the error stands
-        everyone = []
     mine_seq = [s for s, _ in everyone] or [seq]
     lines = "\n".join(
-        f"  rank {members[i]}: guard collective #{s}, compiled frame id {f:#x}" if s >= 0
+        f"  rank {members[i]}: guard collective #{s}, compiled frame id {f & (NESTED - 1):#x}"
+        + (" (called from compiled code)" if f & NESTED else "") if s >= 0
         # the entry check's slow path sends (-seq, entry index): see agreements/entry.py
-        else f"  rank {members[i]}: checking which cache entry it runs (entry #{f}) after guard collective #{-s}"
+        else f"  rank {members[i]}: checking which cache entry it runs (entry #{f & (EMPTY - 1)}) "
+             f"after guard collective #{-s}"
         for i, (s, f) in enumerate(everyone)
     )
     if any(s < 0 for s in mine_seq):
@@ -385,7 +475,7 @@ def _desync(channel: GuardChannel, seq: int, site: int) -> CollectiveDesyncError
         what = "ranks are at different guard-collective counts"
     else:
         what = "ranks are entering different compiled frames at the same guard-collective count"
-    culprits = tuple(members[i] for i, entry in enumerate(everyone) if entry != (seq, site))
+    culprits = tuple(members[i] for i, (s, f) in enumerate(everyone) if (s, f & (NESTED - 1)) != (seq, site))
     return CollectiveDesyncError(
         f"{describe('guard', rank, seq, None)}: {what} (this rank was called from {here}):\n{lines}\n"
         "One rank called compiled code more, fewer or other times than the others; no rank ran "

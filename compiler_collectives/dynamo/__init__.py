@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .audit_seam import missing_backend_seams as missing_audit_backend_seams
 from .bound import original as torch_original
-from .compiler_seam import compiler_collectives_flag, set_compiler_collectives_flag
+from .compiler_seam import compiler_collectives_flag, forget_entries, set_compiler_collectives_flag
 from .convert import entry_from_torch, entry_to_torch
 from .guard_seam import hook_active as guard_hook_active
 from .guard_seam import set_guard_hook
@@ -48,6 +48,7 @@ __all__ = [
     "compiler_collectives_flag",
     "entry_from_torch",
     "entry_to_torch",
+    "forget_entries",
     "guard_hook_active",
     "install",
     "installed",

@@ -8,6 +8,9 @@
   fingerprinted.
 * ``compile_fx._recursive_post_grad_passes`` (optional, "inductor"):
   inductor's post-grad graphs.
+* ``torch._functorch.config.force_non_lazy_backward_lowering`` (required):
+  set around an audited AOTAutograd compile, so that its backward is lowered
+  with its forward.
 
 The optional levels are patched when an audited compile first finds their
 modules imported (importing them at install would add about a second to
@@ -133,7 +136,12 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
                        ("bw_compiler", "backward")):
         if kwargs.get(key) is not None:
             kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
-    return original(mod, args, **kwargs)
+    # Lower the backward with the forward: its program is then part of this
+    # compile's one exchange, on every rank, and of the cache entry's program
+    # (agreements/entry.py). Lowered lazily, it would compile at its first
+    # backward only on the ranks that run it, maybe in another entry.
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        return original(mod, args, **kwargs)
 
 
 def _audited_aot_compiler(compiler_fn: Any, scope: Any, stage: str) -> Any:

@@ -10,7 +10,11 @@
 * ``run_compiler_collective``: the end-of-trace exchange and the restart
   decision (``agreements.compiler``).
 * ``_compile``: raises errors the guard hook had to park, and unwraps our
-  errors from Dynamo's ``InternalTorchDynamoError``.
+  errors from Dynamo's ``InternalTorchDynamoError``; tells entry agreement
+  which cache entries each frame's compiles add (bounded by Dynamo's
+  ``accumulated_recompile_limit``).
+* ``torch._dynamo.reset`` (what ``torch.compiler.reset()`` calls): Dynamo's
+  caches go, and entry agreement's registry of them with them.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import sys
 import threading
 from typing import Any, Callable
 
 import torch
 
 from .. import config, health
-from ..agreements import compiler, entry
+from ..agreements import compiler, entry, guard
 from ..errors import CollectiveError
 from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
@@ -221,6 +226,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         health.raise_parked()
+        guard.at_compile(sys._getframe(1))
         code = args[0] if args else kwargs.get("code")
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
@@ -228,6 +234,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         # Entry agreement: which cache entries this frame's compiles add, in order.
         building = entry.compile_started(code)
         kept = False
+        result = None
         try:
             result = original(*args, **kwargs)
             kept = getattr(result, "guarded_code", None) is not None
@@ -242,10 +249,50 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _pending.frame = previous
             if code is not None:
-                entry.compile_finished(code, frame_of(code), building, kept)
+                entry.compile_finished(code, frame_of(code), building, kept,
+                                       limit=int(torch._dynamo.config.accumulated_recompile_limit),
+                                       resumes=resume_calls(result) if kept else ())
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
     return _compile
+
+
+def resume_calls(result: Any) -> tuple[str, ...]:
+    """The resume functions an entry's code calls, by bytecode offset (``__resume_at_80``).
+
+    Their names end in a process-wide counter, which would differ between ranks
+    that compiled other frames in between: left out.
+    """
+    code = getattr(getattr(result, "guarded_code", None), "code", None)
+    names = getattr(code, "co_names", ())
+    return tuple(n.rsplit("_", 1)[0] for n in names if n.startswith("__resume_at_"))
+
+
+def wrap_reset(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch._dynamo.reset()``: every cache entry goes, so entry agreement forgets them too."""
+
+    @functools.wraps(original)
+    def reset(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            entry.reset()
+
+    return reset
+
+
+def forget_entries() -> None:
+    """``compiler_collectives.reset()``: entry agreement starts again from nothing.
+
+    Frames whose entries ran different programs lose their Dynamo cache
+    entries too (``reset_code``), on every rank, since every rank resets
+    together: the registry must mirror the cache, and a frame whose old
+    entries kept checking beside new ones that do not would desync.
+    """
+    reset_code = bound.originals["reset_code"]
+    for code in entry.mixed_codes():
+        reset_code(code)
+    entry.reset()
 
 
 def current_compile_id() -> str | None:

@@ -202,6 +202,13 @@ SEAMS: tuple[Seam, ...] = (
          reads=(Read("takes the graph module", _positional("gm")),)),
     Seam("force_disable_caches", "torch.compiler.config", "force_disable_caches",
          reads=(Read("is a bool flag", _is_bool),)),
+    Seam("force_non_lazy_backward_lowering", "torch._functorch.config", "force_non_lazy_backward_lowering",
+         reads=(Read("is a bool flag", _is_bool),)),
+    Seam("accumulated_recompile_limit", "torch._dynamo.config", "accumulated_recompile_limit",
+         reads=(Read("is an int", lambda v: type(v) is int),)),
+    Seam("dynamo_reset", "torch._dynamo", "reset", replace="compiler_seam:wrap_reset", factory=True,
+         reads=(Read("takes no argument", lambda f: _params(f) == []),)),
+    Seam("reset_code", "torch._C._dynamo.eval_frame", "reset_code", reads=(Read("is callable", callable),)),
     # -- the guard collective (guard_seam.py)
     Seam("guard_collectives_hook", "torch._dynamo.eval_frame", "guard_collectives_hook",
          replace="guard_seam:guard_hook"),
