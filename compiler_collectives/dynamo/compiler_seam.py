@@ -9,8 +9,10 @@
   restarted trace applies every rank's observations in rank order.
 * ``run_compiler_collective``: the end-of-trace exchange and the restart
   decision (``agreements.compiler``).
-* ``_compile``: raises errors the guard hook had to park, and unwraps our
-  errors from Dynamo's ``InternalTorchDynamoError``.
+* ``_compile``: raises errors the guard hook parked on this thread, refuses a
+  thread other than the one that owns this rank's collectives (before any
+  exchange: ``guard.claim_for_compile``), and unwraps our errors from
+  Dynamo's ``InternalTorchDynamoError``.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Any, Callable
 import torch
 
 from .. import config, health
-from ..agreements import compiler, entry
+from ..agreements import compiler, entry, guard
 from ..errors import CollectiveError
 from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
-from . import bound, tooling
+from . import bound, guard_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -222,6 +224,10 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     def _compile(*args: Any, **kwargs: Any) -> Any:
         health.raise_parked()
         code = args[0] if args else kwargs.get("code")
+        if compiler_collectives_flag() or guard_seam.hook_active():
+            # This compile may exchange (compiler collective, audit) or add a cache entry the
+            # guard collective and the entry check count on: only the owning thread may.
+            guard.claim_for_compile(str(frame_of(code)) if code is not None else "a frame")
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
         _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
