@@ -72,8 +72,10 @@ class CollectivePoisonedError(CollectiveError):
 
 
 class ConcurrentThreadsError(CollectiveError):
-    """Raised in a second Python thread that calls compiled code with guard
-    collectives on while another thread of the same rank does. Names both
+    """Raised in a Python thread that calls compiled code with guard
+    collectives on, or a function that needs compiling with compiler or guard
+    collectives on, while another thread of the same rank owns them (the
+    thread of the rank's first compiled call, while it lives). Names both
     threads. Nothing ran for that call; the other thread is unaffected."""
 
 

@@ -13,12 +13,19 @@ Process models:
 
 * One rank (world size 1) and no default group: nothing to agree with, the
   hook returns the local result without any exchange.
-* Threads: one Python thread per rank runs compiled code with guards on (the
-  first to do so, until it ends). Each call is a collective numbered in call
-  order, and two threads' calls interleave differently on each rank, so a
-  second thread gets ``ConcurrentThreadsError`` at its call site, naming both
-  threads; the owner's collectives go on undisturbed. The fast path pays one
-  ``threading.get_ident()`` comparison for this.
+* Threads: one Python thread per rank owns our collectives: the thread of the
+  rank's first compiled call, a compiling one included (the compile entry
+  point claims through ``claim_for_compile``, since a frame's first call never
+  reaches this hook), until it ends. Each call and each compile is a
+  collective numbered in call order, and two threads' calls interleave
+  differently on each rank, so any other thread's call is refused before it
+  enters any exchange (even before this hook builds its channel): it gets
+  ``ConcurrentThreadsError`` at its own call site, naming both threads, and
+  did not run. The error is parked for that thread only (``health``), so the
+  owner's collectives go on undisturbed. Threads are never compared across
+  ranks. ``reset()`` keeps the owner: releasing it would let each rank's
+  threads race for it anew. The fast path pays one ``threading.get_ident()``
+  comparison for this.
 * Signal handlers: an exception the user's own signal handler raises while
   this rank waits (a SIGTERM preemption handler, say) reaches the user as
   itself; this rank refuses later collectives, and the peers are told that it
@@ -238,15 +245,22 @@ def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None
     return err
 
 
-def _channel() -> GuardChannel | None:
+def _with_peers() -> bool:
+    """Whether this process is one of several ranks (else there is nobody to agree with)."""
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is None or world is _state.solo_world:
-        return None
+        return False
     if not groups.available():  # a forked child: the default group is its parent's
-        return None
+        return False
     if dist.get_world_size() == 1:
         _state.solo_world = world
-        return None
+        return False
+    return True
+
+
+def _channel() -> GuardChannel:
+    """The guard channel of the current default group (built on first use: a collective)."""
+    world = dist.group.WORLD
     if _state.channel is None or _state.world is not world:
         _state.channel = groups.guard_channel()
         _state.world = world
@@ -269,11 +283,14 @@ def hook(guard_eval_result: bool) -> bool:
             return False
         channel = _state.channel
         if channel is None or _state.world is not dist.group.WORLD:
-            channel = _channel()
-            if channel is None:  # not distributed, or one rank: nothing to agree with
+            if not _with_peers():  # not distributed, or one rank: nothing to agree with
                 return guard_eval_result
-        if _get_ident() != _state.owner and not _claim():
-            return False  # another thread runs compiled code on this rank: parked an error
+            # Refuse another thread before it builds the channel: that is a collective too.
+            if _get_ident() != _state.owner and not _claim_or_park():
+                return False
+            channel = _channel()
+        elif _get_ident() != _state.owner and not _claim_or_park():
+            return False  # another thread owns this rank's collectives: parked an error
         if _state.apart and _apart_call(sys._getframe(1)):
             return guard_eval_result
         _state.seq += 1
@@ -327,16 +344,58 @@ def hook(guard_eval_result: bool) -> bool:
 _claim_lock = threading.Lock()
 
 
-def _claim() -> bool:
-    """Slow path: this thread is not the one running compiled code on this rank. It
-    becomes it if there is none (or it ended); otherwise park the error for this call."""
+class _OwnerMark:
+    """Kept in the owner's thread-local storage, which Python drops as that thread ends.
+
+    Thread idents are reused at once: a new thread can get the ended owner's
+    ident and pass the hook's fast path (an ident comparison) as if it owned
+    the rank, on this rank and not on another. Dropping the mark frees the
+    ownership before the ident can be reused. It runs in the ending thread:
+    no lock (the owner is still alive, so no other thread can claim meanwhile)
+    and no ``threading`` calls.
+    """
+
+    __slots__ = ("thread",)
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    def __del__(self) -> None:
+        try:
+            if _state.owner_thread is self.thread:
+                _state.owner = 0
+                _state.owner_thread = None
+        except Exception:  # noqa: BLE001 - at interpreter exit our globals may be gone
+            pass
+
+
+_owner_mark = threading.local()
+
+
+def _claim() -> threading.Thread | None:
+    """Slow path: this thread is not the owner. It becomes it if there is none (or the
+    owner ended); otherwise returns the owner, whose collectives this thread must not join."""
     me = threading.current_thread()
     with _claim_lock:
         owner = _state.owner_thread
         if owner is None or owner is me or not owner.is_alive():
+            if owner is not None and owner is not me:
+                log.debug("thread %r now owns this rank's collectives (thread %r ended)", me.name, owner.name)
+            if getattr(_owner_mark, "mark", None) is None:  # a thread's mark is always its own
+                _owner_mark.mark = _OwnerMark(me)
             _state.owner_thread = me
             _state.owner = _get_ident()
-            return True
+            return None
+    return owner
+
+
+def _claim_or_park() -> bool:
+    """The hook's thread check: True if this thread owns the rank's collectives; else park
+    the refusal for this thread's compile to raise (the hook must not raise) and return False."""
+    owner = _claim()
+    if owner is None:
+        return True
+    me = threading.current_thread()
     rank = dist.get_rank() if dist.is_initialized() else None
     health.park(ConcurrentThreadsError(
         f"guard collective on rank {rank}: thread {me.name!r} (id {me.ident}) called compiled code "
@@ -349,6 +408,34 @@ def _claim() -> bool:
         kind="guard", rank=rank, seq=_state.seq,
     ))
     return False
+
+
+def claim_for_compile(frame: str) -> None:
+    """The compile entry point's thread check, before any exchange of the compile.
+
+    A frame's first call compiles without reaching the hook, so the owner is
+    also claimed here: the thread of the rank's first compiled call owns its
+    collectives. Raises ``ConcurrentThreadsError`` in any other thread; the
+    caller decides whether this compile runs collectives at all.
+    """
+    if _get_ident() == _state.owner or not _with_peers():
+        return
+    owner = _claim()
+    if owner is None:
+        return
+    me = threading.current_thread()
+    rank = dist.get_rank()
+    raise ConcurrentThreadsError(
+        f"compiler collective on rank {rank}: thread {me.name!r} (id {me.ident}) called {frame}, which "
+        f"needs compiling, while thread {owner.name!r} (id {owner.ident}) is the one compiling and "
+        "running compiled code on this rank. Only one thread per rank may compile with compiler or "
+        "guard collectives on: every compile is a collective numbered in compile order, and two "
+        "threads' compiles would interleave differently on each rank. This call did not run (nothing "
+        "was compiled or sent to the other ranks) and the other thread is unaffected. Compile and run "
+        "compiled code from one thread per rank (keep other threads eager), or switch compiler and "
+        "guard collectives off (TORCH_COMPILER_COLLECTIVES=0, COMPILER_COLLECTIVES_GUARDS=0).",
+        kind="compiler", rank=rank, frame=frame,
+    )
 
 
 def _raised_by_signal_handler(error: BaseException) -> bool:

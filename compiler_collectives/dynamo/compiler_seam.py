@@ -9,10 +9,11 @@
   restarted trace applies every rank's observations in rank order.
 * ``run_compiler_collective``: the end-of-trace exchange and the restart
   decision (``agreements.compiler``).
-* ``_compile``: raises errors the guard hook had to park, and unwraps our
-  errors from Dynamo's ``InternalTorchDynamoError``; tells entry agreement
-  which cache entries each frame's compiles add (bounded by Dynamo's
-  ``accumulated_recompile_limit``).
+* ``_compile``: raises errors the guard hook parked on this thread, refuses a
+  thread other than the one that owns this rank's collectives (before any
+  exchange: ``guard.claim_for_compile``), unwraps our errors from Dynamo's
+  ``InternalTorchDynamoError``, and tells entry agreement which cache entries
+  each frame's compiles add (bounded by Dynamo's ``accumulated_recompile_limit``).
 * ``torch._dynamo.reset`` (what ``torch.compiler.reset()`` calls): Dynamo's
   caches go, and entry agreement's registry of them with them.
 """
@@ -33,7 +34,7 @@ from ..agreements import compiler, entry, guard
 from ..errors import CollectiveError
 from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
-from . import bound, tooling
+from . import bound, guard_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -228,6 +229,10 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         health.raise_parked()
         guard.at_compile(sys._getframe(1))
         code = args[0] if args else kwargs.get("code")
+        if compiler_collectives_flag() or guard_seam.hook_active():
+            # This compile may exchange (compiler collective, audit) or add a cache entry the
+            # guard collective and the entry check count on: only the owning thread may.
+            guard.claim_for_compile(str(frame_of(code)) if code is not None else "a frame")
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
         _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None

@@ -7,9 +7,12 @@ the first failure until ``compiler_collectives.reset()`` is called on every rank
 The guard hook runs inside Dynamo's C++ frame evaluation, where an exception
 would abort the process; it parks its error here instead and forces a
 recompile, and the compile entry point raises the parked error from the
-user's own call site. A ``KeyboardInterrupt`` is parked as itself: it reaches
-the user as a ``KeyboardInterrupt``, and only this rank is poisoned (nothing
-is reported to the other ranks).
+user's own call site. Parked errors are per thread: the compile that follows
+the hook on the same thread raises it, and no other thread ever sees it (a
+helper thread's refused call must not surface in the thread that owns the
+rank's collectives). ``clear()`` drops every thread's. A ``KeyboardInterrupt``
+is parked as itself: it reaches the user as a ``KeyboardInterrupt``, and only
+this rank is poisoned (nothing is reported to the other ranks).
 
 A rank can also be poisoned by a peer: the heartbeat thread hears of another
 rank's failure through the store (``poison_from_peer``). Refusing then says
@@ -22,7 +25,7 @@ name the failed rank where the report itself names nobody.
 from __future__ import annotations
 
 import logging
-
+import threading
 from typing import Callable
 
 from ..errors import CollectiveError, CollectivePoisonedError, PeerFailureError
@@ -32,7 +35,9 @@ log = logging.getLogger("compiler_collectives.health")
 # The first failure on this rank, None while healthy. Public for one reason:
 # the guard hook reads it on every call, where a function call costs.
 first_failure: CollectiveError | None = None
-_pending: BaseException | None = None
+# Errors the guard hook parked, per thread (``error``): each is raised by its own
+# thread's next compile. Replaced, not emptied, by clear(): that drops every thread's.
+_parked = threading.local()
 # Whether first_failure is a peer's report (and whether it was explained yet).
 _from_peer = False
 _explained = False
@@ -89,21 +94,21 @@ def check(kind: str) -> None:
 
 
 def park(error: BaseException) -> None:
-    """Keep an error raised where it could not propagate (the guard hook)."""
-    global _pending
-    if _pending is None:
-        _pending = error
+    """Keep an error raised where it could not propagate (the guard hook), for this thread only."""
+    if getattr(_parked, "error", None) is None:
+        _parked.error = error
 
 
 def raise_parked() -> None:
-    global _pending
-    error, _pending = _pending, None
+    """Raise the error this thread parked, if any (the compile entry point calls it)."""
+    error = getattr(_parked, "error", None)
     if error is not None:
+        _parked.error = None
         raise error
 
 
 def clear() -> None:
-    global first_failure, _pending, _from_peer, _explained
+    global first_failure, _parked, _from_peer, _explained
     first_failure = None
-    _pending = None
+    _parked = threading.local()  # every thread's parked error, not only the caller's
     _from_peer = _explained = False
