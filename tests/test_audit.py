@@ -336,6 +336,40 @@ def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_wai
     assert r0["seconds"] < 20  # well under COMPILER_COLLECTIVES_TIMEOUT
 
 
+def backward_fails_on_rank_1(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, example_inputs):
+        return gm.forward
+
+    def backward_compiler(gm, example_inputs):
+        if dist.get_rank() == 1:
+            raise ValueError("this backward compiler does not like rank 1")
+        return gm.forward
+
+    cc.enable()
+    compiled = torch.compile(lambda x: (x * 3).sin().sum(),
+                             backend=aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler))
+    x = torch.ones(4, requires_grad=True)  # static: AOTAutograd alone would lower the backward lazily
+    try:
+        compiled(x)
+    except Exception as e:  # noqa: BLE001 - rank 1 gets the backend's own error
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(getattr(e, "ranks", ())),
+                "where": "forward call"}
+    return {"type": None}
+
+
+@pytest.mark.multiprocess
+def test_a_backward_that_fails_to_compile_on_one_rank_raises_at_the_forwards_compile_on_every_rank():
+    r0, r1 = run_ranks(backward_fails_on_rank_1, 2, env=ENV, timeout=120).results
+    assert "does not like rank 1" in r1["message"] and r1["where"] == "forward call", r1
+    assert r0["type"] == "ProgramDivergenceError" and r0["where"] == "forward call", r0
+    assert "rank 1 failed to compile this forward graph (ValueError: this backward compiler does not like rank 1)" \
+        in r0["message"]
+    assert r0["ranks"] == [1]
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-x", "-q"])
 

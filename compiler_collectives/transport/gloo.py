@@ -31,7 +31,7 @@ import datetime
 import logging
 import struct
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -151,6 +151,7 @@ def all_gather_bytes(
     slot_bytes: int,
     phase: int = PHASE_UNSPECIFIED,
     describe: Callable[[], str] | None = None,
+    members: Sequence[int] | None = None,
 ) -> tuple[list[bytes], int]:
     """All-gather one byte string per rank; returns (payloads in rank order, rounds).
 
@@ -161,6 +162,7 @@ def all_gather_bytes(
     ``max_bytes``; nothing of that size is ever allocated.
     """
     world = pg.size()
+    named = list(members) if members is not None else list(range(world))  # global rank of each member
     n = len(payload)
     slot = HEADER_BYTES + slot_bytes
     buf = bytearray(slot)
@@ -176,23 +178,24 @@ def all_gather_bytes(
     lengths = [_LEN.unpack_from(h, 0)[0] for h in headers]
     phases = [_PHASE.unpack_from(h, _LEN.size)[0] for h in headers]
     if len(set(phases)) > 1:
-        lines = "\n".join(f"  rank {r}: {PHASE_NAMES.get(p, f'unknown phase {p}')}" for r, p in enumerate(phases))
-        where = describe() if describe is not None else f"byte all-gather on rank {pg.rank()}"
+        lines = "\n".join(f"  rank {named[r]}: {PHASE_NAMES.get(p, f'unknown phase {p}')}"
+                          for r, p in enumerate(phases))
+        where = describe() if describe is not None else f"byte all-gather on rank {named[pg.rank()]}"
         raise CollectiveDesyncError(
             f"{where}: the ranks are in different exchanges of a compile:\n{lines}\n"
             "Nothing was applied. Every rank must run the same exchanges in the same order: a "
             "setting that decides whether the input exchange runs (COMPILER_COLLECTIVES_EXCHANGE_"
             "INPUTS_FIRST, COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART, torch._dynamo.config."
             "automatic_dynamic_shapes) was changed on some ranks only after the groups were created.",
-            kind="compiler", ranks=tuple(r for r, p in enumerate(phases) if p != phases[pg.rank()]),
+            kind="compiler", ranks=tuple(named[r] for r, p in enumerate(phases) if p != phases[pg.rank()]),
         )
     for sender, length in enumerate(lengths):
         if length > max_bytes:
             raise WireFormatError(
-                f"rank {sender} announced a {length}-byte compiler-collective payload, over "
+                f"rank {named[sender]} announced a {length}-byte compiler-collective payload, over "
                 f"the limit of {max_bytes} bytes (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); "
                 "raise the limit on every rank if the state is legitimately that large",
-                kind="compiler", ranks=(sender,),
+                kind="compiler", ranks=(named[sender],),
             )
     longest = max(lengths)
     if longest <= slot_bytes:
@@ -227,10 +230,11 @@ class GlooGuardChannel:
     past two or three elements (measured ~145 µs vs ~365 µs on this machine).
     """
 
-    __slots__ = ("pg", "check_desync", "name", "_tensor", "_view", "_opts", "_list", "_seq", "_describe")
+    __slots__ = ("pg", "rank", "check_desync", "name", "_tensor", "_view", "_opts", "_list", "_seq", "_describe")
 
-    def __init__(self, pg: dist.ProcessGroup, check_desync: bool = True) -> None:
+    def __init__(self, pg: dist.ProcessGroup, check_desync: bool = True, rank: int | None = None) -> None:
         self.pg = pg
+        self.rank = pg.rank() if rank is None else rank  # global: messages name global ranks
         self.name = "gloo"
         self._seq = 0
         self._describe = self._where  # made once: the fast path allocates nothing
@@ -266,7 +270,7 @@ class GlooGuardChannel:
         return in_step and bool(low & 1), in_step
 
     def _where(self) -> str:
-        return describe("guard", self.pg.rank(), self._seq, None)
+        return describe("guard", self.rank, self._seq, None)
 
     def publish_failure(self, rank: int) -> None:
         """Nothing to publish on this path: peers learn through the store (see ``wait``)."""

@@ -314,11 +314,11 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
     (a scope's groups); default: ``new_group``, which every rank of the world calls.
     """
     settings = config.settings
-    if settings.guard_transport == "gloo":
-        return GlooGuardChannel(pg, settings.guard_desync_check)
     ranks = tuple(members) if members is not None else tuple(range(pg.size()))
     index = pg.rank()
     rank = ranks[index]
+    if settings.guard_transport == "gloo":
+        return GlooGuardChannel(pg, settings.guard_desync_check, rank=rank)
     reason = shm.unavailable_reason()
     keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1, os.getpid(), secrets.randbits(63)])
     hosts_of: dict[int, list[int]] = {}  # host key -> its global ranks, hosts in order of their lowest rank
@@ -348,7 +348,7 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
             log.warning("guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
                         "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
                         unable, f" ({reason})" if reason else "; their logs say why")
-        return GlooGuardChannel(pg, settings.guard_desync_check)
+        return GlooGuardChannel(pg, settings.guard_desync_check, rank=rank)
     assert segment is not None
     hosts = len(hosts_order)
     leader_ranks = [hosts_of[key][0] for key in hosts_order]
