@@ -142,6 +142,7 @@ def _seams_now() -> dict[str, object]:
         "call_user_compiler": output_graph.OutputGraph.call_user_compiler,
         "destroy_process_group": torch.distributed.destroy_process_group,
         "c10d_destroy_process_group": torch.distributed.distributed_c10d.destroy_process_group,
+        "dynamo_reset": torch._dynamo.reset,
     }
 
 
