@@ -26,8 +26,7 @@ import os
 # variables: so a misspelt name or a bad value is caught, not ignored.
 _TORCH_SWITCH = "TORCH_COMPILER_COLLECTIVES"
 _PREFIX = "COMPILER_COLLECTIVES_"
-_NOT_TRIGGERS = ("COMPILER_COLLECTIVES_AUTOLOAD", "COMPILER_COLLECTIVES_LOG_LEVEL",
-                 "COMPILER_COLLECTIVES_VENV_CACHE")
+_NOT_TRIGGERS = ("COMPILER_COLLECTIVES_AUTOLOAD", "COMPILER_COLLECTIVES_LOG_LEVEL", "COMPILER_COLLECTIVES_VENV_CACHE")
 _OFF = ("", "0", "false", "no", "off")
 
 # What happened at import torch, for `doctor`: None (not called), "inactive",
@@ -39,8 +38,11 @@ def wanted(environ=None) -> bool:
     environ = os.environ if environ is None else environ
     if environ.get("COMPILER_COLLECTIVES_AUTOLOAD", "1").strip().lower() in _OFF:
         return False
-    return any((name == _TORCH_SWITCH or name.startswith(_PREFIX) and name not in _NOT_TRIGGERS)
-               and value.strip().lower() not in _OFF for name, value in environ.items())
+    return any(
+        (name == _TORCH_SWITCH or name.startswith(_PREFIX) and name not in _NOT_TRIGGERS)
+        and value.strip().lower() not in _OFF
+        for name, value in environ.items()
+    )
 
 
 def load() -> None:
@@ -62,7 +64,9 @@ def load() -> None:
                 "compiler_collectives: %s. Stopping this process: with this variable wrong it would "
                 "not run the compile and guard decisions its peers run. Fix the variable (or unset "
                 "every COMPILER_COLLECTIVES_* variable and TORCH_COMPILER_COLLECTIVES to run without "
-                "compiler collectives).", e)
+                "compiler collectives).",
+                e,
+            )
             raise
         try:
             from compiler_collectives import dynamo
@@ -74,5 +78,6 @@ def load() -> None:
             "compiler_collectives autoload failed, torch continues without it (%s: %s). "
             "Set COMPILER_COLLECTIVES_AUTOLOAD=0 to silence this, or run "
             "`python -m compiler_collectives doctor`.",
-            type(e).__name__, e,
+            type(e).__name__,
+            e,
         )

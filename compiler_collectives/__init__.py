@@ -51,9 +51,7 @@ def _running_doctor() -> bool:
     import sys
 
     argv = sys.argv
-    return len(argv) > 1 and argv[1] == "doctor" and (
-        argv[0] == "-m" or argv[0].endswith("compiler-collectives")
-    )
+    return len(argv) > 1 and argv[1] == "doctor" and (argv[0] == "-m" or argv[0].endswith("compiler-collectives"))
 
 
 def _warn_retired_variables() -> None:
@@ -132,8 +130,11 @@ def scope(group: Any = None) -> None:
     from .transport.scope import from_group
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ScopeError("compiler_collectives.scope() needs torch.distributed: call it after "
-                         "init_process_group, on every rank, before the first compile", kind="scope")
+        raise ScopeError(
+            "compiler_collectives.scope() needs torch.distributed: call it after "
+            "init_process_group, on every rank, before the first compile",
+            kind="scope",
+        )
     chosen = from_group(group, dist.get_rank(), dist.get_world_size())
     groups.use_scope(chosen)  # raises after a compile; runs the setup check for a scope
 

@@ -80,8 +80,10 @@ def _parse_scope(name: str, raw: str) -> str:
         return ""
     layout, _, stages = value.partition(":")
     if layout not in SCOPE_LAYOUTS or not stages.isdigit() or int(stages) < 1:
-        raise ConfigError(f"{name}={raw!r}: expected world, consecutive:<stages> or strided:<stages> "
-                          "(e.g. consecutive:4 for 4 pipeline stages of consecutive ranks)")
+        raise ConfigError(
+            f"{name}={raw!r}: expected world, consecutive:<stages> or strided:<stages> "
+            "(e.g. consecutive:4 for 4 pipeline stages of consecutive ranks)"
+        )
     return f"{layout}:{int(stages)}"
 
 
@@ -163,8 +165,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES",
         16 * 1024 * 1024,
         _parse_positive_int,
-        "Largest compiler-collective payload one rank may send or accept; checked "
-        "before any buffer is allocated.",
+        "Largest compiler-collective payload one rank may send or accept; checked before any buffer is allocated.",
         must_match=True,
     ),
     Setting(
@@ -293,8 +294,9 @@ def check_names(environ: dict[str, str] | None = None) -> None:
         if name.startswith(PREFIX) and name not in known:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"the known ones are {', '.join(known)}"
-            raise ConfigError(f"{name} is not a compiler_collectives variable: {hint} "
-                              "(docs/configuration.md lists them)")
+            raise ConfigError(
+                f"{name} is not a compiler_collectives variable: {hint} (docs/configuration.md lists them)"
+            )
 
 
 def load_from_env(environ: dict[str, str] | None = None) -> Any:

@@ -87,8 +87,15 @@ class ProgramDivergenceError(CollectiveError):
     first differing collective at that level) and ``versions`` (rank -> that
     rank's rendering of it, or None where the rank has no collective there)."""
 
-    def __init__(self, message: str, *, level: str | None = None, index: int | None = None,
-                 versions: dict[int, str | None] | None = None, **context: object) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        level: str | None = None,
+        index: int | None = None,
+        versions: dict[int, str | None] | None = None,
+        **context: object,
+    ) -> None:
         super().__init__(message, **context)  # type: ignore[arg-type]
         self.level = level
         self.index = index
@@ -108,7 +115,7 @@ SCOPE_HINT = (
     "service to the ranks that run the same program: compiler_collectives.scope(stage_group) on "
     "every rank before its first compile, or COMPILER_COLLECTIVES_SCOPE=consecutive:<stages> "
     "(stage = a block of consecutive ranks, torchtitan's order) or strided:<stages> "
-    "(stage = rank % stages); see docs/usage.md, \"Pipeline parallelism\"."
+    '(stage = rank % stages); see docs/usage.md, "Pipeline parallelism".'
 )
 """The fix the messages name when ranks look like they run different programs and no scope is set."""
 

@@ -60,11 +60,7 @@ class SizeEntry:
 
     def same_decision_as(self, other: "SizeEntry") -> bool:
         """Equal in everything that drives a compile decision."""
-        return (
-            self.scalar == other.scalar
-            and self.size == other.size
-            and self.stride == other.stride
-        )
+        return self.scalar == other.scalar and self.size == other.size and self.stride == other.stride
 
     def render(self) -> str:
         def one(a: Any) -> str:

@@ -124,8 +124,14 @@ def _rank(rank: int, world: int, store: str, reps: int, out_path: str, backends:
         import json
 
         with open(out_path, "w") as f:
-            json.dump({"times": {"|".join(k): v for k, v in times.items()},
-                       "audit_own": {"|".join(k): v for k, v in audit_own.items()}, "payload": payload}, f)
+            json.dump(
+                {
+                    "times": {"|".join(k): v for k, v in times.items()},
+                    "audit_own": {"|".join(k): v for k, v in audit_own.items()},
+                    "payload": payload,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 
@@ -133,8 +139,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of every configuration")
     parser.add_argument("--nproc", type=int, default=2, help="ranks")
-    parser.add_argument("--backends", default="eager,aot_eager",
-                        help="comma-separated torch.compile backends (eager, aot_eager, inductor)")
+    parser.add_argument(
+        "--backends",
+        default="eager,aot_eager",
+        help="comma-separated torch.compile backends (eager, aot_eager, inductor)",
+    )
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     if "inductor" in backends:
@@ -144,8 +153,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="cc-bench-")
     out_path = os.path.join(tmp, "result.json")
     print(f"bench_compile: {args.nproc} ranks, {args.reps} repetitions, torch {torch.__version__}", flush=True)
-    mp.spawn(_rank, args=(args.nproc, os.path.join(tmp, "store"), args.reps, out_path, backends),
-             nprocs=args.nproc)
+    mp.spawn(_rank, args=(args.nproc, os.path.join(tmp, "store"), args.reps, out_path, backends), nprocs=args.nproc)
     import json
 
     with open(out_path) as f:
@@ -153,8 +161,10 @@ def main() -> None:
     times = {tuple(k.split("|")): v for k, v in data["times"].items()}
     print()
     audit_own = {tuple(k.split("|")): v for k, v in data["audit_own"].items()}
-    print("| backend | input sizes | off (s) | ours (s) | ours+audit (s) | torch's own (s) | ours / off | "
-          "ours+audit / ours | paired | torch / off | ours / torch |")
+    print(
+        "| backend | input sizes | off (s) | ours (s) | ours+audit (s) | torch's own (s) | ours / off | "
+        "ours+audit / ours | paired | torch / off | ours / torch |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in backends:
         for sizes in ("differ", "agree"):
@@ -162,15 +172,18 @@ def main() -> None:
             # each repetition measures ours and ours+audit back to back: the median
             # of those per-repetition ratios is less sensitive to load drifting
             paired = statistics.median(
-                a / o for a, o in zip(times[(backend, sizes, "audit")], times[(backend, sizes, "ours")]))
+                a / o for a, o in zip(times[(backend, sizes, "audit")], times[(backend, sizes, "ours")])
+            )
             print(
                 f"| {backend} | {sizes} | {med['off']:.3f} | {med['ours']:.3f} | {med['audit']:.3f} | "
                 f"{med['torch']:.3f} | {med['ours'] / med['off']:.2f}x | {med['audit'] / med['ours']:.3f}x | "
                 f"{paired:.3f}x | {med['torch'] / med['off']:.2f}x | {med['ours'] / med['torch']:.2f}x |"
             )
     print()
-    print("| backend | input sizes | fingerprinting, slowest rank (ms) | whole audit, last rank to arrive (ms) "
-          "| whole audit / ours |")
+    print(
+        "| backend | input sizes | fingerprinting, slowest rank (ms) | whole audit, last rank to arrive (ms) "
+        "| whole audit / ours |"
+    )
     print("|---|---|---|---|---|")
     for backend in backends:
         for sizes in ("differ", "agree"):

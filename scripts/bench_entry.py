@@ -93,8 +93,14 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, transport:
                 samples[name].append(time.perf_counter() - t0)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"medians_us": {m: statistics.median(v) * 1e6 for m, v in samples.items()},
-                       "mixed": mixed, "stats": cc.stats()}, f)
+            json.dump(
+                {
+                    "medians_us": {m: statistics.median(v) * 1e6 for m, v in samples.items()},
+                    "mixed": mixed,
+                    "stats": cc.stats(),
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -108,19 +114,25 @@ def main() -> None:
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-entry-")
     out = os.path.join(tmp, "out.json")
-    mp.spawn(_rank, args=(args.world, os.path.join(tmp, "store"), args.calls, args.blocks, args.transport, out),
-             nprocs=args.world)
+    mp.spawn(
+        _rank,
+        args=(args.world, os.path.join(tmp, "store"), args.calls, args.blocks, args.transport, out),
+        nprocs=args.world,
+    )
     with open(out) as f:
         result = json.load(f)
     med = result["medians_us"]
-    print(f"world {args.world}, transport {args.transport}, {args.blocks} blocks x {args.calls} calls, "
-          f"median µs per call")
+    print(
+        f"world {args.world}, transport {args.transport}, {args.blocks} blocks x {args.calls} calls, median µs per call"
+    )
     print(f"{'frame':<15}{'check off':>12}{'check on':>12}{'added':>10}")
     for frame in ("one-entry", "three-entries"):
         off, on = med[f"{frame}/off"], med[f"{frame}/on"]
         print(f"{frame:<15}{off:>12.2f}{on:>12.2f}{on - off:>10.2f}")
-    print(f"entry checks run on rank 0: {result['stats']['entry_checks']}; frames mixed: "
-          f"{sorted(k.split(' at ')[0] for k, v in result['mixed'].items() if v)}")
+    print(
+        f"entry checks run on rank 0: {result['stats']['entry_checks']}; frames mixed: "
+        f"{sorted(k.split(' at ')[0] for k, v in result['mixed'].items() if v)}"
+    )
 
 
 if __name__ == "__main__":

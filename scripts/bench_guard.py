@@ -44,8 +44,18 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODES = ("none", "hook-noop", "torch", "ours", "ours-yield", "ours-gloo", "ours-gloo-nocheck", "ours+timing",
-         "floor", "hook+floor")
+MODES = (
+    "none",
+    "hook-noop",
+    "torch",
+    "ours",
+    "ours-yield",
+    "ours-gloo",
+    "ours-gloo-nocheck",
+    "ours+timing",
+    "floor",
+    "hook+floor",
+)
 
 
 def _small(x: torch.Tensor) -> torch.Tensor:
@@ -135,8 +145,14 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     set_mode("none")
     assert ours_pg is not None
     with open(f"{out_path}.{rank}", "w") as fh:
-        json.dump({"transport": transport, "none": statistics.median(per_call["none"]),
-                   "per_call": per_call if rank == 0 else {}}, fh)
+        json.dump(
+            {
+                "transport": transport,
+                "none": statistics.median(per_call["none"]),
+                "per_call": per_call if rank == 0 else {},
+            },
+            fh,
+        )
     dist.destroy_process_group()
 
 
@@ -161,8 +177,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300, help="calls per block")
     parser.add_argument("--blocks", type=int, default=7, help="measured blocks per mode")
     args = parser.parse_args()
-    print(f"bench_guard: worlds {args.worlds}, hosts {args.hosts}, {args.blocks} blocks x {args.calls} "
-          f"calls per mode, torch {torch.__version__}", flush=True)
+    print(
+        f"bench_guard: worlds {args.worlds}, hosts {args.hosts}, {args.blocks} blocks x {args.calls} "
+        f"calls per mode, torch {torch.__version__}",
+        flush=True,
+    )
     rows = []
     for world in args.worlds:
         transport, med = run(world, args.hosts, args.calls, args.blocks)
@@ -173,9 +192,11 @@ def main() -> None:
     for world, transport, m in rows:
         print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
-    print("| ranks | ours added | over the slowest rank | of which any hook | ours added / floor | "
-          "ours-yield added / floor | ours-gloo added / floor | torch added / ours added | "
-          "ours-gloo added / ours added | timing overhead |")
+    print(
+        "| ranks | ours added | over the slowest rank | of which any hook | ours added / floor | "
+        "ours-yield added / floor | ours-gloo added / floor | torch added / ours added | "
+        "ours-gloo added / ours added | timing overhead |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for world, transport, m in rows:
         added = {k: m[k] - m["none"] for k in MODES}
@@ -187,10 +208,12 @@ def main() -> None:
             f"{added['ours-gloo'] / added['ours']:.0f}x | "
             f"{(m['ours+timing'] - m['ours']):+.1f} µs |"
         )
-    print("\nmedians in µs per call; 'added' = mode minus 'none'; floor = a bare gloo all-reduce of "
-          "one int64 in a tight loop; timing overhead = ours+timing minus ours; 'of which any hook' = "
-          "hook-noop minus none, what torch charges for calling any Python guard hook; 'over the slowest "
-          "rank' = ours minus the largest 'none' of any rank (a collective runs at the slowest rank's pace)")
+    print(
+        "\nmedians in µs per call; 'added' = mode minus 'none'; floor = a bare gloo all-reduce of "
+        "one int64 in a tight loop; timing overhead = ours+timing minus ours; 'of which any hook' = "
+        "hook-noop minus none, what torch charges for calling any Python guard hook; 'over the slowest "
+        "rank' = ours minus the largest 'none' of any rank (a collective runs at the slowest rank's pace)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,7 @@ def main() -> None:
     import compiler_collectives  # noqa: F401  (installs the hook's seams)
     from compiler_collectives.agreements import guard
 
-    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="bench-hook-"),
-                            rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="bench-hook-"), rank=0, world_size=1)
     guard.use_channel(_AgreeAtOnce())
     hook = guard.hook
 

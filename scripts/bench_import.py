@@ -30,16 +30,26 @@ CONFIGS = {
     "inactive": {},
     "active": {"TORCH_COMPILER_COLLECTIVES": "1"},
 }
-OURS = ("TORCH_COMPILER_COLLECTIVES", "COMPILER_COLLECTIVES_GUARDS", "COMPILER_COLLECTIVES_TIMING",
-        "COMPILER_COLLECTIVES_TRACE_DIR", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+OURS = (
+    "TORCH_COMPILER_COLLECTIVES",
+    "COMPILER_COLLECTIVES_GUARDS",
+    "COMPILER_COLLECTIVES_TIMING",
+    "COMPILER_COLLECTIVES_TRACE_DIR",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+)
 
 
 def _time_import(extra: dict[str, str]) -> float:
     env = {k: v for k, v in os.environ.items() if k not in OURS}
     env.update(extra)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", "import torch"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - start
 
 
@@ -80,8 +90,10 @@ def main() -> None:
     splits = [_split_costs_ms() for _ in range(args.runs)]
     scan = statistics.median(x for x, _ in splits)
     ours = statistics.median(y for _, y in splits)
-    print(f"\nsplit, in fresh interpreters (median of {args.runs}): torch's entry-point scan "
-          f"{scan:.1f} ms; importing our autoload module and its inactive load() {ours:.2f} ms")
+    print(
+        f"\nsplit, in fresh interpreters (median of {args.runs}): torch's entry-point scan "
+        f"{scan:.1f} ms; importing our autoload module and its inactive load() {ours:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ RUNS: dict[str, Run] = {
     # come), which is exactly what the guard collective prevents. Selecting
     # it shows what a hang looks like here: a bounded timeout.
     "compiler-only": Run(
-        "compiler-only", True, False,
+        "compiler-only",
+        True,
+        False,
         "compiler collectives without guard collectives (expected to hang, then time out)",
         must_finish=False,
     ),
@@ -389,9 +391,7 @@ class RunOutcome:
 # ------------------------------------------------- running ranks as processes
 
 
-def _rank_main(
-    rank: int, world: int, run_name: str, cfg: DemoConfig, run_dir: str, messages: Any
-) -> None:
+def _rank_main(rank: int, world: int, run_name: str, cfg: DemoConfig, run_dir: str, messages: Any) -> None:
     """Entry point of one spawned rank process."""
     # Keep the terminal readable: this rank's stdout/stderr (Dynamo warnings
     # and the like) go to a log file; the parent shows it if the run fails.
@@ -482,8 +482,10 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
             if now - last_news >= quiet_notice_s:
                 # Not a frozen terminal: say what we are waiting for.
                 done = " ".join(str(o.last_step + 1) for o in outcomes)
-                progress(f"  [{run.name}] no step finished for {now - last_news:.0f}s (compiling, or "
-                         f"stuck); steps done per rank: {done}; timeout in {deadline - now:.0f}s")
+                progress(
+                    f"  [{run.name}] no step finished for {now - last_news:.0f}s (compiling, or "
+                    f"stuck); steps done per rank: {done}; timeout in {deadline - now:.0f}s"
+                )
                 last_news = now
             try:
                 message = messages.get(timeout=0.5)
@@ -569,7 +571,7 @@ def stuck_at(log_text: str) -> Optional[str]:
     if at < 0:
         return None
     frames = []
-    for line in log_text[at + len(marker):].splitlines()[1:]:
+    for line in log_text[at + len(marker) :].splitlines()[1:]:
         line = line.strip()
         if not line.startswith("File "):
             break
@@ -671,9 +673,17 @@ def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> 
 
 
 _COLUMNS = (
-    ("run", "<"), ("rank", ">"), ("compiles", ">"), ("recompiles", ">"), ("graphs", ">"),
-    ("dynamic dims", "<"), ("guard colls", ">"), ("forced", ">"), ("coll time", ">"),
-    ("steps/s", ">"), ("status", "<"),
+    ("run", "<"),
+    ("rank", ">"),
+    ("compiles", ">"),
+    ("recompiles", ">"),
+    ("graphs", ">"),
+    ("dynamic dims", "<"),
+    ("guard colls", ">"),
+    ("forced", ">"),
+    ("coll time", ">"),
+    ("steps/s", ">"),
+    ("status", "<"),
 )
 
 
@@ -713,8 +723,9 @@ def format_table(outcomes: Sequence[RunOutcome], steps: int) -> str:
         if rows:
             breaks.add(len(rows))
         rows.extend(_row(run, o, steps) for o in run.ranks)
-    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) if rows else len(header[i])
-              for i in range(len(header))]
+    widths = [
+        max(len(header[i]), *(len(row[i]) for row in rows)) if rows else len(header[i]) for i in range(len(header))
+    ]
 
     def fmt(cells: Sequence[str]) -> str:
         parts = []
@@ -747,8 +758,7 @@ def _verdict(run: RunOutcome) -> str:
     if run.agree:
         example = run.ranks[0].result
         assert example is not None
-        return (f"finished in {run.elapsed_s:.0f}s; same compile decisions on every rank: "
-                f"{_describe_decisions(example)}")
+        return f"finished in {run.elapsed_s:.0f}s; same compile decisions on every rank: {_describe_decisions(example)}"
     # Group ranks by their decisions so the difference is plain to see.
     groups: dict[tuple, list[int]] = {}
     for o in run.ranks:
@@ -760,8 +770,9 @@ def _verdict(run: RunOutcome) -> str:
         assert example is not None
         who = "rank" + ("s " if len(ranks) > 1 else " ") + ",".join(map(str, ranks))
         parts.append(f"{who}: {_describe_decisions(example)}")
-    return (f"finished in {run.elapsed_s:.0f}s; DIFFERENT compile decisions across ranks:\n"
-            + "\n".join(" " * 17 + p for p in parts))
+    return f"finished in {run.elapsed_s:.0f}s; DIFFERENT compile decisions across ranks:\n" + "\n".join(
+        " " * 17 + p for p in parts
+    )
 
 
 def _describe_decisions(result: dict[str, Any]) -> str:
@@ -800,8 +811,6 @@ def _say(line: str = "") -> None:
     print(line, flush=True)
 
 
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -820,9 +829,7 @@ def _run_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in RUNS]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(RUNS)}; got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(RUNS)}; got {text!r}")
     return names
 
 
@@ -847,26 +854,51 @@ def add_demo_parser(subparsers: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=_positive_int, default=d.nproc, metavar="N",
-                   help="number of ranks (processes) to launch; ignored under torchrun")
-    p.add_argument("--steps", type=_positive_int, default=d.steps, metavar="N",
-                   help="training steps per run (at least 2)")
-    p.add_argument("--backend", default=d.backend, metavar="NAME",
-                   help="torch.compile backend, e.g. aot_eager, eager, inductor "
-                        "(inductor needs a C++ compiler)")
-    p.add_argument("--timeout", type=_positive_float, default=d.timeout, metavar="SECONDS",
-                   help="wall-clock limit per run; ranks still running then are killed and the "
-                        "run is reported as timed out (under torchrun: the collectives' timeout)")
-    p.add_argument("--runs", type=_run_list, default=",".join(DEFAULT_RUNS), metavar="LIST",
-                   help=f"comma-separated runs to do, in order. {runs_help}")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, metavar="N",
-                   help="sequences per batch and rank")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the model weights and the synthetic token data")
-    p.add_argument("--log-every", type=_positive_int, default=d.log_every, metavar="N",
-                   help="print a progress line every N steps (from rank 0)")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the per-rank results of every run as JSON to PATH")
+    p.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=d.nproc,
+        metavar="N",
+        help="number of ranks (processes) to launch; ignored under torchrun",
+    )
+    p.add_argument(
+        "--steps", type=_positive_int, default=d.steps, metavar="N", help="training steps per run (at least 2)"
+    )
+    p.add_argument(
+        "--backend",
+        default=d.backend,
+        metavar="NAME",
+        help="torch.compile backend, e.g. aot_eager, eager, inductor (inductor needs a C++ compiler)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=d.timeout,
+        metavar="SECONDS",
+        help="wall-clock limit per run; ranks still running then are killed and the "
+        "run is reported as timed out (under torchrun: the collectives' timeout)",
+    )
+    p.add_argument(
+        "--runs",
+        type=_run_list,
+        default=",".join(DEFAULT_RUNS),
+        metavar="LIST",
+        help=f"comma-separated runs to do, in order. {runs_help}",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=d.batch_size, metavar="N", help="sequences per batch and rank"
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model weights and the synthetic token data")
+    p.add_argument(
+        "--log-every",
+        type=_positive_int,
+        default=d.log_every,
+        metavar="N",
+        help="print a progress line every N steps (from rank 0)",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="also write the per-rank results of every run as JSON to PATH"
+    )
     p.set_defaults(func=cmd_demo)
 
 
@@ -894,18 +926,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if demo.launched_by_torchrun():
         is_rank0 = os.environ.get("RANK") == "0"
         say = _say if is_rank0 else (lambda line="": None)
-        say(f"compiler_collectives demo under torchrun: {os.environ['WORLD_SIZE']} ranks, "
-            f"{cfg.steps} steps, backend {cfg.backend}")
+        say(
+            f"compiler_collectives demo under torchrun: {os.environ['WORLD_SIZE']} ranks, "
+            f"{cfg.steps} steps, backend {cfg.backend}"
+        )
         outcomes = demo.run_this_rank(cfg, progress=say)
         if outcomes is None:
             return 0
     else:
-        _say(f"compiler_collectives demo: {cfg.nproc} ranks (gloo, CPU), {cfg.steps} steps per run, "
-             f"backend {cfg.backend}, timeout {cfg.timeout:.0f}s per run")
-        _say(textwrap.fill(
-            f"Ranks see different sequence lengths: all start at {cfg.base_length} tokens; "
-            "ranks 1.. switch to other lengths one after another (rank 0 never), and the last "
-            "rank's final batch is short.", width=100))
+        _say(
+            f"compiler_collectives demo: {cfg.nproc} ranks (gloo, CPU), {cfg.steps} steps per run, "
+            f"backend {cfg.backend}, timeout {cfg.timeout:.0f}s per run"
+        )
+        _say(
+            textwrap.fill(
+                f"Ranks see different sequence lengths: all start at {cfg.base_length} tokens; "
+                "ranks 1.. switch to other lengths one after another (rank 0 never), and the last "
+                "rank's final batch is short.",
+                width=100,
+            )
+        )
         outcomes = []
         for name in cfg.runs:
             run = demo.RUNS[name]
@@ -919,13 +959,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _say()
     _say(demo.format_table(outcomes, cfg.steps))
     _say()
-    _say(textwrap.fill(
-        "compiles: Dynamo frame compilations, recompiles: those of an already compiled frame; "
-        "graphs: graphs handed to the backend; dynamic dims: graph inputs with symbolic sizes; "
-        "guard colls: guard collectives run; forced: recompiles this rank did only because "
-        "another rank's guards missed; coll time: time spent in compiler + guard collectives "
-        "(mostly waiting for slower ranks); steps/s: over the whole run, compiles included.",
-        width=100))
+    _say(
+        textwrap.fill(
+            "compiles: Dynamo frame compilations, recompiles: those of an already compiled frame; "
+            "graphs: graphs handed to the backend; dynamic dims: graph inputs with symbolic sizes; "
+            "guard colls: guard collectives run; forced: recompiles this rank did only because "
+            "another rank's guards missed; coll time: time spent in compiler + guard collectives "
+            "(mostly waiting for slower ranks); steps/s: over the whole run, compiles included.",
+            width=100,
+        )
+    )
     _say(f"total wall time {time.monotonic() - started:.1f}s")
     for outcome in outcomes:
         if outcome.ranks and any(o.error for o in outcome.ranks):
@@ -939,8 +982,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump([demo.outcome_to_json(o) for o in outcomes], f, indent=2)
     return 0 if demo.demo_succeeded(outcomes) else 1
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,18 +86,29 @@ def ddp_inductor(device: torch.device) -> None:
             m.zero_grad()
         compiled(x).square().mean().backward()
         eager_model(x).square().mean().backward()
-        same.append(all(torch.allclose(a.grad, b.grad, atol=2e-3, rtol=2e-3)
-                        for a, b in zip(compiled_model.parameters(), eager_model.parameters())))
+        same.append(
+            all(
+                torch.allclose(a.grad, b.grad, atol=2e-3, rtol=2e-3)
+                for a, b in zip(compiled_model.parameters(), eager_model.parameters())
+            )
+        )
     sync(device)
     s = cc.stats()
     check("ddp+inductor on NCCL: same gradients as eager DDP at every step", all(same), steps=same)
-    check("ddp+inductor on NCCL: compiler and guard collectives ran",
-          s["compiler_collectives"] >= 1 and s["guard_collectives"] >= 1,
-          compiler_collectives=s["compiler_collectives"], guard_collectives=s["guard_collectives"],
-          guard_transport=s["guard_transport"], audit_exchanges=s["audit_exchanges"],
-          audit_divergences=s["audit_divergences"])
-    check("the default group is NCCL", dist.get_backend() == ("gloo" if device.type == "cpu" else "nccl"),
-          backend=dist.get_backend())
+    check(
+        "ddp+inductor on NCCL: compiler and guard collectives ran",
+        s["compiler_collectives"] >= 1 and s["guard_collectives"] >= 1,
+        compiler_collectives=s["compiler_collectives"],
+        guard_collectives=s["guard_collectives"],
+        guard_transport=s["guard_transport"],
+        audit_exchanges=s["audit_exchanges"],
+        audit_divergences=s["audit_divergences"],
+    )
+    check(
+        "the default group is NCCL",
+        dist.get_backend() == ("gloo" if device.type == "cpu" else "nccl"),
+        backend=dist.get_backend(),
+    )
 
 
 def functional_collective_in_inductor(device: torch.device) -> None:
@@ -118,8 +129,12 @@ def functional_collective_in_inductor(device: torch.device) -> None:
     sync(device)
     ok = torch.allclose(out, f(x)) and out2.shape == (12, 32)
     s = cc.stats()
-    check("functional all_reduce on the NCCL group inside an inductor graph", ok,
-          audit_exchanges=s["audit_exchanges"] - before, audit_divergences=s["audit_divergences"])
+    check(
+        "functional all_reduce on the NCCL group inside an inductor graph",
+        ok,
+        audit_exchanges=s["audit_exchanges"] - before,
+        audit_divergences=s["audit_divergences"],
+    )
 
 
 def not_behind_the_cuda_stream(device: torch.device) -> None:
@@ -145,9 +160,13 @@ def not_behind_the_cuda_stream(device: torch.device) -> None:
     call_s = time.perf_counter() - t1
     sync(device)
     ran = cc.stats()["guard_collectives"] - guards_before
-    check("a compiled call's guard collective does not wait for queued GPU work",
-          ran == 1 and call_s < gpu_s / 10, queued_gpu_work_s=round(gpu_s, 4), compiled_call_s=round(call_s, 6),
-          guard_collectives=ran)
+    check(
+        "a compiled call's guard collective does not wait for queued GPU work",
+        ran == 1 and call_s < gpu_s / 10,
+        queued_gpu_work_s=round(gpu_s, 4),
+        compiled_call_s=round(call_s, 6),
+        guard_collectives=ran,
+    )
 
 
 def not_behind_user_collectives(device: torch.device) -> None:
@@ -165,24 +184,32 @@ def not_behind_user_collectives(device: torch.device) -> None:
     work.wait()
     sync(device)
     ran = cc.stats()["guard_collectives"] - guards_before
-    check("a compiled call's guard collective does not wait for an NCCL all_reduce in flight",
-          ran == 1 and call_s < 0.05 and bool(big[0].item() == 1.0), compiled_call_s=round(call_s, 6))
+    check(
+        "a compiled call's guard collective does not wait for an NCCL all_reduce in flight",
+        ran == 1 and call_s < 0.05 and bool(big[0].item() == 1.0),
+        compiled_call_s=round(call_s, 6),
+    )
 
 
 def our_groups_are_gloo() -> None:
     from compiler_collectives.transport import groups
 
     backends = {name: str(dist.get_backend(pg)) for name, pg in groups.existing().items()}
-    check("our groups are gloo groups beside the NCCL default group",
-          bool(backends) and all(b == "gloo" for b in backends.values()), groups=backends)
+    check(
+        "our groups are gloo groups beside the NCCL default group",
+        bool(backends) and all(b == "gloo" for b in backends.values()),
+        groups=backends,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here too")
-    parser.add_argument("--cpu", action="store_true",
-                        help="rehearse the script on a machine without a GPU: gloo and CPU tensors "
-                             "(the CUDA-stream check is skipped)")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse the script on a machine without a GPU: gloo and CPU tensors (the CUDA-stream check is skipped)",
+    )
     args = parser.parse_args()
     if args.cpu:
         device = torch.device("cpu")
@@ -192,10 +219,11 @@ def main() -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    check("autoload: compiler_collectives was loaded with torch, by env vars only",
-          "compiler_collectives" in sys.modules
-          and bool(torch._dynamo.config.enable_compiler_collectives),
-          enable_compiler_collectives=torch._dynamo.config.enable_compiler_collectives)
+    check(
+        "autoload: compiler_collectives was loaded with torch, by env vars only",
+        "compiler_collectives" in sys.modules and bool(torch._dynamo.config.enable_compiler_collectives),
+        enable_compiler_collectives=torch._dynamo.config.enable_compiler_collectives,
+    )
     import compiler_collectives as cc
 
     check("guard collectives switched on by COMPILER_COLLECTIVES_GUARDS", cc.guards_enabled())
@@ -206,11 +234,15 @@ def main() -> int:
     not_behind_user_collectives(device)
     our_groups_are_gloo()
     cuda = device.type == "cuda"
-    summary = {"torch": torch.__version__, "cuda": torch.version.cuda,
-               "gpu": torch.cuda.get_device_name(device) if cuda else None,
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-               "world": dist.get_world_size(),
-               "stats": cc.stats(), "checks": RESULTS}
+    summary = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "world": dist.get_world_size(),
+        "stats": cc.stats(),
+        "checks": RESULTS,
+    }
     print(json.dumps(summary, default=str, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -162,26 +162,38 @@ def _fmt(us: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hop-us", type=float, default=None,
-                        help="one-way latency of a hop between hosts (default: measured loopback hop)")
+    parser.add_argument(
+        "--hop-us",
+        type=float,
+        default=None,
+        help="one-way latency of a hop between hosts (default: measured loopback hop)",
+    )
     parser.add_argument("--ranks-per-host", type=int, default=8)
     args = parser.parse_args()
     f = measure()
     hop = f["hop"] if args.hop_us is None else args.hop_us
     print(f"guard_scale_model (A MODEL, not a measurement at scale), torch {torch.__version__}")
-    print("calibration, measured here (2 processes, medians): "
-          + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(f.items())))
-    print(f"hop used between hosts: {hop:.1f} µs ({'measured loopback' if args.hop_us is None else '--hop-us'}); "
-          f"{args.ranks_per_host} ranks per host\n")
-    print("| ranks | hosts | leader rounds | torch all_gather_object | gloo ring all-reduce | ours (shm + leaders) | "
-          "torch / ours | ring / ours |")
+    print(
+        "calibration, measured here (2 processes, medians): "
+        + ", ".join(f"{k} {v:.1f} µs" for k, v in sorted(f.items()))
+    )
+    print(
+        f"hop used between hosts: {hop:.1f} µs ({'measured loopback' if args.hop_us is None else '--hop-us'}); "
+        f"{args.ranks_per_host} ranks per host\n"
+    )
+    print(
+        "| ranks | hosts | leader rounds | torch all_gather_object | gloo ring all-reduce | ours (shm + leaders) | "
+        "torch / ours | ring / ours |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     sizes = [args.ranks_per_host * h for h in (1, 2, 3, 4, 8, 16, 64, 128, 256, 512, 1024, 2048)]
     for n in sizes:
         hosts = max(1, n // args.ranks_per_host)
         m = model(f, hop, args.ranks_per_host, hosts)
-        print(f"| {n} | {hosts} | {rounds(hosts)} | {_fmt(m['torch'])} | {_fmt(m['ring'])} | {_fmt(m['ours'])} | "
-              f"{m['torch'] / m['ours']:.0f}x | {m['ring'] / m['ours']:.0f}x |")
+        print(
+            f"| {n} | {hosts} | {rounds(hosts)} | {_fmt(m['torch'])} | {_fmt(m['ring'])} | {_fmt(m['ours'])} | "
+            f"{m['torch'] / m['ours']:.0f}x | {m['ring'] / m['ours']:.0f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,7 @@ class ImplementationSwitch:
         if which == "torch":
             cc.uninstall()
             pg = self._cpu_pg
-            convert_frame.get_compile_pg = (
-                lambda: pg if torch._dynamo.config.enable_compiler_collectives else None
-            )
+            convert_frame.get_compile_pg = lambda: pg if torch._dynamo.config.enable_compiler_collectives else None
             self._saved = (output_graph.get_interface_for_device, torch.accelerator.device_count)
             output_graph.get_interface_for_device = lambda _device: _NoDevice()
             torch.accelerator.device_count = lambda: 1
@@ -68,7 +66,5 @@ def torch_pickle_size(local_state: Any) -> int:
 
     from compiler_collectives.dynamo import entry_to_torch
 
-    theirs = TorchLocalState(
-        automatic_dynamic={k: entry_to_torch(v) for k, v in local_state.automatic_dynamic.items()}
-    )
+    theirs = TorchLocalState(automatic_dynamic={k: entry_to_torch(v) for k, v in local_state.automatic_dynamic.items()})
     return len(pickle.dumps(theirs))

@@ -21,13 +21,18 @@ _RECORD = os.environ.get("CC_RECORD_SPAWNS")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fast", action="store_true", default=False,
-                     help="run the unit tier only: the tests that start no process (seconds)")
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        default=False,
+        help="run the unit tier only: the tests that start no process (seconds)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "multiprocess: the test starts processes (ranks, a subprocess): the multi-process tier")
+        "markers", "multiprocess: the test starts processes (ranks, a subprocess): the multi-process tier"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,7 +61,9 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
                 return original(self, *args, **kwargs)
             raise AssertionError(
                 f"{nodeid} starts a process ({what}) but is not marked @pytest.mark.multiprocess: "
-                "mark it, so that `scripts/dev test --fast` stays a tier that starts none")
+                "mark it, so that `scripts/dev test --fast` stays a tier that starts none"
+            )
+
         return guarded
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing", start))

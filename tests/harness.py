@@ -142,8 +142,16 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=((fn.__module__, fn.__qualname__), rank, world_size, init_method,
-                  {**env, **(rank_env or {}).get(rank, {})}, tuple(args), init, results),
+            args=(
+                (fn.__module__, fn.__qualname__),
+                rank,
+                world_size,
+                init_method,
+                {**env, **(rank_env or {}).get(rank, {})},
+                tuple(args),
+                init,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -202,17 +210,22 @@ def run_ranks(
         timed_out=timed_out + stuck_at_exit,
         elapsed_s=time.monotonic() - started,
     )
-    problems = [f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed"
-                for rank in stuck_at_exit]
+    problems = [
+        f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed" for rank in stuck_at_exit
+    ]
     for rank, code in enumerate(outcome.exitcodes):
         if rank in outcome.timed_out or code is None or code >= 0 or expected.get(rank) == code:
             continue
-        problems.append(f"--- rank {rank} was ended by signal {_signal_name(-code)} (exit code {code})"
-                        + (" after reporting its result" if rank in reported else ""))
+        problems.append(
+            f"--- rank {rank} was ended by signal {_signal_name(-code)} (exit code {code})"
+            + (" after reporting its result" if rank in reported else "")
+        )
     for rank, code in sorted(expected.items()):
         if outcome.exitcodes[rank] != code:
-            problems.append(f"--- rank {rank} was expected to end by signal {_signal_name(-code)}, "
-                            f"but its exit code is {outcome.exitcodes[rank]}")
+            problems.append(
+                f"--- rank {rank} was expected to end by signal {_signal_name(-code)}, "
+                f"but its exit code is {outcome.exitcodes[rank]}"
+            )
     if check:
         for rank, tb in sorted(errors.items()):
             problems.append(f"--- rank {rank} raised:\n{tb}")

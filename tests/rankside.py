@@ -80,8 +80,13 @@ def caught(call: Any) -> dict[str, Any]:
     try:
         call()
     except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
-                "level": getattr(e, "level", None), "seconds": time.monotonic() - start}
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "ranks": list(e.ranks),
+            "level": getattr(e, "level", None),
+            "seconds": time.monotonic() - start,
+        }
     return {"type": None, "seconds": time.monotonic() - start}
 
 

@@ -21,7 +21,10 @@ def import_before_init(rank: int, world: int, store_path: str) -> dict:
 
     cc.enable()
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     rec = GraphRecorder()
@@ -249,8 +252,10 @@ def test_every_problem_with_torch_internals_is_reported_in_one_error(monkeypatch
     message = str(info.value)
     assert "2 Dynamo seam(s)" in message
     assert "torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing" in message
-    assert "torch._dynamo.pgo:update_automatic_dynamic no longer takes (tx, name, entry, *, " \
-           "is_unspecialized_nn_module)" in message
+    assert (
+        "torch._dynamo.pgo:update_automatic_dynamic no longer takes (tx, name, entry, *, "
+        "is_unspecialized_nn_module)" in message
+    )
 
 
 def test_a_read_that_only_coarsens_a_feature_warns_at_install_and_install_goes_on(monkeypatch, caplog):

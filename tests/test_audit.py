@@ -319,8 +319,12 @@ def backend_fails_on_rank_1(rank: int, world: int) -> dict:
     try:
         compiled(torch.ones(2))
     except Exception as e:  # noqa: BLE001 - rank 1 gets the backend's own error
-        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start,
-                "ranks": list(getattr(e, "ranks", ()))}
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "seconds": time.monotonic() - start,
+            "ranks": list(getattr(e, "ranks", ())),
+        }
     return {"type": None}
 
 
@@ -330,8 +334,10 @@ def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_wai
     r0, r1 = outcome.results
     assert r1["type"] == "BackendCompilerFailed" and "does not like rank 1" in r1["message"]
     assert r0["type"] == "ProgramDivergenceError", r0
-    assert ("rank 1 failed to compile this forward graph (ValueError: this backend does not like rank 1) "
-            "while the other ranks compiled it") in r0["message"]
+    assert (
+        "rank 1 failed to compile this forward graph (ValueError: this backend does not like rank 1) "
+        "while the other ranks compiled it"
+    ) in r0["message"]
     assert r0["ranks"] == [1]
     assert r0["seconds"] < 20  # well under COMPILER_COLLECTIVES_TIMEOUT
 
@@ -349,14 +355,19 @@ def backward_fails_on_rank_1(rank: int, world: int) -> dict:
         return gm.forward
 
     cc.enable()
-    compiled = torch.compile(lambda x: (x * 3).sin().sum(),
-                             backend=aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler))
+    compiled = torch.compile(
+        lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+    )
     x = torch.ones(4, requires_grad=True)  # static: AOTAutograd alone would lower the backward lazily
     try:
         compiled(x)
     except Exception as e:  # noqa: BLE001 - rank 1 gets the backend's own error
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(getattr(e, "ranks", ())),
-                "where": "forward call"}
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "ranks": list(getattr(e, "ranks", ())),
+            "where": "forward call",
+        }
     return {"type": None}
 
 
@@ -365,8 +376,10 @@ def test_a_backward_that_fails_to_compile_on_one_rank_raises_at_the_forwards_com
     r0, r1 = run_ranks(backward_fails_on_rank_1, 2, env=ENV, timeout=120).results
     assert "does not like rank 1" in r1["message"] and r1["where"] == "forward call", r1
     assert r0["type"] == "ProgramDivergenceError" and r0["where"] == "forward call", r0
-    assert "rank 1 failed to compile this forward graph (ValueError: this backward compiler does not like rank 1)" \
+    assert (
+        "rank 1 failed to compile this forward graph (ValueError: this backward compiler does not like rank 1)"
         in r0["message"]
+    )
     assert r0["ranks"] == [1]
 
 
@@ -429,7 +442,7 @@ def test_the_source_line_is_the_innermost_frame_outside_torch():
     torch_file = torch.__file__.replace("__init__.py", "distributed/_functional_collectives.py")
     trace = (
         '  File "/job/train.py", line 20, in step\n    y = funcol.all_reduce(x, "sum", group)\n'
-        '        ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n'
+        "        ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
         f'  File "{torch_file}", line 179, in all_reduce\n    tensor = torch.ops._c10d_functional.all_reduce(\n'
     )
     assert user_line(trace) == '/job/train.py:20 in step: y = funcol.all_reduce(x, "sum", group)'
@@ -490,17 +503,21 @@ def _set(path, value):
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return edit
 
 
 # Positions in the envelope: [..., 7: "audit", 8: ["summary", phase, failure, levels, pending]].
-@pytest.mark.parametrize("edit, why", [
-    (_set((8, 1), "sideways"), "audit phase must be one of"),
-    (_set((8, 3, 0, 3), b"\x01"), "audit level 'dynamo' collectives digest must be 8 bytes"),
-    (_set((8, 3, 0, 1), -1), "audit level 'dynamo' graph count must be an int in range"),
-    (_set((8, 4), [1]), "audit pending backwards must be a list of bools"),
-    (_set((8, 0), "verdict"), "unknown audit body 'verdict'"),
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_set((8, 1), "sideways"), "audit phase must be one of"),
+        (_set((8, 3, 0, 3), b"\x01"), "audit level 'dynamo' collectives digest must be 8 bytes"),
+        (_set((8, 3, 0, 1), -1), "audit level 'dynamo' graph count must be an int in range"),
+        (_set((8, 4), [1]), "audit pending backwards must be a list of bools"),
+        (_set((8, 0), "verdict"), "unknown audit body 'verdict'"),
+    ],
+)
 def test_a_malformed_audit_summary_is_rejected_naming_the_sender(edit, why):
     import msgpack
 

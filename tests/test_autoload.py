@@ -16,8 +16,12 @@ pytestmark = pytest.mark.multiprocess
 
 PY = sys.executable
 OUR_VARS = (
-    "TORCH_COMPILER_COLLECTIVES", "COMPILER_COLLECTIVES_GUARDS", "COMPILER_COLLECTIVES_TIMING",
-    "COMPILER_COLLECTIVES_TRACE_DIR", "COMPILER_COLLECTIVES_AUTOLOAD", "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "TORCH_COMPILER_COLLECTIVES",
+    "COMPILER_COLLECTIVES_GUARDS",
+    "COMPILER_COLLECTIVES_TIMING",
+    "COMPILER_COLLECTIVES_TRACE_DIR",
+    "COMPILER_COLLECTIVES_AUTOLOAD",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
 )
 
 
@@ -44,11 +48,14 @@ def test_with_our_variables_unset_import_torch_loads_neither_us_nor_dynamo():
 
 
 def test_the_torch_variable_alone_activates_our_implementation_at_import_torch():
-    proc = _python("""
+    proc = _python(
+        """
         import sys, torch
         cc = sys.modules.get("compiler_collectives")
         print(cc is not None and cc.is_enabled())
-    """, TORCH_COMPILER_COLLECTIVES="1")
+    """,
+        TORCH_COMPILER_COLLECTIVES="1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
 
@@ -82,15 +89,22 @@ def _torch_without_a_seam(tmp_path) -> str:
 
 
 def test_a_broken_autoload_leaves_import_torch_working_with_one_warning(tmp_path):
-    proc = _python("""
+    proc = _python(
+        """
         import torch
         print(torch.ones(2).sum().item())
-    """, TORCH_COMPILER_COLLECTIVES="1", PYTHONPATH=_torch_without_a_seam(tmp_path))
+    """,
+        TORCH_COMPILER_COLLECTIVES="1",
+        PYTHONPATH=_torch_without_a_seam(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "2.0"
     warnings = [line for line in proc.stderr.splitlines() if "autoload failed" in line]
     assert len(warnings) == 1, proc.stderr
-    assert "Dynamo seam(s) missing or changed: torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing" in warnings[0]
+    assert (
+        "Dynamo seam(s) missing or changed: torch._dynamo.output_graph:OutputGraph.run_compiler_collective is missing"
+        in warnings[0]
+    )
 
 
 IMPORT_TORCH = """
@@ -99,18 +113,32 @@ IMPORT_TORCH = """
 """
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARDS": "ture"},
-     "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off"),
-    ({"COMPILER_COLLECTIVES_GUARDS": "ture"},
-     "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off"),
-    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_TIMEOUT": "5m"},
-     "COMPILER_COLLECTIVES_TIMEOUT='5m': expected a number of seconds"),
-    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "shm"},
-     "COMPILER_COLLECTIVES_GUARD_TRANSPORT='shm': expected one of auto, gloo"),
-    ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_AUTOLOAD": "yes please"},
-     "COMPILER_COLLECTIVES_AUTOLOAD='yes please': expected 1/0"),
-], ids=["guards-with-torch-switch", "guards-alone", "timeout", "transport", "autoload"])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARDS": "ture"},
+            "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off",
+        ),
+        (
+            {"COMPILER_COLLECTIVES_GUARDS": "ture"},
+            "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_TIMEOUT": "5m"},
+            "COMPILER_COLLECTIVES_TIMEOUT='5m': expected a number of seconds",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "shm"},
+            "COMPILER_COLLECTIVES_GUARD_TRANSPORT='shm': expected one of auto, gloo",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_AUTOLOAD": "yes please"},
+            "COMPILER_COLLECTIVES_AUTOLOAD='yes please': expected 1/0",
+        ),
+    ],
+    ids=["guards-with-torch-switch", "guards-alone", "timeout", "transport", "autoload"],
+)
 def test_a_bad_value_in_one_of_our_variables_fails_import_torch_naming_it_and_the_accepted_values(env, expected):
     proc = _python(IMPORT_TORCH, **env)
     assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
@@ -120,10 +148,13 @@ def test_a_bad_value_in_one_of_our_variables_fails_import_torch_naming_it_and_th
     assert len(ours) == 1 and expected in ours[0] and "Stopping this process" in ours[0], proc.stderr
 
 
-@pytest.mark.parametrize("typo, meant", [
-    ("COMPILER_COLLECTIVES_GAURDS", "COMPILER_COLLECTIVES_GUARDS"),
-    ("COMPILER_COLLECTIVES_TIMEOUT_S", "COMPILER_COLLECTIVES_TIMEOUT"),
-])
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("COMPILER_COLLECTIVES_GAURDS", "COMPILER_COLLECTIVES_GUARDS"),
+        ("COMPILER_COLLECTIVES_TIMEOUT_S", "COMPILER_COLLECTIVES_TIMEOUT"),
+    ],
+)
 def test_a_misspelt_variable_name_fails_import_torch_naming_the_closest_known_one(typo, meant):
     proc = _python(IMPORT_TORCH, TORCH_COMPILER_COLLECTIVES="1", **{typo: "1"})
     assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
@@ -137,21 +168,30 @@ def test_a_misspelt_guard_switch_alone_fails_import_torch_instead_of_being_ignor
 
 
 def test_autoload_off_and_the_retired_log_level_variable_still_let_import_torch_through():
-    off = _python("""
+    off = _python(
+        """
         import sys, torch
         print("compiler_collectives" in sys.modules)
-    """, COMPILER_COLLECTIVES_AUTOLOAD="0", COMPILER_COLLECTIVES_GAURDS="1")
+    """,
+        COMPILER_COLLECTIVES_AUTOLOAD="0",
+        COMPILER_COLLECTIVES_GAURDS="1",
+    )
     assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
-    retired = _python("""
+    retired = _python(
+        """
         import sys, torch
         print(sys.modules["compiler_collectives"].is_enabled())
-    """, TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
+    """,
+        TORCH_COMPILER_COLLECTIVES="1",
+        COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG",
+    )
     assert retired.returncode == 0 and retired.stdout.strip() == "True", retired.stderr
     assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read" in retired.stderr
 
 
 def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value():
-    proc = _python("""
+    proc = _python(
+        """
         import torch, torch.compiler
         import compiler_collectives as cc
         seen = [cc.is_enabled(), cc.guards_enabled()]           # from the environment
@@ -163,7 +203,10 @@ def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_val
         cc.enable(guards=False)
         seen += [cc.is_enabled(), cc.guards_enabled()]
         print(seen)
-    """, TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1")
+    """,
+        TORCH_COMPILER_COLLECTIVES="1",
+        COMPILER_COLLECTIVES_GUARDS="1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str([True, True, False, False, True, True, True, False])
 
@@ -197,12 +240,28 @@ def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_en
     script.write_text(TRAINING_SCRIPT)
     trace_dir = tmp_path / "traces"
     proc = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), str(script)],
-        capture_output=True, text=True, timeout=170,
-        env=_env(TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1",
-                 COMPILER_COLLECTIVES_TRACE_DIR=str(trace_dir), OMP_NUM_THREADS="1",
-                 RESULT_DIR=str(tmp_path)),
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=_env(
+            TORCH_COMPILER_COLLECTIVES="1",
+            COMPILER_COLLECTIVES_GUARDS="1",
+            COMPILER_COLLECTIVES_TRACE_DIR=str(trace_dir),
+            OMP_NUM_THREADS="1",
+            RESULT_DIR=str(tmp_path),
+        ),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
@@ -215,8 +274,13 @@ def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_en
 
 
 def test_doctor_reports_healthy_and_exits_zero():
-    proc = subprocess.run([PY, "-m", "compiler_collectives", "doctor"], capture_output=True, text=True,
-                          timeout=120, env=_env(COMPILER_COLLECTIVES_GUARDS="1"))
+    proc = subprocess.run(
+        [PY, "-m", "compiler_collectives", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(COMPILER_COLLECTIVES_GUARDS="1"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "Dynamo seams: all present" in out
@@ -227,8 +291,13 @@ def test_doctor_reports_healthy_and_exits_zero():
 
 
 def test_doctor_names_a_missing_seam_with_the_fix_and_exits_nonzero(tmp_path):
-    proc = subprocess.run([PY, "-m", "compiler_collectives", "doctor"], capture_output=True, text=True,
-                          timeout=120, env=_env(PYTHONPATH=_torch_without_a_seam(tmp_path)))
+    proc = subprocess.run(
+        [PY, "-m", "compiler_collectives", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(PYTHONPATH=_torch_without_a_seam(tmp_path)),
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "MISSING torch._dynamo.output_graph:OutputGraph.run_compiler_collective" in proc.stdout
     assert "Fix: install a supported torch (torch 2.13 to 2.15" in proc.stdout
@@ -244,9 +313,24 @@ def test_importing_the_package_with_a_missing_seam_raises_naming_torch_version_a
 @pytest.mark.timeout(180)
 def test_doctor_under_torchrun_reports_the_default_group_and_our_gloo_groups():
     proc = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), "-m", "compiler_collectives", "doctor"],
-        capture_output=True, text=True, timeout=170, env=_env(OMP_NUM_THREADS="1"),
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "compiler_collectives",
+            "doctor",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=_env(OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("process group:")]

@@ -48,9 +48,22 @@ def test_a_torchrun_job_with_a_busy_heartbeat_exits_zero_on_every_rank_every_tim
     env.update(COMPILER_COLLECTIVES_HEARTBEAT_S="0.0001", OMP_NUM_THREADS="1")
     for attempt in range(5):
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-             "127.0.0.1", "--master-port", str(_free_port()), str(script)],
-            capture_output=True, text=True, timeout=120, env=env,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
         assert proc.returncode == 0, f"run {attempt}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
         assert "terminate called" not in proc.stderr

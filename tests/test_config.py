@@ -16,12 +16,14 @@ def test_every_setting_has_its_documented_default_when_the_environment_is_empty(
 
 
 def test_environment_values_are_parsed_and_marked_as_coming_from_the_environment():
-    settings = load_from_env({
-        "COMPILER_COLLECTIVES_GUARDS": "yes",
-        "COMPILER_COLLECTIVES_TIMEOUT": "12.5",
-        "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1024",
-        "COMPILER_COLLECTIVES_HEARTBEAT_S": "0",
-    })
+    settings = load_from_env(
+        {
+            "COMPILER_COLLECTIVES_GUARDS": "yes",
+            "COMPILER_COLLECTIVES_TIMEOUT": "12.5",
+            "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1024",
+            "COMPILER_COLLECTIVES_HEARTBEAT_S": "0",
+        }
+    )
     assert settings.guards is True
     assert settings.timeout_s == 12.5
     assert settings.max_payload_bytes == 1024
@@ -29,13 +31,16 @@ def test_environment_values_are_parsed_and_marked_as_coming_from_the_environment
     assert settings.sources["timeout_s"] == "env"
 
 
-@pytest.mark.parametrize("env, value", [
-    ("COMPILER_COLLECTIVES_TIMEOUT", "soon"),
-    ("COMPILER_COLLECTIVES_TIMEOUT", "0"),
-    ("COMPILER_COLLECTIVES_GUARDS", "maybe"),
-    ("COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES", "1.5"),
-    ("COMPILER_COLLECTIVES_HEARTBEAT_S", "-1"),
-])
+@pytest.mark.parametrize(
+    "env, value",
+    [
+        ("COMPILER_COLLECTIVES_TIMEOUT", "soon"),
+        ("COMPILER_COLLECTIVES_TIMEOUT", "0"),
+        ("COMPILER_COLLECTIVES_GUARDS", "maybe"),
+        ("COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES", "1.5"),
+        ("COMPILER_COLLECTIVES_HEARTBEAT_S", "-1"),
+    ],
+)
 def test_a_value_that_does_not_parse_raises_config_error_naming_the_variable(env, value):
     with pytest.raises(ConfigError, match=env):
         load_from_env({env: value})

@@ -106,8 +106,7 @@ def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_pat
     out_json = tmp_path / "demo.json"
     timeout = 45
     proc = _run_cli(
-        ["--runs", "compiler-only", "--nproc", "2", "--steps", "4",
-         "--timeout", str(timeout), "--json", str(out_json)],
+        ["--runs", "compiler-only", "--nproc", "2", "--steps", "4", "--timeout", str(timeout), "--json", str(out_json)],
         timeout=240,
     )
     output = proc.stdout + proc.stderr
@@ -137,8 +136,17 @@ def test_demo_help_lists_and_explains_every_option():
     demo_parser = _demo_parser()
     help_text = demo_parser.format_help()
     options = [a for a in demo_parser._actions if a.option_strings and a.dest != "help"]
-    expected = {"--nproc", "--steps", "--backend", "--timeout", "--runs", "--batch-size",
-                "--seed", "--log-every", "--json"}
+    expected = {
+        "--nproc",
+        "--steps",
+        "--backend",
+        "--timeout",
+        "--runs",
+        "--batch-size",
+        "--seed",
+        "--log-every",
+        "--json",
+    }
     assert expected <= {s for a in options for s in a.option_strings}
     for action in options:
         for flag in action.option_strings:
@@ -197,8 +205,7 @@ def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
         "\n"
     )
     assert demo.stuck_at(log_text) == (
-        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (gloo.py:187) "
-        "<- train (demo.py:306)"
+        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (gloo.py:187) <- train (demo.py:306)"
     )
     in_backward = (
         "Stack (most recent call first):\n"

@@ -35,15 +35,26 @@ def _pinned_type(node: ast.AST) -> str | None:
     """The error type a statement proves was raised: ``pytest.raises(Name)`` or an
     exact ``assert result[...] == "Name"`` (the rank helpers record ``type(e).__name__``
     of what they caught). ``in (A, B)`` and message substrings prove nothing."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "raises" \
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "pytest" and node.args:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "raises"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "pytest"
+        and node.args
+    ):
         arg = node.args[0]
         if isinstance(arg, ast.Name):
             return arg.id
         if isinstance(arg, ast.Attribute):
             return arg.attr
-    if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
-            and isinstance(node.test.ops[0], ast.Eq) and isinstance(node.test.left, ast.Subscript):
+    if (
+        isinstance(node, ast.Assert)
+        and isinstance(node.test, ast.Compare)
+        and len(node.test.ops) == 1
+        and isinstance(node.test.ops[0], ast.Eq)
+        and isinstance(node.test.left, ast.Subscript)
+    ):
         right = node.test.comparators[0]
         if isinstance(right, ast.Constant) and isinstance(right.value, str):
             return right.value

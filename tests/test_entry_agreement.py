@@ -109,15 +109,20 @@ def lru_order(rank: int, world: int, programs: str) -> dict:
     f = torch.compile(_two_inputs, backend="aot_eager")
     reduce_in = {"differ": (True, False, True, False), "agree": (True, True, True, True)}[programs]
     # Every rank creates four entries, in the same order (E0..E3):
-    for reduce, (x, y) in zip(reduce_in, [(_dyn(6), torch.ones(4)),      # E0: x any, y 4
-                                          (torch.ones(4), _dyn(6)),      # E1: x 4, y any
-                                          (torch.ones(8), _dyn(6)),      # E2: x 8, y any
-                                          (torch.ones(10), _dyn(6))]):   # E3: x 10, y any
+    for reduce, (x, y) in zip(
+        reduce_in,
+        [
+            (_dyn(6), torch.ones(4)),  # E0: x any, y 4
+            (torch.ones(4), _dyn(6)),  # E1: x 4, y any
+            (torch.ones(8), _dyn(6)),  # E2: x 8, y any
+            (torch.ones(10), _dyn(6)),
+        ],
+    ):  # E3: x 10, y any
         _REDUCE["now"] = reduce
         f(x, y)
     # Then each rank touches other entries (with the same program at each call),
     # so that the first entry accepting (4 rows, 4 rows) is E0 on rank 0, E1 on rank 1:
-    f(*((torch.ones(6), torch.ones(4)) if rank == 0 else (torch.ones(8), torch.ones(6))))   # E0 | E2
+    f(*((torch.ones(6), torch.ones(4)) if rank == 0 else (torch.ones(8), torch.ones(6))))  # E0 | E2
     f(*((torch.ones(10), torch.ones(6)) if rank == 0 else (torch.ones(4), torch.ones(6))))  # E3 | E1
     before = cc.stats()
     result = caught(lambda: f(torch.ones(4), torch.ones(4)))

@@ -26,8 +26,9 @@ def _all_reduce(op: str = "_c10d_functional.all_reduce.default", shape: str = "f
     return Collective(op, "ranks [0, 1]", "sum", (shape,), "", "train.py:12")
 
 
-def _compile(code: object, levels: list[tuple[str, list[Collective]]], *, limit: int = 8,
-             resumes: tuple[str, ...] = ()) -> None:
+def _compile(
+    code: object, levels: list[tuple[str, list[Collective]]], *, limit: int = 8, resumes: tuple[str, ...] = ()
+) -> None:
     token = entry.compile_started(code)
     if levels:
         program = entry.GraphProgram([(level, b"", cs) for level, cs in levels])
@@ -70,8 +71,9 @@ def test_which_levels_exist_never_makes_two_entries_differ():
 
 def test_an_entry_read_at_a_shallower_level_compares_by_the_collective_it_runs():
     code = _code()
-    _compile(code, [("dynamo", [_all_reduce()]), ("inductor_forward",
-                                                   [_all_reduce("_c10d_functional.all_reduce_.default")])])
+    _compile(
+        code, [("dynamo", [_all_reduce()]), ("inductor_forward", [_all_reduce("_c10d_functional.all_reduce_.default")])]
+    )
     _compile(code, [("dynamo", [_all_reduce(shape="float32[s0, 4]")])])  # loaded from a cache everywhere
     assert not any(e["mixed"] for e in _entries(code))
     entry.reset()

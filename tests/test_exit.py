@@ -30,8 +30,7 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.multiprocess
 
 # A heartbeat every 0.5 ms keeps the thread inside store calls much of the time.
-ENV = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005", "COMPILER_COLLECTIVES_TIMEOUT": "10",
-       "HARNESS_PG_TIMEOUT": "120"}
+ENV = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005", "COMPILER_COLLECTIVES_TIMEOUT": "10", "HARNESS_PG_TIMEOUT": "120"}
 LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
 
 
@@ -83,8 +82,9 @@ def ddp_inductor_job_where_one_rank_fails_with_our_error(rank: int, world: int) 
 
 @pytest.mark.timeout(480)
 def test_a_ddp_inductor_job_where_one_rank_fails_with_our_error_exits_cleanly_on_every_rank():
-    outcome = run_ranks(ddp_inductor_job_where_one_rank_fails_with_our_error, 2, env=ENV,
-                        start_method="spawn", store="tcp", timeout=420)
+    outcome = run_ranks(
+        ddp_inductor_job_where_one_rank_fails_with_our_error, 2, env=ENV, start_method="spawn", store="tcp", timeout=420
+    )
     failed, survivor = outcome.results[1], outcome.results[0]
     assert failed["raised"] == "CollectiveDesyncError", failed  # rank 0 is alive, in its all-reduce
     assert survivor["raised"] in ("RuntimeError", "DistBackendError") and not survivor["ours"], survivor

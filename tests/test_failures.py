@@ -84,8 +84,14 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
 
 @GUARD_TRANSPORTS
 def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor_within_5_seconds(transport):
-    outcome = run_ranks(peer_killed_inside_guard_collective, 4, env=_env(transport, LONG_ENV), timeout=90,
-                        check=False, expect_signals={1: signal.SIGKILL})
+    outcome = run_ranks(
+        peer_killed_inside_guard_collective,
+        4,
+        env=_env(transport, LONG_ENV),
+        timeout=90,
+        check=False,
+        expect_signals={1: signal.SIGKILL},
+    )
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 2, 3):
         r = outcome.results[rank]
@@ -114,8 +120,9 @@ def peer_killed_before_a_compile(rank: int, world: int) -> dict:
 def test_a_peer_killed_before_a_compile_is_named_by_every_survivor_within_5_seconds():
     # The compiler collective runs on gloo: the survivors that do not exchange
     # with rank 1 directly hear of it from the others' reports, in seconds.
-    outcome = run_ranks(peer_killed_before_a_compile, 4, env=LONG_ENV, timeout=90, check=False,
-                        expect_signals={1: signal.SIGKILL})
+    outcome = run_ranks(
+        peer_killed_before_a_compile, 4, env=LONG_ENV, timeout=90, check=False, expect_signals={1: signal.SIGKILL}
+    )
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 2, 3):
         r = outcome.results[rank]
@@ -146,8 +153,14 @@ def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
 
 
 def test_a_survivor_that_hears_of_a_failure_before_its_collective_still_names_the_failed_rank_and_cause():
-    outcome = run_ranks(hears_of_a_failure_before_its_compile, 3, env=LONG_ENV, timeout=90, check=False,
-                        expect_signals={1: signal.SIGKILL})
+    outcome = run_ranks(
+        hears_of_a_failure_before_its_compile,
+        3,
+        env=LONG_ENV,
+        timeout=90,
+        check=False,
+        expect_signals={1: signal.SIGKILL},
+    )
     assert not outcome.timed_out and not outcome.errors, outcome
     r = outcome.results[2]
     assert r["type"] == "PeerFailureError", r
@@ -177,8 +190,13 @@ def peer_fails_while_others_wait(rank: int, world: int) -> dict:
 
 @GUARD_TRANSPORTS
 def test_a_rank_waiting_in_our_collective_stops_within_seconds_when_a_peer_reports_a_failure(transport):
-    outcome = run_ranks(peer_fails_while_others_wait, 3, env=_env(transport, LONG_ENV), timeout=90,
-                        rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "3"}})
+    outcome = run_ranks(
+        peer_fails_while_others_wait,
+        3,
+        env=_env(transport, LONG_ENV),
+        timeout=90,
+        rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "3"}},
+    )
     waiting, failing = outcome.results[0], outcome.results[2]
     assert failing["type"] == "CollectiveDesyncError" and failing["ranks"] == [1], failing  # rank 1 is elsewhere
     assert waiting["transport"] == transport, waiting
@@ -186,8 +204,11 @@ def test_a_rank_waiting_in_our_collective_stops_within_seconds_when_a_peer_repor
     # and its own diagnosis then names rank 1 as alive elsewhere.
     assert waiting["type"] == "CollectiveDesyncError", waiting
     assert waiting["ranks"] == [1], waiting
-    assert "rank 2" in waiting["message"] and "stopped waiting" in waiting["message"] \
-        or "rank 2 reported a failure" in waiting["message"], waiting["message"]
+    assert (
+        "rank 2" in waiting["message"]
+        and "stopped waiting" in waiting["message"]
+        or "rank 2 reported a failure" in waiting["message"]
+    ), waiting["message"]
     assert waiting["at"] - failing["at"] < 3.0, (waiting, failing)  # both spend the same diagnosis grace
     assert waiting["seconds"] < 15.0, waiting
 
@@ -334,7 +355,7 @@ def extra_call(rank: int, world: int) -> dict:
     g = torch.compile(_other, backend="eager")
     f(torch.ones(2))  # both compile on every rank
     g(torch.ones(2))
-    for fn in ([f, f, g] if rank == 0 else [f, g]):  # rank 0 calls f one extra time
+    for fn in [f, f, g] if rank == 0 else [f, g]:  # rank 0 calls f one extra time
         result = caught(lambda: fn(torch.ones(2)))
         if result["type"]:
             return _with_transport(result)
@@ -470,8 +491,12 @@ def poisoned_then_reset(rank: int, world: int) -> dict:
     cc.reset()
     h = torch.compile(lambda x: x + 7, backend="eager")
     third = caught(lambda: h(torch.ones(2)))
-    return {"first": first["type"], "second": second["type"], "second_msg": second.get("message", ""),
-            "third": third["type"]}
+    return {
+        "first": first["type"],
+        "second": second["type"],
+        "second_msg": second.get("message", ""),
+        "third": third["type"],
+    }
 
 
 def test_after_a_failure_collectives_refuse_until_reset_on_every_rank():

@@ -143,8 +143,11 @@ def reset_then_calls(rank: int, world: int, how: str) -> dict:
     for _ in range(20):
         step(torch.ones(8, 4))
     after = cc.stats()
-    return {"mixed_before": before["entry_mixed_frames"], "frames_after_reset": frames_after_reset,
-            "checks": after["entry_checks"] - before["entry_checks"]}
+    return {
+        "mixed_before": before["entry_mixed_frames"],
+        "frames_after_reset": frames_after_reset,
+        "checks": after["entry_checks"] - before["entry_checks"],
+    }
 
 
 @pytest.mark.timeout(240)
@@ -285,16 +288,17 @@ class _Net(torch.nn.Module):
 # Per rank, per step: the rows of two micro-batches (gradient accumulation: two
 # forwards, then one backward). Steps 0-1 compile together (static, then dynamic
 # below 21 rows); later steps let each rank's guards pick its own entries.
-SWEEP = [((32, 32), (32, 32)), ((8, 12), (9, 13)), ((32, 8), (8, 32)), ((10, 32), (32, 11)),
-         ((32, 32), (8, 8))]
+SWEEP = [((32, 32), (32, 32)), ((8, 12), (9, 13)), ((32, 8), (8, 32)), ((10, 32), (32, 11)), ((32, 32), (8, 8))]
 
 
 def _sweep_train(rank: int, model: torch.nn.Module, step: object) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for micro in SWEEP:
-        loss = sum(step(torch.linspace(-1, 1, micro[m][rank] * 8).reshape(-1, 8) * (m + 1))  # type: ignore[operator]
-                   for m in range(2))
+        loss = sum(
+            step(torch.linspace(-1, 1, micro[m][rank] * 8).reshape(-1, 8) * (m + 1))  # type: ignore[operator]
+            for m in range(2)
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -315,9 +319,13 @@ def sweep(rank: int, world: int, backend: str) -> dict:
     model = DDP(net)
     run: dict = {}
     out = caught(lambda: run.update(losses=_sweep_train(rank, model, torch.compile(model, backend=backend))))
-    out.update(run, ref_losses=ref_losses, stats=cc.stats(),
-               params=[p.detach() for p in model.parameters()],
-               ref_params=[p.detach() for p in reference.parameters()])
+    out.update(
+        run,
+        ref_losses=ref_losses,
+        stats=cc.stats(),
+        params=[p.detach() for p in model.parameters()],
+        ref_params=[p.detach() for p in reference.parameters()],
+    )
     return out
 
 

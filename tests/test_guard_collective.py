@@ -181,8 +181,7 @@ def guard_switch_read_while_calling(rank: int, world: int, calls: int) -> dict:
     finally:
         stop.set()
         thread.join()
-    return {"guard_collectives": counters.guard_collectives - before, "reads": len(reads),
-            "all_on": all(reads)}
+    return {"guard_collectives": counters.guard_collectives - before, "reads": len(reads), "all_on": all(reads)}
 
 
 def test_reading_the_guard_switch_from_another_thread_never_makes_a_call_skip_the_collective():

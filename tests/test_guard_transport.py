@@ -39,8 +39,7 @@ def _hosts(rank: int, world: int, hosts: int) -> None:
 
 def _segments_of(pids: list[int]) -> list[str]:
     """Names in /dev/shm that one of these processes created."""
-    return [name for name in os.listdir("/dev/shm")
-            if any(name.startswith(f"{SEGMENT_PREFIX}{pid}-") for pid in pids)]
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"{SEGMENT_PREFIX}{pid}-") for pid in pids)]
 
 
 def _expected(pattern: list[tuple[list[bool], list[int]]]) -> list[tuple[bool, bool]]:
@@ -87,8 +86,12 @@ def waits_for_a_late_peer(rank: int, world: int, late_s: float, sleep_s: float) 
         channel.exchange.tune(yield_s=0.0, sleep=True, sleep_s=sleep_s)
         cpu, start = time.thread_time(), time.time()
         outcome = channel.agree(True, 2, 0)
-        return {"outcome": outcome, "returned_at": time.time(), "wall_s": time.time() - start,
-                "cpu_s": time.thread_time() - cpu}
+        return {
+            "outcome": outcome,
+            "returned_at": time.time(),
+            "wall_s": time.time() - start,
+            "cpu_s": time.thread_time() - cpu,
+        }
     time.sleep(late_s)
     arrived_at = time.time()
     return {"outcome": channel.agree(True, 2, 0), "arrived_at": arrived_at}
@@ -133,8 +136,7 @@ def one_sided_miss(rank: int, world: int, hosts: int, misser: int) -> dict:
         before = cc.stats()["compiler_collectives"]
         f(torch.ones(rows))
         compiles.append(cc.stats()["compiler_collectives"] - before)
-    return {"transport": groups.guard_transport(), "compiles": compiles,
-            "forced": cc.stats()["forced_recompiles"]}
+    return {"transport": groups.guard_transport(), "compiles": compiles, "forced": cc.stats()["forced_recompiles"]}
 
 
 def list_segments_after_setup(rank: int, world: int) -> dict:
@@ -169,8 +171,14 @@ def killed_mid_collective(rank: int, world: int, hosts: int, victim: int) -> dic
         for _ in range(3):
             f(torch.ones(2))
     except cc.CollectiveError as e:
-        return {"transport": groups.guard_transport(), "type": type(e).__name__, "ranks": list(e.ranks),
-                "message": str(e), "seconds": time.monotonic() - start, "pids": pids}
+        return {
+            "transport": groups.guard_transport(),
+            "type": type(e).__name__,
+            "ranks": list(e.ranks),
+            "message": str(e),
+            "seconds": time.monotonic() - start,
+            "pids": pids,
+        }
     return {"transport": groups.guard_transport(), "type": None, "pids": pids}
 
 
@@ -178,9 +186,11 @@ def private_dev_shm(rank: int, world: int) -> dict:
     """Rank 1 gets a /dev/shm of its own, as in a container that does not share it."""
     if rank == 1:
         libc = ctypes.CDLL(None, use_errno=True)
-        if (libc.unshare(0x00020000) != 0  # CLONE_NEWNS
-                or libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0  # MS_REC | MS_PRIVATE
-                or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None) != 0):
+        if (
+            libc.unshare(0x00020000) != 0  # CLONE_NEWNS
+            or libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0  # MS_REC | MS_PRIVATE
+            or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None) != 0
+        ):
             return {"skip": f"cannot make a private /dev/shm here (errno {ctypes.get_errno()})"}
     records: list[str] = []
 
@@ -231,10 +241,13 @@ needs_futex = pytest.mark.skipif(not shm.Futex.available(), reason="futexes need
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("seed,calls,sleep_at_once", [
-    pytest.param(2, 3000, False, id="yielding"),
-    pytest.param(3, 1500, True, id="sleeping-at-every-wait", marks=needs_futex),
-])
+@pytest.mark.parametrize(
+    "seed,calls,sleep_at_once",
+    [
+        pytest.param(2, 3000, False, id="yielding"),
+        pytest.param(3, 1500, True, id="sleeping-at-every-wait", marks=needs_futex),
+    ],
+)
 def test_four_ranks_on_two_cores_agree_on_every_call_of_a_long_run(seed, calls, sleep_at_once):
     pattern = _random_pattern(seed, 4, calls)
     outcome = run_ranks(agree_pattern, 4, args=(1, pattern, sleep_at_once), env=ENV, timeout=120)
@@ -267,8 +280,13 @@ def test_a_sleeping_rank_is_woken_by_the_arrival_not_by_the_bound_on_its_sleep()
 @needs_futex
 @pytest.mark.timeout(90)
 def test_a_failure_published_on_the_host_wakes_a_sleeping_rank():
-    outcome = run_ranks(sleeps_while_a_peer_fails, 3, env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "40"},
-                        timeout=80, rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "2"}})
+    outcome = run_ranks(
+        sleeps_while_a_peer_fails,
+        3,
+        env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "40"},
+        timeout=80,
+        rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "2"}},
+    )
     sleeper, failing = outcome.results[0], outcome.results[2]
     assert failing["type"] == "CollectiveDesyncError", failing  # rank 1 is alive, elsewhere
     assert sleeper["type"] == "CollectiveDesyncError" and sleeper["ranks"] == [1], sleeper
@@ -313,8 +331,9 @@ def test_host_counts_that_are_not_powers_of_two_reach_one_outcome_on_every_rank(
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layout=st.sampled_from([(2, 1), (4, 2), (3, 3), (4, 4)]),
-    calls=st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4), st.integers(-1, 3)),
-                   min_size=1, max_size=120),
+    calls=st.lists(
+        st.tuples(st.lists(st.booleans(), min_size=4, max_size=4), st.integers(-1, 3)), min_size=1, max_size=120
+    ),
 )
 def test_property_random_hit_patterns_give_every_rank_the_outcome_all_hit(layout, calls):
     world, hosts = layout
@@ -327,8 +346,9 @@ def test_property_random_hit_patterns_give_every_rank_the_outcome_all_hit(layout
 
 @pytest.mark.timeout(90)
 def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
-    outcome = run_ranks(killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False,
-                       expect_signals={3: signal.SIGKILL})
+    outcome = run_ranks(
+        killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False, expect_signals={3: signal.SIGKILL}
+    )
     assert outcome.exitcodes[3] == -signal.SIGKILL
     assert not outcome.timed_out and not outcome.errors, outcome
     for rank in (0, 1, 2):
@@ -353,8 +373,9 @@ def test_the_segment_name_is_gone_from_dev_shm_once_every_local_rank_mapped_it()
 
 @pytest.mark.timeout(90)
 def test_no_segment_is_left_in_dev_shm_after_the_leader_is_sigkilled_mid_collective():
-    outcome = run_ranks(killed_mid_collective, 3, args=(1, 0), env=ENV, timeout=60, check=False,
-                       expect_signals={0: signal.SIGKILL})
+    outcome = run_ranks(
+        killed_mid_collective, 3, args=(1, 0), env=ENV, timeout=60, check=False, expect_signals={0: signal.SIGKILL}
+    )
     assert outcome.exitcodes[0] == -signal.SIGKILL
     survivor = outcome.results[1]
     assert survivor["type"] == "PeerFailureError" and survivor["ranks"] == [0], survivor
@@ -377,8 +398,9 @@ def test_a_file_named_on_the_store_is_never_opened_or_deleted_and_the_job_falls_
     assert any("nothing was opened or deleted" in line for line in outcome.results[1]["logs"])
 
 
-def _segment_file(tmp_path, token: int, *, mode: int = 0o600, header: bool = True, owner: int | None = None,
-                  local_ranks: int = 2) -> str:
+def _segment_file(
+    tmp_path, token: int, *, mode: int = 0o600, header: bool = True, owner: int | None = None, local_ranks: int = 2
+) -> str:
     """A file under our name pattern as someone else might leave it."""
     path = shm.segment_path(os.getpid(), token)
     words = [0] * shm.segment_words(local_ranks)
@@ -393,17 +415,19 @@ def _segment_file(tmp_path, token: int, *, mode: int = 0o600, header: bool = Tru
     return path
 
 
-@pytest.mark.parametrize("case, why", [
-    ("outside-pattern", "is not a compiler_collectives segment name"),
-    ("symlink", "Too many levels of symbolic links"),  # O_NOFOLLOW
-    ("mode", "its mode is 0644, not 0600"),
-    ("owner", "it belongs to uid 65534"),
-    ("no-header", "does not carry the header its creator wrote"),
-    ("other-token", "does not carry the header its creator wrote"),
-    ("other-rank-count", "it holds 320 bytes, not the 384 its ranks need"),
-])
-def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and_never_deleted(tmp_path, case,
-                                                                                               why):
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("outside-pattern", "is not a compiler_collectives segment name"),
+        ("symlink", "Too many levels of symbolic links"),  # O_NOFOLLOW
+        ("mode", "its mode is 0644, not 0600"),
+        ("owner", "it belongs to uid 65534"),
+        ("no-header", "does not carry the header its creator wrote"),
+        ("other-token", "does not carry the header its creator wrote"),
+        ("other-rank-count", "it holds 320 bytes, not the 384 its ranks need"),
+    ],
+)
+def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and_never_deleted(tmp_path, case, why):
     token = int.from_bytes(os.urandom(8), "little") >> 1
     victim = tmp_path / "precious"
     victim.write_text("keep me")
@@ -417,12 +441,12 @@ def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and
             pytest.skip("only root can make a file of another owner")
         path = _segment_file(tmp_path, token, owner=65534)
     else:
-        path = _segment_file(tmp_path, token, mode=0o644 if case == "mode" else 0o600,
-                             header=case != "no-header")
+        path = _segment_file(tmp_path, token, mode=0o644 if case == "mode" else 0o600, header=case != "no-header")
     try:
         with pytest.raises(OSError) as info:
-            shm.Segment.open(path, 3 if case == "other-rank-count" else 2,
-                             token + 1 if case == "other-token" else token)
+            shm.Segment.open(
+                path, 3 if case == "other-rank-count" else 2, token + 1 if case == "other-token" else token
+            )
         assert why in str(info.value)
         assert os.path.lexists(path) and victim.read_text() == "keep me"
     finally:
@@ -446,8 +470,9 @@ os._exit(0)  # as if killed between creating the segment and unlinking its name
 def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept():
     token = int.from_bytes(os.urandom(8), "little") >> 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
-    child = subprocess.run([sys.executable, "-c", LEAK, str(token)], capture_output=True, text=True,
-                           timeout=60, env=env)
+    child = subprocess.run(
+        [sys.executable, "-c", LEAK, str(token)], capture_output=True, text=True, timeout=60, env=env
+    )
     assert child.returncode == 0, child.stderr
     leaked = child.stdout.strip()
     live_path = shm.segment_path(os.getpid(), token + 1)  # this test process is its live owner
@@ -484,8 +509,9 @@ def test_a_rank_with_a_private_dev_shm_makes_every_rank_fall_back_to_gloo_with_o
 
 def test_the_gloo_setting_keeps_the_all_reduce_path():
     pattern = _random_pattern(3, 2, 50)
-    outcome = run_ranks(agree_pattern, 2, args=(1, pattern),
-                        env={**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "gloo"}, timeout=60)
+    outcome = run_ranks(
+        agree_pattern, 2, args=(1, pattern), env={**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "gloo"}, timeout=60
+    )
     for r in outcome.results:
         assert r["transport"] == "gloo"
         assert r["outcomes"] == _expected(pattern)
@@ -526,13 +552,35 @@ def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_seco
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
-    env.update(TORCH_COMPILER_COLLECTIVES="1", COMPILER_COLLECTIVES_GUARDS="1", OMP_NUM_THREADS="1",
-               RESULT_DIR=str(tmp_path), COMPILER_COLLECTIVES_TIMEOUT="60")
+    env.update(
+        TORCH_COMPILER_COLLECTIVES="1",
+        COMPILER_COLLECTIVES_GUARDS="1",
+        OMP_NUM_THREADS="1",
+        RESULT_DIR=str(tmp_path),
+        COMPILER_COLLECTIVES_TIMEOUT="60",
+    )
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for node in (0, 1)
     ]

@@ -34,10 +34,10 @@ def test_a_rank_that_aborts_fails_the_test_even_when_the_test_inspects_the_outco
 
 
 def test_a_signal_the_test_expects_for_that_rank_is_accepted_and_must_happen():
-    outcome = run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60,
-                        expect_signals={1: signal.SIGABRT})
+    outcome = run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60, expect_signals={1: signal.SIGABRT})
     assert outcome.results == ["ok", "ok"]
     assert outcome.exitcodes == [0, -signal.SIGABRT]
     with pytest.raises(RanksFailed, match="rank 0 was expected to end by signal SIGKILL"):
-        run_ranks(report_then_abort_at_exit, 2, init=False, timeout=60,
-                  expect_signals={0: signal.SIGKILL, 1: signal.SIGABRT})
+        run_ranks(
+            report_then_abort_at_exit, 2, init=False, timeout=60, expect_signals={0: signal.SIGKILL, 1: signal.SIGABRT}
+        )

@@ -98,8 +98,11 @@ def _module_aliases(module: str, path: pathlib.Path) -> dict[str, str]:
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if alias.asname:
-                    target = _resolve_relative(module, path.name == "__init__.py", node.level, node.module) \
-                        if node.level else (node.module or "")
+                    target = (
+                        _resolve_relative(module, path.name == "__init__.py", node.level, node.module)
+                        if node.level
+                        else (node.module or "")
+                    )
                     full = f"{target}.{alias.name}"
                     if full in MODULES:
                         aliases[alias.asname] = full
@@ -111,8 +114,13 @@ def test_no_module_reads_or_writes_another_module_s_private_names():
     for module, path in MODULES.items():
         aliases = _module_aliases(module, path)
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in aliases and aliases[node.value.id] != module and _private(node.attr):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != module
+                and _private(node.attr)
+            ):
                 offences.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
     assert not offences, "\n".join(offences)
 
@@ -136,8 +144,9 @@ def test_only_the_dynamo_package_touches_torch_private_modules_or_names():
                     chain.append(value.attr)
                     value = value.value
                 if isinstance(value, ast.Name) and value.id in ("torch", "dist"):
-                    offences.append(f"{path.relative_to(ROOT)}:{node.lineno} reads "
-                                    f"{value.id}.{'.'.join(reversed(chain))}")
+                    offences.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno} reads {value.id}.{'.'.join(reversed(chain))}"
+                    )
     assert not offences, "\n".join(offences)
 
 
@@ -160,7 +169,7 @@ def test_our_modules_import_each_other_without_a_cycle():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1 and not nxt.startswith(node + ".") and not node.startswith(nxt + "."):
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

@@ -56,12 +56,18 @@ def reinit_on_the_same_port(rank: int, world: int, port: int, generations: int, 
         coordinate.wait([f"ended/{generation - 1}"])
         while coordinate.add(f"ended/{generation - 1}", 0) < world:
             time.sleep(0.01)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
         g = torch.compile(lambda x, k=generation: x + k, backend="eager")  # a new frame: a compiler collective
         values = [float(f(torch.ones(2)).sum()) for _ in range(3)] + [float(g(torch.ones(2)).sum())]
-        out.append({"values": values, "transport": cc.stats()["guard_transport"],
-                    "poisoned": cc.health.poisoned() is not None})
+        out.append(
+            {"values": values, "transport": cc.stats()["guard_transport"], "poisoned": cc.health.poisoned() is not None}
+        )
         dist.destroy_process_group()
     return out
 
@@ -70,8 +76,14 @@ def reinit_on_the_same_port(rank: int, world: int, port: int, generations: int, 
 @GUARD_TRANSPORTS
 def test_destroy_then_init_on_the_same_port_works_again_and_again(transport, tmp_path):
     generations = 4
-    outcome = run_ranks(reinit_on_the_same_port, 2, args=(_free_port(), generations, str(tmp_path / "coordination")),
-                        env=_env(transport), init=False, timeout=120)
+    outcome = run_ranks(
+        reinit_on_the_same_port,
+        2,
+        args=(_free_port(), generations, str(tmp_path / "coordination")),
+        env=_env(transport),
+        init=False,
+        timeout=120,
+    )
     for r in outcome.results:
         assert len(r) == generations, r
         for generation, g in enumerate(r):
@@ -121,20 +133,30 @@ def forked_child_runs_compiled_code(rank: int, world: int) -> dict:
     child = None
     at_fork = cc.stats()["guard_collectives"]
     if rank == 0:
+
         def in_child() -> dict:
             start = time.monotonic()
             values = [float(f(torch.ones(2)).sum()) for _ in range(5)]  # guard hook, parent's frame
             values.append(float(torch.compile(_other, backend="eager")(torch.ones(2)).sum()))  # a compile
-            return {"values": values, "seconds": time.monotonic() - start,
-                    "guard_collectives": cc.stats()["guard_collectives"]}
+            return {
+                "values": values,
+                "seconds": time.monotonic() - start,
+                "guard_collectives": cc.stats()["guard_collectives"],
+            }
 
         child = _in_forked_child(in_child)
     dist.barrier()
     # The ranks go on together: nothing of the child's reached either of them.
     after = [caught(lambda: f(torch.ones(2)))["type"] for _ in range(5)]
     first = health.poisoned()
-    return {"child": child, "at_fork": at_fork, "after": after, "poisoned": None if first is None else str(first),
-            "guard_collectives": cc.stats()["guard_collectives"], "transport": cc.stats()["guard_transport"]}
+    return {
+        "child": child,
+        "at_fork": at_fork,
+        "after": after,
+        "poisoned": None if first is None else str(first),
+        "guard_collectives": cc.stats()["guard_collectives"],
+        "transport": cc.stats()["guard_transport"],
+    }
 
 
 @GUARD_TRANSPORTS
@@ -159,6 +181,7 @@ def gloo_wait_in_a_forked_child(rank: int, world: int) -> dict:
     dist.barrier()
     child = None
     if rank == 0:
+
         def in_child() -> dict:
             start = time.monotonic()
             try:
@@ -208,8 +231,13 @@ def two_threads_run_compiled_code(rank: int, world: int, calls: int) -> dict:
     main = [caught(lambda: f(torch.ones(2))) for _ in range(calls)]
     thread.join(60)
     first = health.poisoned()
-    return {"other": other, "main": [m["type"] for m in main], "poisoned": None if first is None else str(first),
-            "guard_collectives": cc.stats()["guard_collectives"], "transport": cc.stats()["guard_transport"]}
+    return {
+        "other": other,
+        "main": [m["type"] for m in main],
+        "poisoned": None if first is None else str(first),
+        "guard_collectives": cc.stats()["guard_collectives"],
+        "transport": cc.stats()["guard_transport"],
+    }
 
 
 @GUARD_TRANSPORTS

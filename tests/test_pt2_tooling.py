@@ -57,8 +57,12 @@ def _artifacts_by_compile(trace_dir: pathlib.Path, rank: int, out: pathlib.Path)
     Dynamo writes a single recompile reason as a bare string in a "json" artifact.
     """
     (log,) = trace_dir.glob(f"dedicated_log_torch_trace_rank_{rank}_*.log")
-    proc = subprocess.run([_tlparse(), str(log), "-o", str(out), "--no-browser", "--overwrite"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_tlparse(), str(log), "-o", str(out), "--no-browser", "--overwrite"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     directory = json.loads((out / "compile_directory.json").read_text())
     found: dict[str, dict] = {}
@@ -84,8 +88,9 @@ def _named(artifacts: dict, prefix: str) -> list[dict]:
 @pytest.mark.timeout(180)
 def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
     trace_dir = tmp_path / "trace"
-    run_ranks(one_rank_changes_size, 2, args=([1],), start_method="spawn", timeout=150,
-              env={"TORCH_TRACE": str(trace_dir)})
+    run_ranks(
+        one_rank_changes_size, 2, args=([1],), start_method="spawn", timeout=150, env={"TORCH_TRACE": str(trace_dir)}
+    )
     for rank in (0, 1):
         compiles = _artifacts_by_compile(trace_dir, rank, tmp_path / f"tlparse{rank}")
         assert set(compiles) == {"[0/0]", "[0/1]"}
@@ -94,8 +99,11 @@ def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
         # the first compile: an input exchange and an end-of-trace exchange, nothing differs
         inputs, trace = _named(first, "compiler_collective")
         assert (inputs["phase"], trace["phase"]) == ("inputs", "trace")
-        assert inputs["entries"] == trace["entries"] == [{"L['x']": {"scalar": "?", "size": [8, 4],
-                                                                   "stride": ["S(1)", 1]}}] * 2
+        assert (
+            inputs["entries"]
+            == trace["entries"]
+            == [{"L['x']": {"scalar": "?", "size": [8, 4], "stride": ["S(1)", 1]}}] * 2
+        )
         assert trace["dynamic"] == []
         assert trace["restart"] is False and trace["restart_skipped"] is True and trace["restart_why"]
         assert trace["rounds"] == 1 and trace["bytes_received"] == 2 * trace["bytes_sent"] > 0
@@ -110,8 +118,14 @@ def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
         assert reasons == guard["recorded_reasons"][0]
         _, trace = _named(recompile, "compiler_collective")
         (dim0,) = trace["dynamic"]
-        assert dim0 == {"source": "L['x']", "what": "size", "dim": 0, "values": {"0": 8, "1": 9},
-                        "ranks": [1], "why": "differs across ranks"}
+        assert dim0 == {
+            "source": "L['x']",
+            "what": "size",
+            "dim": 0,
+            "values": {"0": 8, "1": 9},
+            "ranks": [1],
+            "why": "differs across ranks",
+        }
 
 
 @pytest.mark.multiprocess
@@ -182,16 +196,19 @@ def test_when_every_rank_hits_no_reasons_are_exchanged():
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "COMPILER_COLLECTIVES_"))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**clean, **env}
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("spec, level", [("compiler_collectives", "INFO"), ("+compiler_collectives", "DEBUG")])
 def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
-    proc = _python("import logging, torch\n"
-                   "print(logging.getLevelName(logging.getLogger('compiler_collectives.guard').getEffectiveLevel()))",
-                   TORCH_LOGS=spec)
+    proc = _python(
+        "import logging, torch\n"
+        "print(logging.getLevelName(logging.getLogger('compiler_collectives.guard').getEffectiveLevel()))",
+        TORCH_LOGS=spec,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-1] == level
 
@@ -220,10 +237,16 @@ def _states(*per_rank: dict) -> list[LocalState]:
 
 def test_a_dim_that_differs_is_reported_with_every_value_and_the_ranks_off_the_common_one():
     states = _states({"L['x']": _tensor(8, 4)}, {"L['x']": _tensor(9, 4)}, {"L['x']": _tensor(8, 4)})
-    assert artifacts.dynamic_decisions(states) == [{
-        "source": "L['x']", "what": "size", "dim": 0, "values": {"0": 8, "1": 9, "2": 8},
-        "ranks": [1], "why": "differs across ranks",
-    }]
+    assert artifacts.dynamic_decisions(states) == [
+        {
+            "source": "L['x']",
+            "what": "size",
+            "dim": 0,
+            "values": {"0": 8, "1": 9, "2": 8},
+            "ranks": [1],
+            "why": "differs across ranks",
+        }
+    ]
 
 
 def test_an_int_argument_that_differs_is_a_dynamic_scalar():

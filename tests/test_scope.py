@@ -59,8 +59,12 @@ def _run_pipeline(rank: int, stage: int, dp: int, peer: int, steps: int = STEPS)
     from compiler_collectives.transport import groups
 
     scoped = groups.scope()
-    return {**summary(recorder), "stage": stage, "transport": cc.stats()["guard_transport"],
-            "scope": list(scoped.ranks) if scoped is not None else None}
+    return {
+        **summary(recorder),
+        "stage": stage,
+        "transport": cc.stats()["guard_transport"],
+        "scope": list(scoped.ranks) if scoped is not None else None,
+    }
 
 
 def two_stages_scoped(rank: int, world: int) -> dict:
@@ -142,8 +146,12 @@ def two_stages_unscoped(rank: int, world: int) -> dict:
     try:
         _run_pipeline(rank, stage, dp, peer, steps=2)
     except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
-                "seconds": time.monotonic() - start}
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "ranks": list(e.ranks),
+            "seconds": time.monotonic() - start,
+        }
     except RuntimeError as e:  # stage 1: its recv ends when stage 0 gives up and exits
         return {"type": "recv", "message": str(e), "seconds": time.monotonic() - start}
     return {"type": None}
@@ -217,8 +225,9 @@ def stage_one_loses_a_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_rank_killed_in_one_stage_is_named_to_its_stage_within_seconds_and_the_other_stage_is_not_blamed():
-    outcome = run_ranks(stage_one_loses_a_rank, 4, env=ENV, timeout=120, check=False,
-                        expect_signals={3: signal.SIGKILL})
+    outcome = run_ranks(
+        stage_one_loses_a_rank, 4, env=ENV, timeout=120, check=False, expect_signals={3: signal.SIGKILL}
+    )
     assert not outcome.errors, outcome.errors
     peer = outcome.results[2]
     assert peer["type"] == "PeerFailureError", peer
@@ -333,12 +342,15 @@ def test_a_one_dimensional_device_mesh_is_a_scope_and_a_two_dimensional_one_is_r
         assert r["stats"] == 1, r
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("consecutive:2", {0: (0, 1, 2, 3), 5: (4, 5, 6, 7)}),
-    ("strided:2", {0: (0, 2, 4, 6), 5: (1, 3, 5, 7)}),
-    ("consecutive:4", {3: (2, 3), 6: (6, 7)}),
-    ("strided:4", {3: (3, 7), 6: (2, 6)}),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("consecutive:2", {0: (0, 1, 2, 3), 5: (4, 5, 6, 7)}),
+        ("strided:2", {0: (0, 2, 4, 6), 5: (1, 3, 5, 7)}),
+        ("consecutive:4", {3: (2, 3), 6: (6, 7)}),
+        ("strided:4", {3: (3, 7), 6: (2, 6)}),
+    ],
+)
 def test_the_variable_gives_each_rank_its_stage(spec, expected):
     from compiler_collectives.transport.scope import from_setting
 
@@ -378,10 +390,11 @@ def pipelining_schedule_scoped_to_the_stage(rank: int, world: int, schedule: str
     cc.scope(mesh["dp"])  # the ranks that run this stage's program
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
-    submod = full[2 * stage_index: 2 * stage_index + 2]
+    submod = full[2 * stage_index : 2 * stage_index + 2]
     recorder = GraphRecorder()
-    stage = PipelineStage(torch.compile(submod, backend=recorder), stage_index, 2, torch.device("cpu"),
-                          group=mesh["pp"].get_group())
+    stage = PipelineStage(
+        torch.compile(submod, backend=recorder), stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group()
+    )
     # loss_fn on every stage: a schedule without it skips the backward set-up on that stage.
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = schedule_class(stage, n_microbatches=2, loss_fn=lambda out, target: F.mse_loss(out, target))
@@ -397,8 +410,12 @@ def pipelining_schedule_scoped_to_the_stage(rank: int, world: int, schedule: str
             sched.step(target=y, losses=[])
         for p in submod.parameters():
             dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-    return {**summary(recorder), "stage": stage_index, "transport": cc.stats()["guard_transport"],
-            "scope": list(groups.scope().ranks)}
+    return {
+        **summary(recorder),
+        "stage": stage_index,
+        "transport": cc.stats()["guard_transport"],
+        "scope": list(groups.scope().ranks),
+    }
 
 
 @pytest.mark.multiprocess

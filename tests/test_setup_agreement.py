@@ -34,31 +34,44 @@ def compile_and_call(rank: int, world: int, guards: bool) -> dict:
         for _ in range(3):
             f(torch.ones(2 + rank))
     except cc.CollectiveError as e:
-        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks),
-                "seconds": time.monotonic() - start, "desync_check": config.settings.guard_desync_check}
+        return {
+            "type": type(e).__name__,
+            "message": str(e),
+            "ranks": list(e.ranks),
+            "seconds": time.monotonic() - start,
+            "desync_check": config.settings.guard_desync_check,
+        }
     return {"type": None, "seconds": time.monotonic() - start, "stats": cc.stats()}
 
 
 @pytest.mark.multiprocess
 def test_a_collective_shaping_setting_set_on_one_rank_only_fails_every_rank_within_seconds_naming_it():
-    outcome = run_ranks(compile_and_call, 3, args=(True,), env=ENV, timeout=90,
-                        rank_env={1: {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}})
+    outcome = run_ranks(
+        compile_and_call,
+        3,
+        args=(True,),
+        env=ENV,
+        timeout=90,
+        rank_env={1: {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}},
+    )
     assert [r["desync_check"] for r in outcome.results] == [True, False, True]  # the env really differed
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
         assert r["seconds"] < 10.0, r
         assert r["ranks"] == [1], r
         # The item, rank 0's value (shared by every rank not named) and rank 1's.
-        assert ("COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK: rank 0 (and every rank not named here): True; "
-                "rank 1: False") in r["message"], r["message"]
+        assert (
+            "COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK: rank 0 (and every rank not named here): True; rank 1: False"
+        ) in r["message"], r["message"]
     # The same error on every rank, but for the rank that reports it.
     assert len({r["message"].split(": ", 1)[1] for r in outcome.results}) == 1
 
 
 @pytest.mark.multiprocess
 def test_the_guard_switch_on_one_rank_only_fails_every_rank_naming_the_switch():
-    outcome = run_ranks(compile_and_call, 2, args=(False,), env=ENV, timeout=90,
-                        rank_env={0: {"COMPILER_COLLECTIVES_GUARDS": "1"}})
+    outcome = run_ranks(
+        compile_and_call, 2, args=(False,), env=ENV, timeout=90, rank_env={0: {"COMPILER_COLLECTIVES_GUARDS": "1"}}
+    )
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
         assert r["seconds"] < 10.0, r
@@ -80,8 +93,9 @@ def test_a_different_package_version_on_one_rank_is_named_with_both_versions():
 
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
-        assert (f"compiler_collectives version: rank 0: '{compiler_collectives.__version__}'; "
-                "rank 1: '0.0.9'") in r["message"], r["message"]
+        assert (f"compiler_collectives version: rank 0: '{compiler_collectives.__version__}'; rank 1: '0.0.9'") in r[
+            "message"
+        ], r["message"]
 
 
 def several_differences(rank: int, world: int) -> dict:
@@ -94,27 +108,47 @@ def several_differences(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_every_differing_item_and_every_differing_rank_is_named():
-    outcome = run_ranks(several_differences, 4, env=ENV, timeout=90,
-                        rank_env={3: {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0",
-                                      "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1000"}})
+    outcome = run_ranks(
+        several_differences,
+        4,
+        env=ENV,
+        timeout=90,
+        rank_env={
+            3: {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0", "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1000"}
+        },
+    )
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
         assert r["ranks"] == [2, 3], r
         message = r["message"]
-        assert ("COMPILER_COLLECTIVES_INLINE_SLOT_BYTES: rank 0 (and every rank not named here): 4096; "
-                "rank 2: 512; rank 3: 4096") in message, message
-        assert "COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST: rank 0 (and every rank not named here): True; " \
-               "rank 2: True; rank 3: False" in message, message
+        assert (
+            "COMPILER_COLLECTIVES_INLINE_SLOT_BYTES: rank 0 (and every rank not named here): 4096; "
+            "rank 2: 512; rank 3: 4096"
+        ) in message, message
+        assert (
+            "COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST: rank 0 (and every rank not named here): True; "
+            "rank 2: True; rank 3: False" in message
+        ), message
         assert "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES" in message
 
 
 @pytest.mark.multiprocess
 def test_settings_that_may_differ_do_not_stop_the_job():
-    outcome = run_ranks(compile_and_call, 2, args=(True,), env=ENV, timeout=90,
-                        rank_env={1: {"COMPILER_COLLECTIVES_LOG_LEVEL": "ERROR",
-                                      "COMPILER_COLLECTIVES_TIMING": "1",
-                                      "COMPILER_COLLECTIVES_TIMEOUT": "45",
-                                      "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"}})
+    outcome = run_ranks(
+        compile_and_call,
+        2,
+        args=(True,),
+        env=ENV,
+        timeout=90,
+        rank_env={
+            1: {
+                "COMPILER_COLLECTIVES_LOG_LEVEL": "ERROR",
+                "COMPILER_COLLECTIVES_TIMING": "1",
+                "COMPILER_COLLECTIVES_TIMEOUT": "45",
+                "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5",
+            }
+        },
+    )
     for r in outcome.results:
         assert r["type"] is None, r
         assert r["stats"]["guard_collectives"] == 2
@@ -142,11 +176,14 @@ def test_the_setup_record_holds_every_must_match_setting_and_the_versions():
     assert "torch._dynamo.config.automatic_dynamic_shapes" in record
 
 
-@pytest.mark.parametrize("data", [
-    b"\x80\x04K\x01.",  # a pickle
-    b"\xc1",  # not msgpack
-    b"\x93\x01\x00\x91\x92\x01\x02",  # an item named by an int
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x80\x04K\x01.",  # a pickle
+        b"\xc1",  # not msgpack
+        b"\x93\x01\x00\x91\x92\x01\x02",  # an item named by an int
+    ],
+)
 def test_a_malformed_setup_record_is_refused_by_validation(data):
     from compiler_collectives.agreements import setup as setup_agreement
 

@@ -62,8 +62,12 @@ def _report(out: dict) -> dict:
 
     first = cc.health.poisoned()
     stats = cc.stats()
-    return {**out, "poisoned": None if first is None else str(first),
-            "guard_collectives": stats["guard_collectives"], "compiler_collectives": stats["compiler_collectives"]}
+    return {
+        **out,
+        "poisoned": None if first is None else str(first),
+        "guard_collectives": stats["guard_collectives"],
+        "compiler_collectives": stats["compiler_collectives"],
+    }
 
 
 # ---------------------------------------------------------------- 1: the first call compiles
@@ -143,11 +147,15 @@ def owner_recompiles_while_a_helper_loops(rank: int, world: int, compiles: int) 
     owner = [caught(lambda: grows(torch.ones(n))) for n in range(3, 3 + compiles)]
     stop.set()
     thread.join(60)
-    return _report({
-        "owner": [o["type"] for o in owner], "owner_messages": [o.get("message") for o in owner if o["type"]],
-        "helper": sorted(set(helper_calls), key=str), "helper_calls": len(helper_calls),
-        "warm_ran_in_helper": float(RUNS[2]) - warm_runs,
-    })
+    return _report(
+        {
+            "owner": [o["type"] for o in owner],
+            "owner_messages": [o.get("message") for o in owner if o["type"]],
+            "helper": sorted(set(helper_calls), key=str),
+            "helper_calls": len(helper_calls),
+            "warm_ran_in_helper": float(RUNS[2]) - warm_runs,
+        }
+    )
 
 
 @pytest.mark.timeout(120)

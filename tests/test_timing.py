@@ -99,7 +99,10 @@ def test_the_report_merges_the_ranks_and_its_table_counts_match(trace_dir, tmp_p
     traces = report.load(trace_dir)
     rows = {(r["rank"], r["kind"]): r for r in report.table_rows(traces)}
     assert {k: r["count"] for k, r in rows.items()} == {
-        (0, "compiler"): 2, (0, "guard"): CALLS - 1, (1, "compiler"): 2, (1, "guard"): CALLS - 1,
+        (0, "compiler"): 2,
+        (0, "guard"): CALLS - 1,
+        (1, "compiler"): 2,
+        (1, "guard"): CALLS - 1,
     }
     with open(merged) as f:
         events = json.load(f)["traceEvents"]
@@ -123,7 +126,8 @@ def untraced_job(rank: int, world: int) -> dict:
             return
         mode, flags = args[1], args[2]
         writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
         if not writing:
             return
         frame = sys._getframe(1)
@@ -138,8 +142,12 @@ def untraced_job(rank: int, world: int) -> dict:
     f = torch.compile(_fn, backend="eager")
     for _ in range(3):
         f(torch.ones(3 + rank, 2))
-    return {"recorder": timing.recorder is not None, "timing": "timing" in cc.stats(),
-            "written": written, "files": os.listdir(os.getcwd())}
+    return {
+        "recorder": timing.recorder is not None,
+        "timing": "timing" in cc.stats(),
+        "written": written,
+        "files": os.listdir(os.getcwd()),
+    }
 
 
 @pytest.mark.multiprocess
@@ -196,8 +204,15 @@ def _write(path, events, close=True):
 
 
 def _event(rank, kind="guard", seq=1, dur=100.0):
-    return {"name": f"{kind} collective", "ph": "X", "pid": rank, "tid": 0, "ts": 1.0, "dur": dur,
-            "args": {"kind": kind, "seq": seq, "bytes_out": 24, "bytes_in": 24}}
+    return {
+        "name": f"{kind} collective",
+        "ph": "X",
+        "pid": rank,
+        "tid": 0,
+        "ts": 1.0,
+        "dur": dur,
+        "args": {"kind": kind, "seq": seq, "bytes_out": 24, "bytes_in": 24},
+    }
 
 
 def _meta(rank, world):
@@ -239,8 +254,9 @@ def test_the_report_command_prints_the_table_and_exits_zero(trace_dir):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "compiler_collectives", "report", trace_dir],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "compiler_collectives", "report", trace_dir], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("2 ranks; merged trace: ")
@@ -253,7 +269,11 @@ def test_the_report_command_exits_one_with_the_error_on_an_empty_directory(tmp_p
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "compiler_collectives", "report", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "compiler_collectives", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "no rank*.json files" in proc.stderr

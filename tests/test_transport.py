@@ -262,7 +262,6 @@ def _guard_env(transport: str) -> dict[str, str]:
     return {"COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
 
 
-
 @pytest.mark.timeout(60)
 @GUARD_TRANSPORTS
 def test_guard_channel_agree_reports_all_hit_and_in_step_when_every_rank_hits(transport):
@@ -361,9 +360,7 @@ def test_our_groups_are_gloo_distinct_for_compile_and_guard_and_created_once():
 
 @pytest.mark.timeout(60)
 def test_our_groups_are_gloo_and_really_communicate_when_the_default_group_is_not_gloo(tmp_path):
-    outcome = run_ranks(
-        groups_under_a_fake_default_group, 2, args=(str(tmp_path / "store"),), init=False, timeout=45
-    )
+    outcome = run_ranks(groups_under_a_fake_default_group, 2, args=(str(tmp_path / "store"),), init=False, timeout=45)
     for r in outcome.results:
         assert r["default_backend"] == "fake"
         assert r["backends"] == ["gloo", "gloo"]

@@ -741,7 +741,9 @@ size_entries = st.builds(
     scalar=st.one_of(_any_int64, _whole),
     size=st.one_of(_whole, st.lists(_dim, max_size=6).map(tuple)),
     stride=st.one_of(_whole, st.lists(_stride_dim, max_size=6).map(tuple)),
-    excluded_sizes=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(0, INT64_MAX)), max_size=6).map(tuple)),
+    excluded_sizes=st.one_of(
+        st.none(), st.lists(st.one_of(st.none(), st.integers(0, INT64_MAX)), max_size=6).map(tuple)
+    ),
     excluded_scalar=st.one_of(st.none(), _any_int64),
 )
 local_states = st.builds(
@@ -793,7 +795,9 @@ def test_random_bytes_decode_or_raise_wire_format_error(data, sender):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255), st.sampled_from("rid")), min_size=1, max_size=6)
+    edits=st.lists(
+        st.tuples(st.integers(0, 10_000), st.integers(0, 255), st.sampled_from("rid")), min_size=1, max_size=6
+    )
 )
 def test_mutated_valid_payloads_decode_or_raise_wire_format_error(edits):
     # Random bytes rarely parse as msgpack at all; single-byte edits of a valid
@@ -912,9 +916,18 @@ def test_a_recompile_reason_payload_of_another_version_names_both_versions():
     _rejects_reasons(bad, f"version {wire.REASONS_FORMAT_VERSION + 1}.*speaks version {wire.REASONS_FORMAT_VERSION}")
 
 
-@pytest.mark.parametrize("position, value", [
-    (1, "compiler_collective"), (2, SENDER + 1), (3, WORLD + 1), (4, -1), (5, 1), (6, "reason"), (6, [b"bytes"]),
-])
+@pytest.mark.parametrize(
+    "position, value",
+    [
+        (1, "compiler_collective"),
+        (2, SENDER + 1),
+        (3, WORLD + 1),
+        (4, -1),
+        (5, 1),
+        (6, "reason"),
+        (6, [b"bytes"]),
+    ],
+)
 def test_a_wrong_value_in_any_recompile_reason_position_is_rejected(position, value):
     items = [wire.REASONS_FORMAT_VERSION, wire.REASONS_TAG, SENDER, WORLD, 5, True, ["r"]]
     items[position] = value

@@ -63,8 +63,11 @@ def _decode_all(data: bytes) -> dict:
             assert f"rank {SENDER}" in str(e) and e.ranks == (SENDER,), str(e)
             assert "MemoryError" not in str(e), str(e)
             outcome = f"{type(e).__name__}: {e}"
-        out[name] = {"outcome": outcome, "seconds": time.monotonic() - start,
-                     "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024}
+        out[name] = {
+            "outcome": outcome,
+            "seconds": time.monotonic() - start,
+            "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024,
+        }
         assert out[name]["grew_mib"] < GROWTH_MIB and out[name]["seconds"] < DECODE_S, (name, out[name], len(data))
     return out
 
@@ -88,8 +91,14 @@ def _bounded(case: str, arg: str, timeout: float = 120) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.test_wire_bounds", case, arg], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=root)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.test_wire_bounds", case, arg],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=root,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"decoding took more than {timeout:.0f}s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -122,8 +131,10 @@ def test_a_1_mib_payload_of_front_coded_names_is_refused_within_the_memory_and_t
     assert len(payload) <= (1 << 20) + 64
     result = _decode_in_child(tmp_path, payload)["decode"]
     print(result)
-    assert result["outcome"].startswith("WireFormatError: bad compiler-collective payload from rank 1: its source "
-                                        "names decode to more than 32 characters per payload byte"), result
+    assert result["outcome"].startswith(
+        "WireFormatError: bad compiler-collective payload from rank 1: its source "
+        "names decode to more than 32 characters per payload byte"
+    ), result
 
 
 def _empty_arrays(where: str) -> bytes:
@@ -150,8 +161,12 @@ def _empty_arrays(where: str) -> bytes:
 @pytest.mark.parametrize("where", ["envelope", "entries", "frame", "audit-body", "reasons"])
 def test_16_mib_of_empty_arrays_is_refused_within_the_memory_and_time_bounds(tmp_path, where):
     results = _decode_in_child(tmp_path, _empty_arrays(where), timeout=200)
-    meant = {"entries": ["decode"], "frame": ["decode"], "audit-body": ["decode_audit"],
-             "reasons": ["decode_reasons"]}.get(where, list(results))
+    meant = {
+        "entries": ["decode"],
+        "frame": ["decode"],
+        "audit-body": ["decode_audit"],
+        "reasons": ["decode_reasons"],
+    }.get(where, list(results))
     for name in meant:
         assert results[name]["outcome"].startswith("WireFormatError"), (name, results[name])
     print(results)  # every decoder, the others too, kept within the bounds (checked in the child)
@@ -164,11 +179,19 @@ def _fuzz(examples: int) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
-                       st.text(max_size=8), st.binary(max_size=8))
-    trees = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=6),
-                                                         st.dictionaries(st.text(max_size=4), inner, max_size=4)),
-                         max_leaves=40)
+    leaves = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=8),
+        st.binary(max_size=8),
+    )
+    trees = st.recursive(
+        leaves,
+        lambda inner: st.one_of(st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=4), inner, max_size=4)),
+        max_leaves=40,
+    )
     # Shapes that cost far more decoded than on the wire.
     many = st.one_of(st.integers(0, 1000), st.integers(100_000, 400_000))  # small, and past any budget
     empties = st.builds(lambda n, kind: [[] if kind else {}] * n, many, st.booleans())
@@ -180,14 +203,17 @@ def _fuzz(examples: int) -> None:
             k += len(suffix)
         return out
 
-    chains = st.builds(chain, st.one_of(st.integers(0, 1000), st.integers(40_000, 60_000)),
-                       st.text(min_size=1, max_size=3))
+    chains = st.builds(
+        chain, st.one_of(st.integers(0, 1000), st.integers(40_000, 60_000)), st.text(min_size=1, max_size=3)
+    )
     values = st.one_of(trees, empties, chains)
-    envelopes = st.sampled_from([
-        _header() + [[[], True, {}]],
-        _header() + ["audit", ["summary", "forward", None, [], []]],
-        [1, "recompile_reasons", SENDER, WORLD, 5, True, ["why"]],
-    ])
+    envelopes = st.sampled_from(
+        [
+            _header() + [[[], True, {}]],
+            _header() + ["audit", ["summary", "forward", None, [], []]],
+            [1, "recompile_reasons", SENDER, WORLD, 5, True, ["why"]],
+        ]
+    )
 
     def place(envelope: list, path: list[int], value) -> list:
         envelope = json.loads(json.dumps(envelope))
@@ -202,10 +228,10 @@ def _fuzz(examples: int) -> None:
             envelope[path[-1] % len(envelope)] = value
         return envelope
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(envelopes, st.lists(st.integers(0, 10), min_size=1, max_size=4), values, st.booleans(),
-           st.integers(0, 40))
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(envelopes, st.lists(st.integers(0, 10), min_size=1, max_size=4), values, st.booleans(), st.integers(0, 40))
     def check(envelope, path, value, as_entries, cut):
         # Anywhere, or as the entries list, where front-coded names are read.
         obj = _header() + [[value, True, {}]] if as_entries else place(envelope, path, value)

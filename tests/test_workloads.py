@@ -54,10 +54,12 @@ def ddp_with_ddp_optimizer(rank: int, world: int) -> dict:
             model.zero_grad()
         compiled(x).square().mean().backward()
         eager_model(x).square().mean().backward()
-        same_grads.append(all(
-            torch.allclose(a.grad, b.grad, atol=1e-5)
-            for a, b in zip(compiled_model.parameters(), eager_model.parameters())
-        ))
+        same_grads.append(
+            all(
+                torch.allclose(a.grad, b.grad, atol=1e-5)
+                for a, b in zip(compiled_model.parameters(), eager_model.parameters())
+            )
+        )
     out = summary(rec)
     out["same_grads"] = same_grads
     return out
@@ -103,7 +105,7 @@ def functional_collectives(rank: int, world: int) -> dict:
     # static graph; rank 1's rows change, so alone it would recompile with a
     # dynamic dim at its second call, and the graphs' collectives would no
     # longer pair up.
-    for n in ((3, 3, 3) if rank == 0 else (4, 8, 7)):
+    for n in (3, 3, 3) if rank == 0 else (4, 8, 7):
         x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
         results.append(bool(torch.allclose(compiled(x), f(x))))
     out = summary(rec)
@@ -319,8 +321,9 @@ def functional_collectives_under_inductor(rank: int, world: int) -> dict:
         out.sum().backward()
         expected = f(x, w_eager)
         expected.sum().backward()
-        results.append(bool(torch.allclose(out, expected, atol=1e-5)
-                            and torch.allclose(w_compiled.grad, w_eager.grad, atol=1e-5)))
+        results.append(
+            bool(torch.allclose(out, expected, atol=1e-5) and torch.allclose(w_compiled.grad, w_eager.grad, atol=1e-5))
+        )
     out = cc.stats()
     out["results"] = results
     out["reports"] = audit.reports()

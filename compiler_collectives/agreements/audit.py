@@ -133,8 +133,14 @@ class GraphAudit:
             # Dropping the level keeps the comparison honest: a level this rank
             # cannot describe is left out of the exchange, so it is compared nowhere.
             self.broken.add(level)
-            log.warning("program audit: cannot fingerprint a %s graph of %s (%s: %s); that level is "
-                        "not compared for this compile", level, self.frame, type(e).__name__, e)
+            log.warning(
+                "program audit: cannot fingerprint a %s graph of %s (%s: %s); that level is "
+                "not compared for this compile",
+                level,
+                self.frame,
+                type(e).__name__,
+                e,
+            )
         self.spent_s += time.perf_counter() - started
 
     def collectives(self, level: str) -> list[Collective]:
@@ -150,8 +156,9 @@ class GraphAudit:
             h = hashlib.blake2b(digest_size=8)
             for g in graphs:
                 h.update(g.graph_hash)
-            out.append(wire.AuditLevel(level, len(graphs), len(collectives),
-                                       collectives_digest(collectives), h.digest()))
+            out.append(
+                wire.AuditLevel(level, len(graphs), len(collectives), collectives_digest(collectives), h.digest())
+            )
         return out
 
 
@@ -264,7 +271,7 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         # exchange. The others wait for them, as they would for any compile.
         if groups.compile_pg().rank() in missing:
             again = GraphAudit(record.frame, record.phase)
-            again.graphs, again.broken = record.graphs[:before[0]], set(before[1])
+            again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
             counters.audit_cache_recompiles += 1
             with torch.compiler.config.patch(force_disable_caches=True):
                 result = _run(again, compile, stage)
@@ -311,8 +318,9 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         diverged = [lv for lv in common if len({d[lv].collectives_digest for d in by_rank}) > 1]
         if diverged:
             level = diverged[0]
-            details = _exchange(pg, wire.AuditDetails(record.phase, level, record.collectives(level)),
-                                record.frame, seq, rank, world)
+            details = _exchange(
+                pg, wire.AuditDetails(record.phase, level, record.collectives(level)), record.frame, seq, rank, world
+            )
             lists = [e.body.collectives for e in details]  # type: ignore[union-attr]
             err = _divergence(record, level, lists, rank, seq, members)
             counters.audit_divergences += 1
@@ -322,10 +330,14 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         produced = set().union(*by_rank)
         missing = [r for r, d in enumerate(by_rank) if set(d) != produced]
         if missing and may_recompile:
-            log.info("audit #%d of %s: %s lack level(s) %s that other ranks compiled (loaded from a "
-                     "cache?); they compile again without caches so that every level is compared",
-                     seq, record.frame, ranks_text([members[r] for r in missing]),
-                     ", ".join(sorted(produced - set.intersection(*(set(d) for d in by_rank)))))
+            log.info(
+                "audit #%d of %s: %s lack level(s) %s that other ranks compiled (loaded from a "
+                "cache?); they compile again without caches so that every level is compared",
+                seq,
+                record.frame,
+                ranks_text([members[r] for r in missing]),
+                ", ".join(sorted(produced - set.intersection(*(set(d) for d in by_rank)))),
+            )
             return missing
         record.compared = common
         report_only = [lv for lv in common if len({d[lv].graph_digest for d in by_rank}) > 1]
@@ -334,16 +346,27 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         skipped = sorted(produced - set(common))
         counters.audit_levels_not_compared += len(skipped)
         if skipped:
-            log.debug("audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
-                      seq, record.frame, ", ".join(skipped))
+            log.debug(
+                "audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
+                seq,
+                record.frame,
+                ", ".join(skipped),
+            )
         _emit(record, seq, rank, summaries, report_only)
         return []
     finally:
         elapsed = time.perf_counter() - started
         counters.audit_time_s += elapsed + record.spent_s
         counters.audit_fingerprint_s += record.spent_s
-        log.debug("audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
-                  seq, record.frame, record.phase, len(record.graphs), record.spent_s * 1e3, elapsed * 1e3)
+        log.debug(
+            "audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
+            seq,
+            record.frame,
+            record.phase,
+            len(record.graphs),
+            record.spent_s * 1e3,
+            elapsed * 1e3,
+        )
 
 
 def _exchange(
@@ -352,7 +375,13 @@ def _exchange(
     where = lambda: describe("audit", rank, seq, str(frame))  # noqa: E731
     payload = wire.encode_audit(body, rank=rank, world_size=world, frame=frame, seq=seq, sent_at=time.time())
     return exchange_frame.gather(
-        pg, payload, kind="audit", seq=seq, frame=str(frame), where=where, decode=wire.decode_audit,
+        pg,
+        payload,
+        kind="audit",
+        seq=seq,
+        frame=str(frame),
+        where=where,
+        decode=wire.decode_audit,
         check=lambda envelopes, me: _check_agreement(envelopes, rank=me),
     ).envelopes
 
@@ -361,13 +390,18 @@ def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> N
     first = envelopes[0]
 
     def same(e: wire.AuditEnvelope) -> bool:
-        return (_frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq
-                and e.body.phase == first.body.phase and type(e.body) is type(first.body))
+        return (
+            _frame_key(e.frame) == _frame_key(first.frame)
+            and e.seq == first.seq
+            and e.body.phase == first.body.phase
+            and type(e.body) is type(first.body)
+        )
 
     if all(same(e) for e in envelopes):
         return
-    lines = "\n".join(f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}"
-                      for e in envelopes)
+    lines = "\n".join(
+        f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}" for e in envelopes
+    )
     mine = next(e for e in envelopes if e.rank == rank)
     raise CollectiveDesyncError(
         f"{describe('audit', rank, mine.seq, str(mine.frame))}: ranks are auditing different "
@@ -375,14 +409,22 @@ def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> N
         "them (e.g. a graph break on one rank only, or a backward run on some ranks only). "
         "Compiler collectives need every rank to compile and run the same code (SPMD)."
         + ("" if groups.scope() is not None else " " + SCOPE_HINT),
-        ranks=tuple(e.rank for e in envelopes if not (
-            _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq
-            and e.body.phase == mine.body.phase)),
+        ranks=tuple(
+            e.rank
+            for e in envelopes
+            if not (
+                _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq and e.body.phase == mine.body.phase
+            )
+        ),
     )
 
 
 def _divergence(
-    record: GraphAudit, level: str, lists: list[list[Collective]], rank: int, seq: int,
+    record: GraphAudit,
+    level: str,
+    lists: list[list[Collective]],
+    rank: int,
+    seq: int,
     members: Sequence[int] | None = None,
 ) -> ProgramDivergenceError:
     named = list(members) if members is not None else list(range(len(lists)))  # global rank of each list
@@ -399,8 +441,11 @@ def _divergence(
     lines = []
     for key, ranks in groups_of.items():
         c = lists[named.index(ranks[0])]
-        text = (c[index].render() if key is not None
-                else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)")
+        text = (
+            c[index].render()
+            if key is not None
+            else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)"
+        )
         lines.append(f"  {ranks_text(ranks)}: {text}")
     # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
     largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
@@ -410,15 +455,16 @@ def _divergence(
         "code that depends on the rank, or a compiler decision taken from size hints"
     )
     if level.endswith("backward"):
-        causes += (" (here in the backward: e.g. an activation-checkpointing policy or the "
-                   "partitioner recomputing a collective on some ranks only)")
+        causes += (
+            " (here in the backward: e.g. an activation-checkpointing policy or the "
+            "partitioner recomputing a collective on some ranks only)"
+        )
     # A backward is lowered with its forward, in the forward's exchange.
     what = "graph's backward" if level.endswith("backward") else f"{record.phase} graph"
     message = (
         f"{describe('audit', rank, seq, str(record.frame))}: the ranks compiled different "
         f"collectives for the same {what}; no rank has run it.\n"
-        f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n"
-        + "\n".join(lines) + "\n"
+        f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n" + "\n".join(lines) + "\n"
         f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
         "Make the decision the same on every rank (branch on something every rank shares, such "
         "as a setting or a size agreed before the call, and keep rank-dependent code out of "
@@ -426,21 +472,37 @@ def _divergence(
         "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
     )
     return ProgramDivergenceError(
-        message, kind="audit", rank=rank, seq=seq, frame=str(record.frame), ranks=implicated,
-        level=level, index=index, versions=versions,
+        message,
+        kind="audit",
+        rank=rank,
+        seq=seq,
+        frame=str(record.frame),
+        ranks=implicated,
+        level=level,
+        index=index,
+        versions=versions,
     )
 
 
 def _fail_partial(
-    record: GraphAudit, summaries: list[wire.AuditSummary], failed: list[int], rank: int, seq: int,
-    *, this_rank_failed: bool,
+    record: GraphAudit,
+    summaries: list[wire.AuditSummary],
+    failed: list[int],
+    rank: int,
+    seq: int,
+    *,
+    this_rank_failed: bool,
 ) -> None:
     first = next(s.failure for s in summaries if s.failure is not None)
     err = ProgramDivergenceError(
         f"{describe('audit', rank, seq, str(record.frame))}: {ranks_text(failed)} failed to compile "
         f"this {record.phase} graph ({first}) while the other ranks compiled it; no rank has run "
         "it. Read the failing rank's own error first; the ranks cannot go on with different programs.",
-        kind="audit", rank=rank, seq=seq, frame=str(record.frame), ranks=tuple(failed),
+        kind="audit",
+        rank=rank,
+        seq=seq,
+        frame=str(record.frame),
+        ranks=tuple(failed),
     )
     counters.errors += 1
     health.poison(err)
@@ -462,33 +524,46 @@ def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.
         "audit #%d of %s (%s graph): the graphs differ across ranks outside their collectives at "
         "level(s) %s (per-rank digests %s); the collectives agree, so this is reported only. "
         "Usual cause: a constant that depends on the rank.",
-        seq, record.frame, record.phase, ", ".join(levels),
+        seq,
+        record.frame,
+        record.phase,
+        ", ".join(levels),
         "; ".join(f"{lv}: {' '.join(d)}" for lv, d in entry["levels"].items()),
     )
 
 
-def _emit(record: GraphAudit, seq: int, rank: int, summaries: list[wire.AuditSummary],
-          report_only: list[str]) -> None:
+def _emit(record: GraphAudit, seq: int, rank: int, summaries: list[wire.AuditSummary], report_only: list[str]) -> None:
     sink = _artifact_sink
     if sink is None:
         return
 
     def payload() -> str:
-        return json.dumps({
-            "seq": seq,
-            "rank": rank,
-            "frame": str(record.frame),
-            "phase": record.phase,
-            "report_only_levels": report_only,
-            "collectives": {lv: [c.render() for c in record.collectives(lv)]
-                            for lv in LEVELS if any(g.level == lv for g in record.graphs)},
-            "ranks": [
-                {lv.level: {"graphs": lv.graphs, "collectives": lv.collectives,
+        return json.dumps(
+            {
+                "seq": seq,
+                "rank": rank,
+                "frame": str(record.frame),
+                "phase": record.phase,
+                "report_only_levels": report_only,
+                "collectives": {
+                    lv: [c.render() for c in record.collectives(lv)]
+                    for lv in LEVELS
+                    if any(g.level == lv for g in record.graphs)
+                },
+                "ranks": [
+                    {
+                        lv.level: {
+                            "graphs": lv.graphs,
+                            "collectives": lv.collectives,
                             "collectives_digest": lv.collectives_digest.hex(),
-                            "graph_digest": lv.graph_digest.hex()} for lv in s.levels}
-                for s in summaries
-            ],
-        })
+                            "graph_digest": lv.graph_digest.hex(),
+                        }
+                        for lv in s.levels
+                    }
+                    for s in summaries
+                ],
+            }
+        )
 
     try:
         sink("compiler_collectives_audit", payload)

@@ -107,13 +107,18 @@ def exchange(
         sent_at=sent_at,
     )
     gathered = exchange_frame.gather(
-        pg, payload, kind="compiler", seq=seq, frame=str(frame), where=where,
-        decode=wire.decode, check=lambda envelopes, me: check_agreement(envelopes, rank=me),
+        pg,
+        payload,
+        kind="compiler",
+        seq=seq,
+        frame=str(frame),
+        where=where,
+        decode=wire.decode,
+        check=lambda envelopes, me: check_agreement(envelopes, rank=me),
         phase=PHASE_TRACE if state is None else PHASE_INPUTS,
         profile_as="compiler_collectives.compiler_collective",
     )
-    envelopes, payloads, rounds, elapsed = (
-        gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
+    envelopes, payloads, rounds, elapsed = (gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
 
     states = [e.state for e in envelopes]
     restart, why = restart_decision(states, ds.early_states, ranks=members) if state is None else (False, "")
@@ -147,11 +152,18 @@ def exchange(
         )
     log.debug(
         "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
-        where(), len(payload), bytes_in, rounds, elapsed * 1e3,
-        counters.last_arrival_spread_s * 1e3, counters.last_late_rank,
+        where(),
+        len(payload),
+        bytes_in,
+        rounds,
+        elapsed * 1e3,
+        counters.last_arrival_spread_s * 1e3,
+        counters.last_late_rank,
     )
     return Exchange(
-        envelopes, states, restart,
+        envelopes,
+        states,
+        restart,
         phase="trace" if state is None else "inputs",
         restart_why=why,
         bytes_sent=len(payload),
@@ -175,13 +187,9 @@ def set_compile_id_source(source: Callable[[], str | None]) -> None:
 def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
     """Raise ``CollectiveDesyncError`` unless every rank compiled the same frame at the same step."""
     first = envelopes[0]
-    if all(
-        _frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq for e in envelopes
-    ):
+    if all(_frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq for e in envelopes):
         return
-    lines = "\n".join(
-        f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}" for e in envelopes
-    )
+    lines = "\n".join(f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}" for e in envelopes)
     mine = next(e for e in envelopes if e.rank == rank)
     raise CollectiveDesyncError(
         f"{describe('compiler', rank, mine.seq, str(mine.frame))}: ranks are compiling "
@@ -196,8 +204,10 @@ def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
 
 
 def restart_decision(
-    states: Sequence[LocalState], early_states: Sequence[LocalState] | None = None,
-    *, ranks: Sequence[int] | None = None,
+    states: Sequence[LocalState],
+    early_states: Sequence[LocalState] | None = None,
+    *,
+    ranks: Sequence[int] | None = None,
 ) -> tuple[bool, str]:
     """Whether Dynamo must trace the frame again after the exchange, and why.
 

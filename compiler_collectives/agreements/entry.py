@@ -101,12 +101,12 @@ def size_free(c: Collective) -> tuple[str, ...]:
     all-reduces ``float32[s0, 4]``, and at a call both move the caller's rows.
     Which collectives run, in which order, on which group, is the program.
     """
+
     def dims(m: re.Match[str]) -> str:
         inner = m.group(1).strip()
         return f"[{inner.count(',') + 1 if inner else 0}d]"
 
-    return (_op_identity(c.op), c.group, c.reduce_op,
-            "\x1d".join(_SHAPE.sub(dims, t) for t in c.tensors), c.args)
+    return (_op_identity(c.op), c.group, c.reduce_op, "\x1d".join(_SHAPE.sub(dims, t) for t in c.tensors), c.args)
 
 
 @dataclasses.dataclass
@@ -134,8 +134,7 @@ class Entry:
     a graph, run the empty program.
     """
 
-    __slots__ = ("index", "compile_id", "attempt", "graphs", "resumes", "program_key", "key", "site",
-                 "has_graph")
+    __slots__ = ("index", "compile_id", "attempt", "graphs", "resumes", "program_key", "key", "site", "has_graph")
 
     def __init__(self, compile_id: str, attempt: int) -> None:
         self.index = -1  # creation order in the frame's cache, set when Dynamo keeps the entry
@@ -226,19 +225,29 @@ class Frame:
         elif entry.key != self.first_key and not self.mixed:
             self.mixed = True
             counters.entry_mixed_frames += 1
-            log.info("frame %s: cache entry #%d (compile %s) runs other collectives than entry #0; "
-                     "every call of this frame now checks that every rank runs the same program",
-                     self.frame, entry.index, entry.compile_id)
+            log.info(
+                "frame %s: cache entry #%d (compile %s) runs other collectives than entry #0; "
+                "every call of this frame now checks that every rank runs the same program",
+                self.frame,
+                entry.index,
+                entry.compile_id,
+            )
         entries = self.entries.values()
-        if (self.mixed and not self.warned and any(not e.has_graph for e in entries)
-                and not all(e.runs_no_collective() for e in entries)):
+        if (
+            self.mixed
+            and not self.warned
+            and any(not e.has_graph for e in entries)
+            and not all(e.runs_no_collective() for e in entries)
+        ):
             self.warned = True
             log.warning(
                 "frame %s has a cache entry without a graph beside entries that run other "
                 "collectives: a rank entering it cannot take part in the entry check. If its next "
                 "collective is one of ours, every rank raises; if it is the program's own, ranks "
                 "may wait until a timeout. Avoid a graph break before the first tensor operation "
-                "of this frame.", self.frame)
+                "of this frame.",
+                self.frame,
+            )
 
 
 # code object -> Frame. Weak: a code object nothing else holds (a freed FX
@@ -261,8 +270,16 @@ def mixed_codes() -> list[Any]:
 def frames() -> dict[str, list[dict[str, Any]]]:
     """Every registered frame's entries, for tests and `doctor`: frame -> [{index, compile_id, ...}]."""
     return {
-        str(f.frame): [{"index": e.index, "compile_id": e.compile_id, "graphs": len(e.graphs),
-                        "program": e.key.hex(), "mixed": f.mixed} for e in f.entries.values()]
+        str(f.frame): [
+            {
+                "index": e.index,
+                "compile_id": e.compile_id,
+                "graphs": len(e.graphs),
+                "program": e.key.hex(),
+                "mixed": f.mixed,
+            }
+            for e in f.entries.values()
+        ]
         for f in list(_frames.values())
     }
 
@@ -276,8 +293,9 @@ def compile_started(code: Any) -> Any:
     return previous
 
 
-def compile_finished(code: Any, frame: FrameId, token: Any, kept: bool, *, limit: int,
-                     resumes: tuple[str, ...] = ()) -> None:
+def compile_finished(
+    code: Any, frame: FrameId, token: Any, kept: bool, *, limit: int, resumes: tuple[str, ...] = ()
+) -> None:
     """The compile of ``code`` ended; ``kept``: Dynamo added a cache entry for it.
 
     ``limit``: how many entries Dynamo keeps for one code object at most;
@@ -304,8 +322,14 @@ def _registry(code: Any, frame: FrameId) -> Frame:
 
 
 def wrap(
-    compiled: Callable[..., Any], code: Any, frame: FrameId, compile_id: str, attempt: int,
-    program: GraphProgram, *, check: bool,
+    compiled: Callable[..., Any],
+    code: Any,
+    frame: FrameId,
+    compile_id: str,
+    attempt: int,
+    program: GraphProgram,
+    *,
+    check: bool,
 ) -> Callable[..., Any]:
     """Record ``program`` for the entry being compiled and return what Dynamo should call.
 
@@ -363,8 +387,9 @@ def check_entry(registry: Frame, entry: Entry) -> None:
     _compare(registry, entry, everyone, members, members[channel.pg.rank()], seq)
 
 
-def _compare(registry: Frame, entry: Entry, everyone: Sequence[tuple[int, int]], members: Sequence[int],
-             rank: int, seq: int) -> None:
+def _compare(
+    registry: Frame, entry: Entry, everyone: Sequence[tuple[int, int]], members: Sequence[int], rank: int, seq: int
+) -> None:
     """``everyone``: per group rank, (-guard seq, entry index); ``members``: their global ranks."""
     elsewhere = [members[r] for r, (s, _) in enumerate(everyone) if s != -seq]
     if elsewhere:
@@ -396,14 +421,14 @@ def _first_difference(entries: list[Entry]) -> tuple[str, int]:
         keys = [[size_free(c) for c in e.collectives(phase)] for e in entries]
         if any(k != keys[0] for k in keys):
             longest = max(len(k) for k in keys)
-            index = next(i for i in range(longest + 1)
-                         if len({k[i] if i < len(k) else None for k in keys}) > 1)
+            index = next(i for i in range(longest + 1) if len({k[i] if i < len(k) else None for k in keys}) > 1)
             return phase, index
     return "", 0  # an entry this rank no longer holds (older than Dynamo's limit)
 
 
-def _divergence(registry: Frame, hit: dict[int, Entry | None], indices: dict[int, int], rank: int,
-                seq: int) -> ProgramDivergenceError:
+def _divergence(
+    registry: Frame, hit: dict[int, Entry | None], indices: dict[int, int], rank: int, seq: int
+) -> ProgramDivergenceError:
     """``hit``/``indices``: per global rank, the entry it is about to run (None: no longer held here)."""
     by_entry: dict[int, list[int]] = {}
     for r, i in indices.items():
@@ -417,14 +442,19 @@ def _divergence(registry: Frame, hit: dict[int, Entry | None], indices: dict[int
         e = hit[ranks[0]]
         if e is None:
             text: str | None = None
-            lines.append(f"  {ranks_text(ranks)}: cache entry #{i} (older than the {len(registry.entries)} "
-                         "entries this rank keeps for the frame; its program is not known here)")
+            lines.append(
+                f"  {ranks_text(ranks)}: cache entry #{i} (older than the {len(registry.entries)} "
+                "entries this rank keeps for the frame; its program is not known here)"
+            )
         else:
             if phase:
                 cs = e.collectives(phase)
                 level = level or ", ".join(e.levels(phase))
-                text = (cs[index].render() if index < len(cs)
-                        else f"no collective #{index + 1} ({len(cs)} collective(s) in all)")
+                text = (
+                    cs[index].render()
+                    if index < len(cs)
+                    else f"no collective #{index + 1} ({len(cs)} collective(s) in all)"
+                )
             else:
                 text = f"program {e.key.hex()}"
             graph = "" if e.has_graph else " (no graph)"
@@ -447,13 +477,21 @@ def _divergence(registry: Frame, hit: dict[int, Entry | None], indices: dict[int
         "COMPILER_COLLECTIVES_ENTRY_CHECK=0 on every rank turns this check off."
     )
     return ProgramDivergenceError(
-        message, kind="entry", rank=rank, seq=seq, frame=str(registry.frame), ranks=implicated,
-        level=phase or None, index=index, versions=versions,
+        message,
+        kind="entry",
+        rank=rank,
+        seq=seq,
+        frame=str(registry.frame),
+        ranks=implicated,
+        level=phase or None,
+        index=index,
+        versions=versions,
     )
 
 
-def _elsewhere(registry: Frame, entry: Entry, checking: list[int], elsewhere: list[int],
-               rank: int, seq: int) -> ProgramDivergenceError:
+def _elsewhere(
+    registry: Frame, entry: Entry, checking: list[int], elsewhere: list[int], rank: int, seq: int
+) -> ProgramDivergenceError:
     message = (
         f"{describe('entry', rank, seq, str(registry.frame))}: {ranks_text(checking)} entered cache "
         f"entry #{entry.index} (compile {entry.compile_id}) of this frame, whose entries run "
@@ -462,5 +500,6 @@ def _elsewhere(registry: Frame, entry: Entry, checking: list[int], elsewhere: li
         "frame. No rank has run the entry's collectives. Avoid a graph break before the first "
         "tensor operation of this frame, or make its program independent of per-rank inputs."
     )
-    return ProgramDivergenceError(message, kind="entry", rank=rank, seq=seq, frame=str(registry.frame),
-                                  ranks=tuple(elsewhere))
+    return ProgramDivergenceError(
+        message, kind="entry", rank=rank, seq=seq, frame=str(registry.frame), ranks=tuple(elsewhere)
+    )

@@ -71,8 +71,13 @@ def gather(
     try:
         with torch.profiler.record_function(profile_as or f"compiler_collectives.{kind}"):
             payloads, rounds = all_gather_bytes(
-                pg, payload, max_bytes=settings.max_payload_bytes,
-                slot_bytes=settings.inline_slot_bytes, phase=phase, describe=where, members=members,
+                pg,
+                payload,
+                max_bytes=settings.max_payload_bytes,
+                slot_bytes=settings.inline_slot_bytes,
+                phase=phase,
+                describe=where,
+                members=members,
             )
         envelopes = [
             decode(p, sender=members[i], max_bytes=settings.max_payload_bytes, expected_world_size=world)

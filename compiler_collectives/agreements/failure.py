@@ -29,8 +29,9 @@ from ..transport import groups, translate_failure
 log = logging.getLogger("compiler_collectives.failure")
 
 
-def exchange_failed(error: BaseException, *, kind: str, rank: int, seq: int | None,
-                    frame: str | None, where: Callable[[], str]) -> CollectiveError:
+def exchange_failed(
+    error: BaseException, *, kind: str, rank: int, seq: int | None, frame: str | None, where: Callable[[], str]
+) -> CollectiveError:
     """The error a byte exchange raises after ``error``; this rank is poisoned either way.
 
     Our own errors take the exchange's context.
@@ -66,8 +67,12 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
         try:
             side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks)
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
-            log.warning("rank %d could not report its failure on the c10d store (%s); peers on "
-                        "other hosts learn of it only when they time out", side.rank, e)
+            log.warning(
+                "rank %d could not report its failure on the c10d store (%s); peers on "
+                "other hosts learn of it only when they time out",
+                side.rank,
+                e,
+            )
     diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
     explained = explain(error, diagnosis)
     if side is not None and explained is not error:
@@ -86,13 +91,13 @@ def explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveEr
     details = diagnosis.render()
     common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame)
     if diagnosis.absent:
-        new = type(error)(f"{base}\nRanks not in this collective:\n{details}",
-                          ranks=tuple(diagnosis.absent), **common)
+        new = type(error)(f"{base}\nRanks not in this collective:\n{details}", ranks=tuple(diagnosis.absent), **common)
     elif diagnosis.alive_elsewhere:
         new = CollectiveDesyncError(
             f"{base}\nRank(s) {diagnosis.alive_elsewhere} are alive but did not enter this "
             f"collective: the ranks are out of step (desync).\n{details}",
-            ranks=tuple(diagnosis.alive_elsewhere), **common,
+            ranks=tuple(diagnosis.alive_elsewhere),
+            **common,
         )
     else:
         return error

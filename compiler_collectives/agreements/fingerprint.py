@@ -261,8 +261,9 @@ class _Walk:
     def collective(self, node: torch.fx.Node, op: str) -> Collective:
         bound = None
         try:
-            bound = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                                       normalize_to_only_use_kwargs=True)
+            bound = normalize_function(
+                node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
+            )
         except Exception:  # noqa: BLE001 - an unusual schema: fall back to positions
             bound = None
         if bound is not None:

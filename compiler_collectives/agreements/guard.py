@@ -119,6 +119,8 @@ def set_profiler_probe(probe: Callable[[], bool]) -> None:
     """Called by the Dynamo seam at install: a cheap read of whether torch's profiler is on."""
     global _profiler_enabled
     _profiler_enabled = probe
+
+
 # code -> ("wrapper", local name) | ("torch", None) | ("code", (crc, use f_lasti))
 _code_kinds: dict[Any, tuple[str, Any]] = {}
 
@@ -173,7 +175,6 @@ def frame_identity(frame: Any) -> int:
             return ((crc << 14) + (frame.f_lasti & 0x3FFF if with_lasti else 0)) & 0x3FFFFFFFFFFF
         frame = frame.f_back
     return 0
-
 
 
 groups.progress_sources.append(lambda: {"guard_seq": _state.seq})
@@ -235,9 +236,13 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
 def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
     """An entry check's transport failure, through the same failure procedure as the hook's."""
     rank = dist.get_rank() if dist.is_initialized() else None
-    err = error if isinstance(error, CollectiveError) else translate_failure(
-        error, kind="entry", describe=lambda: describe("entry", rank, seq, frame),
-        rank=rank, seq=seq, frame=frame)
+    err = (
+        error
+        if isinstance(error, CollectiveError)
+        else translate_failure(
+            error, kind="entry", describe=lambda: describe("entry", rank, seq, frame), rank=rank, seq=seq, frame=frame
+        )
+    )
     if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):
         err = failure.fail(err, seq=seq)
     counters.errors += 1
@@ -323,8 +328,7 @@ def hook(guard_eval_result: bool) -> bool:
                 counters.forced_recompiles += 1
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)
         if recorder is not None:
-            recorder.guard(start_ns=start_ns, duration_s=elapsed, seq=seq,
-                           hit=guard_eval_result, agreed=all_hit)
+            recorder.guard(start_ns=start_ns, duration_s=elapsed, seq=seq, hit=guard_eval_result, agreed=all_hit)
         return all_hit
     except BaseException as e:  # noqa: BLE001 - nothing may escape into C++
         try:
@@ -397,16 +401,20 @@ def _claim_or_park() -> bool:
         return True
     me = threading.current_thread()
     rank = dist.get_rank() if dist.is_initialized() else None
-    health.park(ConcurrentThreadsError(
-        f"guard collective on rank {rank}: thread {me.name!r} (id {me.ident}) called compiled code "
-        f"while thread {owner.name!r} (id {owner.ident}) is the one running compiled code on this "
-        "rank. Only one thread may run compiled code with guard collectives on: every call is a "
-        "collective numbered in call order, and two threads' calls would interleave differently on "
-        "each rank. This call did not run and the other thread's collectives are unaffected. Run "
-        "compiled code from one thread per rank, or switch guard collectives off "
-        "(COMPILER_COLLECTIVES_GUARDS=0).",
-        kind="guard", rank=rank, seq=_state.seq,
-    ))
+    health.park(
+        ConcurrentThreadsError(
+            f"guard collective on rank {rank}: thread {me.name!r} (id {me.ident}) called compiled code "
+            f"while thread {owner.name!r} (id {owner.ident}) is the one running compiled code on this "
+            "rank. Only one thread may run compiled code with guard collectives on: every call is a "
+            "collective numbered in call order, and two threads' calls would interleave differently on "
+            "each rank. This call did not run and the other thread's collectives are unaffected. Run "
+            "compiled code from one thread per rank, or switch guard collectives off "
+            "(COMPILER_COLLECTIVES_GUARDS=0).",
+            kind="guard",
+            rank=rank,
+            seq=_state.seq,
+        )
+    )
     return False
 
 
@@ -434,7 +442,9 @@ def claim_for_compile(frame: str) -> None:
         "was compiled or sent to the other ranks) and the other thread is unaffected. Compile and run "
         "compiled code from one thread per rank (keep other threads eager), or switch compiler and "
         "guard collectives off (TORCH_COMPILER_COLLECTIVES=0, COMPILER_COLLECTIVES_GUARDS=0).",
-        kind="compiler", rank=rank, frame=frame,
+        kind="compiler",
+        rank=rank,
+        frame=frame,
     )
 
 
@@ -500,8 +510,11 @@ def go_apart(parent_seq: int) -> None:
     _state.seq = parent_seq  # where every rank stands: the next call of the user's own code is #p+1
     _state.apart = True
     counters.diverged_paths += 1
-    log.debug("after guard collective #%d the ranks run different compiled frames of one call; "
-              "each goes on alone until its next call from its own code", parent_seq)
+    log.debug(
+        "after guard collective #%d the ranks run different compiled frames of one call; "
+        "each goes on alone until its next call from its own code",
+        parent_seq,
+    )
 
 
 def in_compiled_code(frame: Any) -> bool:
@@ -548,16 +561,19 @@ def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int
     mine_seq = [s for s, _ in everyone] or [seq]
     lines = "\n".join(
         f"  rank {members[i]}: guard collective #{s}, compiled frame id {f & (NESTED - 1):#x}"
-        + (" (called from compiled code)" if f & NESTED else "") if s >= 0
+        + (" (called from compiled code)" if f & NESTED else "")
+        if s >= 0
         # the entry check's slow path sends (-seq, entry index): see agreements/entry.py
         else f"  rank {members[i]}: checking which cache entry it runs (entry #{f & (EMPTY - 1)}) "
-             f"after guard collective #{-s}"
+        f"after guard collective #{-s}"
         for i, (s, f) in enumerate(everyone)
     )
     if any(s < 0 for s in mine_seq):
-        what = ("other ranks are checking the cache entry they run of a frame whose entries run "
-                "different collectives, while this rank went on to another compiled frame (it ran "
-                "an entry without a graph there)")
+        what = (
+            "other ranks are checking the cache entry they run of a frame whose entries run "
+            "different collectives, while this rank went on to another compiled frame (it ran "
+            "an entry without a graph there)"
+        )
     elif len(set(mine_seq)) > 1:
         what = "ranks are at different guard-collective counts"
     else:
@@ -568,7 +584,10 @@ def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int
         "One rank called compiled code more, fewer or other times than the others; no rank ran "
         "this call. Look for rank-dependent control flow around torch.compile'd calls."
         + ("" if groups.scope() is not None else " " + SCOPE_HINT),
-        kind="guard", rank=rank, seq=seq, ranks=culprits,
+        kind="guard",
+        rank=rank,
+        seq=seq,
+        ranks=culprits,
     )
 
 
@@ -606,7 +625,9 @@ def _park_interrupt(interrupt: BaseException) -> None:
     note = CollectiveError(
         f"{describe('guard', rank, _state.seq, None)} was interrupted ({type(interrupt).__name__}); "
         "this rank is no longer in step with the others",
-        kind="guard", rank=rank, seq=_state.seq,
+        kind="guard",
+        rank=rank,
+        seq=_state.seq,
     )
     note.__cause__ = interrupt
     health.poison(note)
@@ -627,12 +648,16 @@ def _park_left(error: BaseException) -> None:
     """
     rank = dist.get_rank() if dist.is_initialized() else None
     seq = _state.seq
-    what = (f"its own code raised {type(error).__name__}: {error} from a signal handler while it "
-            f"waited in guard collective #{seq}")
+    what = (
+        f"its own code raised {type(error).__name__}: {error} from a signal handler while it "
+        f"waited in guard collective #{seq}"
+    )
     note = CollectiveError(
         f"{describe('guard', rank, seq, None)}: this rank left it half-done ({what}); it is no "
         "longer in step with the others",
-        kind="guard", rank=rank, seq=seq,
+        kind="guard",
+        rank=rank,
+        seq=seq,
     )
     note.__cause__ = error
     health.poison(note)

@@ -75,8 +75,7 @@ def recorded_reasons(rank: int, missed: dict[int, list[str]], own: list[str]) ->
         return [f"{FORCED_PREFIX}: " + _ranks_text(others, "rank {rank} missed: {reason}")]
     out = list(own)
     if others:
-        out.append("the guard collective saw other ranks miss too: "
-                   + _ranks_text(others, "rank {rank}: {reason}"))
+        out.append("the guard collective saw other ranks miss too: " + _ranks_text(others, "rank {rank}: {reason}"))
     return out
 
 
@@ -86,8 +85,7 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
     where = lambda: describe("guard", rank, seq, frame) + " (recompile reasons)"  # noqa: E731
-    payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed,
-                                  reasons=own if missed else [])
+    payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed, reasons=own if missed else [])
 
     def same_miss(envelopes: list[wire.ReasonsEnvelope], _rank: int) -> None:
         if any(e.seq != seq for e in envelopes):
@@ -100,11 +98,17 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
             )
 
     gathered = exchange_frame.gather(
-        pg, payload, kind="guard", seq=seq, frame=frame, where=where, decode=wire.decode_reasons,
-        check=same_miss, profile_as="compiler_collectives.recompile_reasons",
+        pg,
+        payload,
+        kind="guard",
+        seq=seq,
+        frame=frame,
+        where=where,
+        decode=wire.decode_reasons,
+        check=same_miss,
+        profile_as="compiler_collectives.recompile_reasons",
     )
-    envelopes, payloads, rounds, elapsed = (
-        gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
+    envelopes, payloads, rounds, elapsed = (gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
     everyone = {e.rank: e.reasons for e in envelopes if e.missed}
     counters.guard_reason_exchanges += 1
     shared = Shared(

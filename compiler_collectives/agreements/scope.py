@@ -95,8 +95,9 @@ def _record(store: Any, sender: int) -> tuple[int, dict[str, Any]]:
         return setup_agreement.SETUP_FORMAT, {"readable setup record": f"no ({e})"}
 
 
-def _lead(store: Any, rank: int, chosen: Scope, mine: tuple[int, dict[str, Any]], deadline: float,
-          timeout_s: float) -> bytes:
+def _lead(
+    store: Any, rank: int, chosen: Scope, mine: tuple[int, dict[str, Any]], deadline: float, timeout_s: float
+) -> bytes:
     """The leader's checks; returns the verdict its members read."""
     records = {rank: mine}
     pending = [m for m in chosen.ranks if m != rank]
@@ -115,8 +116,11 @@ def _lead(store: Any, rank: int, chosen: Scope, mine: tuple[int, dict[str, Any]]
             _stop_if_poisoned(rank)
             if time.monotonic() >= deadline:
                 return _verdict("absent", pending)
-    differing = [m for m in chosen.ranks if m != rank
-                 and setup_agreement.differences(_settings_only(mine), _settings_only(records[m]))]
+    differing = [
+        m
+        for m in chosen.ranks
+        if m != rank and setup_agreement.differences(_settings_only(mine), _settings_only(records[m]))
+    ]
     if differing:
         return _verdict("setup", [rank] + differing)
     # Against the other scopes: every leader registered before this one.
@@ -175,8 +179,14 @@ def _raise_verdict(store: Any, rank: int, world: int, timeout_s: float, chosen: 
     reference, others = ranks[0], ranks[1:]
     shown = [(r, _settings_only(_record(store, r))) for r in others[:32]]
     ref_record = _settings_only(_record(store, reference))
-    err = setup_agreement.mismatch_error(rank, len(chosen.ranks) if reference in chosen.ranks else 2,
-                                         ref_record, shown, len(others), reference_rank=reference)
+    err = setup_agreement.mismatch_error(
+        rank,
+        len(chosen.ranks) if reference in chosen.ranks else 2,
+        ref_record,
+        shown,
+        len(others),
+        reference_rank=reference,
+    )
     raise err
 
 
@@ -192,7 +202,9 @@ def _overlap(rank: int, store: Any, a: int, b: int) -> ScopeError:
         "pipeline stage), and each rank belongs to exactly one scope. Pass each rank the group of "
         "its own stage (compiler_collectives.scope(stage_group)), and set COMPILER_COLLECTIVES_SCOPE "
         "the same on every rank.",
-        kind="scope", rank=rank, ranks=(a, b),
+        kind="scope",
+        rank=rank,
+        ranks=(a, b),
     )
 
 
@@ -203,12 +215,15 @@ def _absent(rank: int, timeout_s: float, chosen: Scope, absent: list[int]) -> Co
         "They are stuck, much slower, crashed, or were given another scope: every rank of a scope "
         "must call compiler_collectives.scope() with the same ranks (or none, with the same "
         "COMPILER_COLLECTIVES_SCOPE).",
-        kind="setup", rank=rank, ranks=tuple(absent),
+        kind="setup",
+        rank=rank,
+        ranks=tuple(absent),
     )
 
 
-def _wait(store: Any, key: str, deadline: float, rank: int, timeout_s: float, chosen: Scope,
-          waiting_for: list[int] | None) -> None:
+def _wait(
+    store: Any, key: str, deadline: float, rank: int, timeout_s: float, chosen: Scope, waiting_for: list[int] | None
+) -> None:
     while True:
         left = deadline - time.monotonic()
         try:
@@ -224,20 +239,20 @@ def _wait(store: Any, key: str, deadline: float, rank: int, timeout_s: float, ch
 def _stop_if_poisoned(rank: int) -> None:
     failure = health.poisoned()
     if failure is not None:
-        raise PeerFailureError(f"setup check on rank {rank}: stopped waiting: {failure}",
-                               kind="setup", rank=rank, ranks=failure.ranks)
+        raise PeerFailureError(
+            f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks
+        )
 
 
 def check_reference(rank: int, mine: Scope | None) -> Callable[[tuple[int, dict[str, Any]], Any], None]:
     """For the whole-world setup check: raise at once if rank 0 runs in a scope (the ranks would
     otherwise wait for each other in two different checks until the timeout)."""
+
     def check(reference: tuple[int, dict[str, Any]], store: Any) -> None:
         if _scope_key(reference) != (mine.key if mine is not None else ""):
             raise _overlap(rank, store, 0, rank)
 
     return check
-
-
 
 
 def first_rendezvous(chosen: Scope | None) -> Callable[[Any, float], None]:
@@ -255,8 +270,9 @@ def first_rendezvous(chosen: Scope | None) -> Callable[[Any, float], None]:
     def rendezvous(side: Any, timeout_s: float) -> None:
         try:
             if chosen is None:
-                setup_agreement.agree(side.store, side.rank, side.world, timeout_s, record,
-                                      check_reference(side.rank, None))
+                setup_agreement.agree(
+                    side.store, side.rank, side.world, timeout_s, record, check_reference(side.rank, None)
+                )
             else:
                 agree(side.store, side.rank, side.world, timeout_s, chosen, record)
         except (ScopeError, SetupMismatchError) as err:

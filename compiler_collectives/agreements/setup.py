@@ -124,8 +124,12 @@ def differences(reference: tuple[int, dict[str, Any]], other: tuple[int, dict[st
     if reference[0] != other[0]:
         return ["setup record format"]
     names = list(reference[1]) + [n for n in other[1] if n not in reference[1]]
-    return [n for n in names if reference[1].get(n, _MISSING) != other[1].get(n, _MISSING)
-            or type(reference[1].get(n)) is not type(other[1].get(n))]
+    return [
+        n
+        for n in names
+        if reference[1].get(n, _MISSING) != other[1].get(n, _MISSING)
+        or type(reference[1].get(n)) is not type(other[1].get(n))
+    ]
 
 
 def _show(record: tuple[int, dict[str, Any]], item: str) -> str:
@@ -135,9 +139,15 @@ def _show(record: tuple[int, dict[str, Any]], item: str) -> str:
     return value if value is _MISSING else repr(value)
 
 
-def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
-                   others: list[tuple[int, tuple[int, dict[str, Any]]]], total: int,
-                   *, reference_rank: int = 0) -> SetupMismatchError:
+def mismatch_error(
+    rank: int,
+    world: int,
+    reference: tuple[int, dict[str, Any]],
+    others: list[tuple[int, tuple[int, dict[str, Any]]]],
+    total: int,
+    *,
+    reference_rank: int = 0,
+) -> SetupMismatchError:
     """The error every rank raises: each differing item, the reference rank's value (rank 0's, or
     the scope leader's) and each differing rank's."""
     items: list[str] = []
@@ -157,15 +167,24 @@ def mismatch_error(rank: int, world: int, reference: tuple[int, dict[str, Any]],
     return SetupMismatchError(
         f"setup check on rank {rank}: the ranks disagree about settings or versions that must "
         f"match on every rank (checked when compiler_collectives created its process groups):\n"
-        + "\n".join(lines) + more +
-        "\nSet each of them the same on every rank (the environment of every node and launcher, "
+        + "\n".join(lines)
+        + more
+        + "\nSet each of them the same on every rank (the environment of every node and launcher, "
         "or the same enable()/config calls); docs/configuration.md lists what must match.",
-        kind="setup", rank=rank, ranks=named,
+        kind="setup",
+        rank=rank,
+        ranks=named,
     )
 
 
-def agree(store: Any, rank: int, world: int, timeout_s: float, record: dict[str, Any],
-          on_reference: Callable[[tuple[int, dict[str, Any]], Any], None] | None = None) -> None:
+def agree(
+    store: Any,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    record: dict[str, Any],
+    on_reference: Callable[[tuple[int, dict[str, Any]], Any], None] | None = None,
+) -> None:
     """Run the exchange of ``record`` (``local_record``, taken on the caller's thread).
 
     Store calls only, so the caller can run it on a helper thread and bound
@@ -220,8 +239,9 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
             pass
         failure = health.poisoned()
         if failure is not None:
-            raise PeerFailureError(f"setup check on rank {rank}: stopped waiting: {failure}",
-                                   kind="setup", rank=rank, ranks=failure.ranks)
+            raise PeerFailureError(
+                f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks
+            )
         if time.monotonic() >= deadline:
             break
     absent = [r for r in range(world) if not store.check([f"setup/{r}"])]
@@ -233,5 +253,7 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
         "and COMPILER_COLLECTIVES_GUARDS must be the same on every rank). A rank that never ran "
         "any of our code cannot be told apart from a slow one; the likely cause in a pipeline-"
         "parallel job is a later stage waiting for this one's activations. " + SCOPE_HINT,
-        kind="setup", rank=rank, ranks=tuple(absent),
+        kind="setup",
+        rank=rank,
+        ranks=tuple(absent),
     )

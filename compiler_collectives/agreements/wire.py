@@ -158,8 +158,10 @@ def encode(
             raise TypeError(f"LocalState extra field {name!r} is not registered")
         extras[name] = field.to_wire(value)
     body = [
-        [[name_out, _entry_out(entry)] for name_out, entry in zip(
-            _front_code(state.automatic_dynamic), state.automatic_dynamic.values())],
+        [
+            [name_out, _entry_out(entry)]
+            for name_out, entry in zip(_front_code(state.automatic_dynamic), state.automatic_dynamic.values())
+        ],
         bool(state.frame_state_fresh),
         extras,
     ]
@@ -251,8 +253,7 @@ def _part_in(r: _Reader, what: str, *, allow_infer: bool) -> Any:
     n = r.array(what)
     _expect(n <= _MAX_DIMS, f"{what} has {n} dims (limit {_MAX_DIMS})")
     atoms = tuple(
-        _atom_in(_atom_raw(r, f"{what}[{i}]", allow_infer=allow_infer), f"{what}[{i}]",
-                 allow_infer=allow_infer, lo=0)
+        _atom_in(_atom_raw(r, f"{what}[{i}]", allow_infer=allow_infer), f"{what}[{i}]", allow_infer=allow_infer, lo=0)
         for i in range(n)
     )
     _expect(all(a is not UNSET for a in atoms), f"{what} has an unset dim")
@@ -376,22 +377,30 @@ class _Reader:
         self._names_left = NAME_CHARS_PER_BYTE * n + DECODE_SLACK
         # No item can be longer than the payload, nor a map hold more pairs than half of it.
         self._up = msgpack.Unpacker(
-            raw=False, use_list=True, strict_map_key=True, max_buffer_size=max(n, 1),
-            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_buffer_size=max(n, 1),
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=n,
         )
         self._up.feed(data)
 
     def _charge(self, cost: int) -> None:
         self._left -= cost
         if self._left < 0:
-            raise _Bad(f"it decodes to more than {DECODED_BYTES_PER_BYTE} bytes of Python objects per "
-                       "payload byte")
+            raise _Bad(f"it decodes to more than {DECODED_BYTES_PER_BYTE} bytes of Python objects per payload byte")
 
     def charge_name(self, chars: int) -> None:
         self._names_left -= chars
         if self._names_left < 0:
-            raise _Bad(f"its source names decode to more than {NAME_CHARS_PER_BYTE} characters per "
-                       "payload byte (front-coded names each repeating a long prefix)")
+            raise _Bad(
+                f"its source names decode to more than {NAME_CHARS_PER_BYTE} characters per "
+                "payload byte (front-coded names each repeating a long prefix)"
+            )
 
     def _next(self) -> int | None:
         at = self._up.tell()
@@ -418,13 +427,22 @@ class _Reader:
         could pay for, so what is built beyond the budget is at most that budget again."""
         start = self._up.tell()
         self._read(self._up.skip)  # its extent, nothing built
-        raw = self._data[start:self._up.tell()]
+        raw = self._data[start : self._up.tell()]
         longest = max(self._left // 72, 16)  # 72: the most one item of a list can cost
         try:
-            v = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True,
-                                max_str_len=len(raw), max_bin_len=len(raw), max_ext_len=len(raw),
-                                max_array_len=min(len(raw), longest), max_map_len=min(len(raw) // 2, longest),
-                                list_hook=self._list, object_hook=self._map)
+            v = msgpack.unpackb(
+                raw,
+                raw=False,
+                use_list=True,
+                strict_map_key=True,
+                max_str_len=len(raw),
+                max_bin_len=len(raw),
+                max_ext_len=len(raw),
+                max_array_len=min(len(raw), longest),
+                max_map_len=min(len(raw) // 2, longest),
+                list_hook=self._list,
+                object_hook=self._map,
+            )
         except _Bad:
             raise
         except Exception as e:  # msgpack raises several unrelated types
@@ -458,8 +476,10 @@ class _Reader:
         return n
 
     def end(self) -> None:
-        _expect(self._up.tell() == len(self._data),
-                f"not valid msgpack ({len(self._data) - self._up.tell()} bytes of extra data after the envelope)")
+        _expect(
+            self._up.tell() == len(self._data),
+            f"not valid msgpack ({len(self._data) - self._up.tell()} bytes of extra data after the envelope)",
+        )
 
 
 def _reader(data: Any, max_bytes: int, fail: Callable[[str], WireFormatError]) -> _Reader:
@@ -486,8 +506,9 @@ def _envelope_head(r: _Reader, versions: str, *, speaks: int) -> tuple[int, list
     return n, head
 
 
-def _version_in(version: Any, package: Callable[[], Any], what: str = "wire format",
-                speaks: int = FORMAT_VERSION) -> int:
+def _version_in(
+    version: Any, package: Callable[[], Any], what: str = "wire format", speaks: int = FORMAT_VERSION
+) -> int:
     """The format version, which must be ours (raises ``_Bad``); ``package()`` reads the
     sender's package version, only for the message."""
     _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
@@ -679,12 +700,28 @@ def encode_audit(
             "details",
             body.phase,
             body.level,
-            [[_clip(c.op), _clip(c.group), _clip(c.reduce_op), [_clip(t) for t in c.tensors],
-              _clip(c.args), _clip(c.where)] for c in body.collectives],
+            [
+                [
+                    _clip(c.op),
+                    _clip(c.group),
+                    _clip(c.reduce_op),
+                    [_clip(t) for t in c.tensors],
+                    _clip(c.args),
+                    _clip(c.where),
+                ]
+                for c in body.collectives
+            ],
         ]
     envelope = [
-        FORMAT_VERSION, __version__, rank, world_size,
-        [frame.name, frame.filename, frame.line], seq, float(sent_at), AUDIT, out,
+        FORMAT_VERSION,
+        __version__,
+        rank,
+        world_size,
+        [frame.name, frame.filename, frame.line],
+        seq,
+        float(sent_at),
+        AUDIT,
+        out,
     ]
     return msgpack.packb(envelope, use_bin_type=True)
 
@@ -705,8 +742,10 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
     if v[0] == "summary" and len(v) == 5:
         _, phase, failure, raw_levels, raw_pending = v
         _expect(failure is None or type(failure) is str, "audit failure must be nil or a string")
-        _expect(type(raw_levels) is list and len(raw_levels) <= _MAX_LEVELS,
-                f"audit levels must be a list of at most {_MAX_LEVELS}")
+        _expect(
+            type(raw_levels) is list and len(raw_levels) <= _MAX_LEVELS,
+            f"audit levels must be a list of at most {_MAX_LEVELS}",
+        )
         levels = []
         seen: set[str] = set()
         for i, lv in enumerate(raw_levels):
@@ -714,15 +753,19 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
             name = _text(lv[0], f"audit level {i} name")
             _expect(name not in seen, f"audit level {name!r} appears twice")
             seen.add(name)
-            levels.append(AuditLevel(
-                name,
-                _int(lv[1], f"audit level {name!r} graph count", lo=0),
-                _int(lv[2], f"audit level {name!r} collective count", lo=0),
-                _digest(lv[3], f"audit level {name!r} collectives digest"),
-                _digest(lv[4], f"audit level {name!r} graph digest"),
-            ))
-        _expect(type(raw_pending) is list and len(raw_pending) <= _MAX_ITEMS
-                and all(type(p) is bool for p in raw_pending), "audit pending backwards must be a list of bools")
+            levels.append(
+                AuditLevel(
+                    name,
+                    _int(lv[1], f"audit level {name!r} graph count", lo=0),
+                    _int(lv[2], f"audit level {name!r} collective count", lo=0),
+                    _digest(lv[3], f"audit level {name!r} collectives digest"),
+                    _digest(lv[4], f"audit level {name!r} graph digest"),
+                )
+            )
+        _expect(
+            type(raw_pending) is list and len(raw_pending) <= _MAX_ITEMS and all(type(p) is bool for p in raw_pending),
+            "audit pending backwards must be a list of bools",
+        )
         return AuditSummary(phase, None if failure is None else _text(failure, "audit failure"), levels, raw_pending)
     if v[0] == "details" and len(v) == 4:
         _, phase, level, raw = v
@@ -733,21 +776,21 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
             what = f"audit collective {i}"
             _expect(type(c) is list and len(c) == 6, f"{what} must have 6 items")
             _expect(type(c[3]) is list and len(c[3]) <= _MAX_ITEMS, f"{what} tensors must be a list")
-            collectives.append(Collective(
-                op=_text(c[0], f"{what} op"),
-                group=_text(c[1], f"{what} group"),
-                reduce_op=_text(c[2], f"{what} reduce op"),
-                tensors=tuple(_text(t, f"{what} tensor") for t in c[3]),
-                args=_text(c[4], f"{what} args"),
-                where=_text(c[5], f"{what} source line"),
-            ))
+            collectives.append(
+                Collective(
+                    op=_text(c[0], f"{what} op"),
+                    group=_text(c[1], f"{what} group"),
+                    reduce_op=_text(c[2], f"{what} reduce op"),
+                    tensors=tuple(_text(t, f"{what} tensor") for t in c[3]),
+                    args=_text(c[4], f"{what} args"),
+                    where=_text(c[5], f"{what} source line"),
+                )
+            )
         return AuditDetails(phase, level, collectives)
     raise _Bad(f"unknown audit body {_show(v[0])}")
 
 
-def decode_audit(
-    data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None
-) -> AuditEnvelope:
+def decode_audit(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> AuditEnvelope:
     """Parse and validate one rank's audit payload; ``WireFormatError`` on anything wrong,
     ``CollectiveDesyncError`` if the sender is in a compiler collective instead."""
 
@@ -821,8 +864,7 @@ def decode_reasons(
             raise _Bad("payload must be a non-empty list")
         n = r.array("payload")
         _expect(n > 0, "payload must be a non-empty list")
-        _version_in(r.scalar("format version"), lambda: None, "recompile-reason format",
-                    REASONS_FORMAT_VERSION)
+        _version_in(r.scalar("format version"), lambda: None, "recompile-reason format", REASONS_FORMAT_VERSION)
         _expect(n == 7, f"payload must have 7 items, got {n}")
         obj = [REASONS_FORMAT_VERSION] + [r.value() for _ in range(6)]
         r.end()
@@ -835,11 +877,14 @@ def decode_reasons(
             _expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
         _int(seq, "guard sequence number", lo=0)
         _expect(type(missed) is bool, "missed must be a bool")
-        _expect(type(reasons) is list and len(reasons) <= MAX_REASONS,
-                f"reasons must be a list of at most {MAX_REASONS}")
+        _expect(
+            type(reasons) is list and len(reasons) <= MAX_REASONS, f"reasons must be a list of at most {MAX_REASONS}"
+        )
         for i, reason in enumerate(reasons):
-            _expect(type(reason) is str and len(reason) <= MAX_REASON_CHARS,
-                    f"reasons[{i}] must be a string of at most {MAX_REASON_CHARS} characters")
+            _expect(
+                type(reason) is str and len(reason) <= MAX_REASON_CHARS,
+                f"reasons[{i}] must be a string of at most {MAX_REASON_CHARS} characters",
+            )
         _expect(missed or not reasons, "a rank that hit sent reasons")
     except _Bad as e:
         raise fail(str(e)) from None

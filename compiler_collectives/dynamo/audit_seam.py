@@ -76,13 +76,20 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     # Dynamo compiles a lazy GraphModule's code right after this returns, which it
     # recognises only on the unwrapped object: do it here, as it would.
     lazy = compiled if isinstance(compiled, _LazyGraphModule) else getattr(compiled, "__self__", None)
-    if isinstance(lazy, _LazyGraphModule) and (lazy is compiled or getattr(compiled, "__name__", "") == "_lazy_forward"):
+    if isinstance(lazy, _LazyGraphModule) and (
+        lazy is compiled or getattr(compiled, "__name__", "") == "_lazy_forward"
+    ):
         _LazyGraphModule.force_recompile(lazy)
         if lazy is not compiled:
             compiled = lazy.forward
     ctx = CompileContext.try_get()
     return entry.wrap(
-        compiled, code, frame, str(ctx.compile_id), ctx.attempt, entry.GraphProgram(program),
+        compiled,
+        code,
+        frame,
+        str(ctx.compile_id),
+        ctx.attempt,
+        entry.GraphProgram(program),
         check=config.settings.entry_check and guard_seam.hook_active(),
     )
 
@@ -101,8 +108,12 @@ def _patch_backend(level: str, module_name: str) -> Any:
     problems = table.problems(table.optional_rows(level))
     if problems:
         _backends[level] = False
-        log.warning("program audit: torch %s lacks %s; the %s graphs are not audited",
-                    torch.__version__, "; ".join(problems), level)
+        log.warning(
+            "program audit: torch %s lacks %s; the %s graphs are not audited",
+            torch.__version__,
+            "; ".join(problems),
+            level,
+        )
         return None
     _backends[level] = True
     return module
@@ -132,8 +143,7 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
     if scope is None:
         return original(mod, args, *rest, **kwargs)
     ensure_backend_seams()  # inductor's backend imports compile_fx only once called
-    for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"),
-                       ("bw_compiler", "backward")):
+    for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"), ("bw_compiler", "backward")):
         if kwargs.get(key) is not None:
             kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
     # Lower the backward with the forward: its program is then part of this

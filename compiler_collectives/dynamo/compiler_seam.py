@@ -60,9 +60,7 @@ def get_compile_pg() -> Any:
     return None
 
 
-def process_automatic_dynamic(
-    tx: Any, name: str, entry: Any, *, is_unspecialized_nn_module: bool = False
-) -> Any:
+def process_automatic_dynamic(tx: Any, name: str, entry: Any, *, is_unspecialized_nn_module: bool = False) -> Any:
     st = tx.distributed_state
     if not isinstance(st, DistributedState):
         # No collective for this compile (or torch's own box): torch's logic.
@@ -85,9 +83,7 @@ def process_automatic_dynamic(
     for state in st.all_states:  # rank order; includes this rank's own state
         observed = state.automatic_dynamic.get(name)
         if observed is not None:
-            result = update(
-                tx, name, entry_to_torch(observed), is_unspecialized_nn_module=is_unspecialized_nn_module
-            )
+            result = update(tx, name, entry_to_torch(observed), is_unspecialized_nn_module=is_unspecialized_nn_module)
     if result is None:
         # No rank saw this source in its preflight (the trace went elsewhere
         # after the exchange); decide from this rank's observation alone.
@@ -182,8 +178,11 @@ def _frame_state_fresh(ds: DistributedState) -> bool:
         prior_entry = entry_from_torch(_prior_entry(tx, name))
         if prior_entry == SizeEntry():
             continue  # all unset: the identity of the merge
-        if not (prior_entry.same_decision_as(observed) and prior_entry.excluded_sizes is None
-                and prior_entry.excluded_scalar is None):
+        if not (
+            prior_entry.same_decision_as(observed)
+            and prior_entry.excluded_sizes is None
+            and prior_entry.excluded_scalar is None
+        ):
             return False
     return True
 
@@ -254,9 +253,14 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _pending.frame = previous
             if code is not None:
-                entry.compile_finished(code, frame_of(code), building, kept,
-                                       limit=int(torch._dynamo.config.accumulated_recompile_limit),
-                                       resumes=resume_calls(result) if kept else ())
+                entry.compile_finished(
+                    code,
+                    frame_of(code),
+                    building,
+                    kept,
+                    limit=int(torch._dynamo.config.accumulated_recompile_limit),
+                    resumes=resume_calls(result) if kept else (),
+                )
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
     return _compile

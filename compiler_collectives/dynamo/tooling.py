@@ -43,21 +43,23 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
     def payload() -> dict[str, Any]:
         if not built:
             times = [e.sent_at for e in result.envelopes]
-            built.update(artifacts.compiler_collective(
-                phase=result.phase,
-                rank=result.envelopes[ds.compile_pg.rank()].rank,  # global rank, under a scope too
-                frame=str(ds.frame),
-                seq=ds.seq or 0,
-                states=result.states,
-                restart=None if result.phase == "inputs" else result.restart,
-                restart_why=result.restart_why,
-                bytes_sent=result.bytes_sent,
-                bytes_received=result.bytes_received,
-                rounds=result.rounds,
-                elapsed_s=result.elapsed_s,
-                arrival_spread_s=max(times) - min(times),
-                last_rank=result.envelopes[max(range(len(times)), key=lambda r: times[r])].rank,
-            ))
+            built.update(
+                artifacts.compiler_collective(
+                    phase=result.phase,
+                    rank=result.envelopes[ds.compile_pg.rank()].rank,  # global rank, under a scope too
+                    frame=str(ds.frame),
+                    seq=ds.seq or 0,
+                    states=result.states,
+                    restart=None if result.phase == "inputs" else result.restart,
+                    restart_why=result.restart_why,
+                    bytes_sent=result.bytes_sent,
+                    bytes_received=result.bytes_received,
+                    rounds=result.rounds,
+                    elapsed_s=result.elapsed_s,
+                    arrival_spread_s=max(times) - min(times),
+                    last_rank=result.envelopes[max(range(len(times)), key=lambda r: times[r])].rank,
+                )
+            )
         return built
 
     structured_artifact("compiler_collective", payload)
@@ -66,9 +68,7 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
         _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
 
 
-def recompilation_reasons(
-    cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False
-) -> list[str]:
+def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False) -> list[str]:
     """Dynamo's recompile reasons; after an agreed guard miss, every rank's, on every rank."""
     original = bound.originals["get_and_maybe_log_recompilation_reasons"]
     miss = None if skip_logging else guard.take_agreed_miss()

@@ -82,7 +82,9 @@ def check(kind: str) -> None:
         raise PeerFailureError(
             f"{kind} collective refused on this rank: {first} Every rank's later collectives "
             "refuse; call compiler_collectives.reset() on every rank (or restart the job).",
-            kind=kind, rank=first.rank, ranks=first.ranks,
+            kind=kind,
+            rank=first.rank,
+            ranks=first.ranks,
         ) from first
     if first_failure is not None:
         raise CollectivePoisonedError(

@@ -96,8 +96,9 @@ class PeerStatus:
         if self.guard_seq is not None:
             where.append(f"last guard collective #{self.guard_seq}")
         if self.compiler_seq:
-            where.append(f"last compiler collective #{self.compiler_seq}"
-                         + (f" for frame {self.frame}" if self.frame else ""))
+            where.append(
+                f"last compiler collective #{self.compiler_seq}" + (f" for frame {self.frame}" if self.frame else "")
+            )
         at = f" ({', '.join(where)})" if where else ""
         if self.state == "absent":
             return f"rank {self.rank}: absent, {self.why or 'no heartbeat'}{at}"
@@ -257,7 +258,12 @@ class SideChannel:
                     log.warning(
                         "heartbeat of rank %d: the c10d store failed (%s: %s); retrying every %.1fs. "
                         "Until it answers, this rank cannot hear of other ranks' failures and "
-                        "may look absent to them.", self.rank, type(e).__name__, e, interval)
+                        "may look absent to them.",
+                        self.rank,
+                        type(e).__name__,
+                        e,
+                        interval,
+                    )
                 else:
                     log.debug("heartbeat of rank %d: store still failing: %s", self.rank, e)
                 continue
@@ -278,8 +284,16 @@ class SideChannel:
 
     # ------------------------------------------------------------ failures
 
-    def report_failure(self, kind: str, seq: int | None, message: str, *, ranks: tuple[int, ...] = (),
-                       left: bool = False, update: bool = False) -> None:
+    def report_failure(
+        self,
+        kind: str,
+        seq: int | None,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        left: bool = False,
+        update: bool = False,
+    ) -> None:
         """Publish this rank's failure (bounded: the store may be what failed).
 
         ``ranks``: the ranks the failure implicates, so that peers who hear of
@@ -347,7 +361,10 @@ class SideChannel:
                     status.frame = frame if isinstance(frame, str) else None
                 if not failed:
                     if record is None:
-                        status.state, status.why = "absent", "it never sent a heartbeat (crashed, killed or stopped early)"
+                        status.state, status.why = (
+                            "absent",
+                            "it never sent a heartbeat (crashed, killed or stopped early)",
+                        )
                     else:
                         why = self._process_gone_or_stopped(record)
                         beat = record.get("n")
@@ -359,8 +376,10 @@ class SideChannel:
                         elif now - seen[1] >= stale_after:
                             status.state = "absent"
                             status.silent_s = now - seen[1]
-                            status.why = (f"no heartbeat for {status.silent_s:.1f}s "
-                                          "(crashed, killed, stopped or cut off from the store)")
+                            status.why = (
+                                f"no heartbeat for {status.silent_s:.1f}s "
+                                "(crashed, killed, stopped or cut off from the store)"
+                            )
                 if status.state in ("failed", "absent"):
                     decided[r] = status
                 peers.append(status)
@@ -371,8 +390,9 @@ class SideChannel:
             time.sleep(min(0.1, left))
 
 
-def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float, *,
-                           until_absent: bool = False) -> Diagnosis | None:
+def diagnose_with_deadline(
+    channel: SideChannel | None, deadline_s: float, *, until_absent: bool = False
+) -> Diagnosis | None:
     """Run ``channel.diagnose`` for about ``deadline_s``; give up 1.5 s after that (a dead store hangs).
 
     The margin lets the last round of store reads after the grace finish on a
@@ -382,9 +402,11 @@ def diagnose_with_deadline(channel: SideChannel | None, deadline_s: float, *,
     if channel is None or config.settings.heartbeat_s <= 0:
         return None
     try:
-        return bounded(lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5), until_absent=until_absent),
-                       deadline_s + 1.5,
-                       "during the diagnosis")
+        return bounded(
+            lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5), until_absent=until_absent),
+            deadline_s + 1.5,
+            "during the diagnosis",
+        )
     except Exception as e:  # noqa: BLE001
         log.debug("side-channel diagnosis failed: %s", e)
         return None

@@ -61,7 +61,9 @@ def _differing(
     """One dynamic decision, or None when every rank that has the source agrees."""
     if DYNAMIC in values:
         return {
-            "source": name, "what": what, "dim": dim,
+            "source": name,
+            "what": what,
+            "dim": dim,
             "values": {str(r): _atom(v) for r, v in zip(ranks, values)},
             "ranks": [r for r, v in zip(ranks, values) if v is DYNAMIC],
             "why": "already dynamic on these ranks",
@@ -69,7 +71,9 @@ def _differing(
     if len(set(values)) <= 1:
         return None
     return {
-        "source": name, "what": what, "dim": dim,
+        "source": name,
+        "what": what,
+        "dim": dim,
         "values": {str(r): _atom(v) for r, v in zip(ranks, values)},
         "ranks": _odd_ones(values, ranks),
         "why": "differs across ranks",
@@ -97,12 +101,16 @@ def dynamic_decisions(states: Sequence[LocalState]) -> list[dict[str, Any]]:
         # markers, a tensor's scalar is.
         tensor = [not isinstance(e.size, Marker) for e in entries]
         if len(set(tensor)) > 1:
-            found.append({
-                "source": name, "what": "kind", "dim": None,
-                "values": {str(r): ("tensor" if t else "scalar") for r, t in zip(ranks, tensor)},
-                "ranks": _odd_ones(tensor, ranks),
-                "why": "a tensor on some ranks, a scalar on others: dynamic as a whole",
-            })
+            found.append(
+                {
+                    "source": name,
+                    "what": "kind",
+                    "dim": None,
+                    "values": {str(r): ("tensor" if t else "scalar") for r, t in zip(ranks, tensor)},
+                    "ranks": _odd_ones(tensor, ranks),
+                    "why": "a tensor on some ranks, a scalar on others: dynamic as a whole",
+                }
+            )
         elif not tensor[0]:
             d = _differing(name, "scalar", None, ranks, [e.scalar for e in entries])
             if d is not None:
@@ -113,12 +121,16 @@ def dynamic_decisions(states: Sequence[LocalState]) -> list[dict[str, Any]]:
                 lengths = [len(p) if isinstance(p, tuple) else -1 for p in parts]
                 if len(set(lengths)) > 1 or lengths[0] < 0:
                     if len(set(map(repr, parts))) > 1:
-                        found.append({
-                            "source": name, "what": what, "dim": None,
-                            "values": {str(r): _part(p) for r, p in zip(ranks, parts)},
-                            "ranks": _odd_ones(lengths, ranks),
-                            "why": "the number of dims differs across ranks: dynamic as a whole",
-                        })
+                        found.append(
+                            {
+                                "source": name,
+                                "what": what,
+                                "dim": None,
+                                "values": {str(r): _part(p) for r, p in zip(ranks, parts)},
+                                "ranks": _odd_ones(lengths, ranks),
+                                "why": "the number of dims differs across ranks: dynamic as a whole",
+                            }
+                        )
                     continue
                 for dim in range(lengths[0]):
                     d = _differing(name, what, dim, ranks, [p[dim] for p in parts])
@@ -155,9 +167,7 @@ def compiler_collective(
         "seq": seq,
         "rank": rank,
         "world_size": len(states),
-        "entries": [
-            {name: entry_json(e) for name, e in s.automatic_dynamic.items()} for s in states
-        ],
+        "entries": [{name: entry_json(e) for name, e in s.automatic_dynamic.items()} for s in states],
         "frame_state_fresh": [s.frame_state_fresh for s in states],
         "dynamic": dynamic_decisions(states),
     }

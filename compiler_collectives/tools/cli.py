@@ -35,8 +35,9 @@ def add_report_parser(subparsers: Any) -> None:
         epilog="Exit status: 0 on success, 1 when the directory or a file cannot be used.",
     )
     p.add_argument("directory", metavar="DIR", help="the trace directory")
-    p.add_argument("--out", metavar="PATH", default=None,
-                   help="where to write the merged trace (default: DIR/merged.json)")
+    p.add_argument(
+        "--out", metavar="PATH", default=None, help="where to write the merged trace (default: DIR/merged.json)"
+    )
     p.set_defaults(func=cmd_report)
 
 
@@ -83,11 +84,11 @@ _COMMANDS: tuple[Callable[[Any], None], ...] = (add_report_parser, add_doctor_pa
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m compiler_collectives",
-        description="compiler_collectives: every rank of a torch.compile job makes the same "
-                    "compile decisions.",
+        description="compiler_collectives: every rank of a torch.compile job makes the same compile decisions.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log more (-v: info, -vv: debug) from compiler_collectives")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v: info, -vv: debug) from compiler_collectives"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _COMMANDS:
         add(subparsers)

@@ -59,8 +59,10 @@ def _switch_sources() -> dict[str, Any]:
         "compiler_collectives": {"on": flag, "source": flag_source},
         "guard_collectives": {"on": guards, "source": guard_source},
         "settings": {
-            row.env: {"value": getattr(config.settings, row.attr),
-                      "source": config.settings.sources.get(row.attr, "default")}
+            row.env: {
+                "value": getattr(config.settings, row.attr),
+                "source": config.settings.sources.get(row.attr, "default"),
+            }
             for row in config.SETTINGS_TABLE
         },
     }
@@ -120,37 +122,45 @@ def problems(facts: dict[str, Any]) -> list[str]:
     out = []
     fix = f"Fix: install a supported torch ({facts['supported_range']})."
     if facts["missing_seams"]:
-        out.append(
-            f"torch {facts['torch_version']} lacks Dynamo seam(s) {', '.join(facts['missing_seams'])}. {fix}"
-        )
+        out.append(f"torch {facts['torch_version']} lacks Dynamo seam(s) {', '.join(facts['missing_seams'])}. {fix}")
     elif not facts["torch_supported"]:
         out.append(f"torch {facts['torch_version']} is outside the supported releases. {fix}")
     auto = facts["autoload"]
     if not auto["entry_point_registered"]:
-        out.append("the torch.backends entry point is not registered, so env vars alone cannot "
-                   "activate the package. Fix: reinstall it (pip install compiler_collectives).")
+        out.append(
+            "the torch.backends entry point is not registered, so env vars alone cannot "
+            "activate the package. Fix: reinstall it (pip install compiler_collectives)."
+        )
     if auto["env_requests_activation"] and not auto["torch_autoload_enabled"]:
-        out.append("our environment variables are set but TORCH_DEVICE_BACKEND_AUTOLOAD=0 stops torch "
-                   "from loading us. Fix: unset it, or `import compiler_collectives` in the script.")
+        out.append(
+            "our environment variables are set but TORCH_DEVICE_BACKEND_AUTOLOAD=0 stops torch "
+            "from loading us. Fix: unset it, or `import compiler_collectives` in the script."
+        )
     if isinstance(auto["status_at_import_torch"], str) and auto["status_at_import_torch"].startswith("failed"):
         out.append(f"autoload at import torch {auto['status_at_import_torch']}. Fix: see the cause above.")
     return out
 
 
 def render(facts: dict[str, Any]) -> str:
-    lines = [f"torch {facts['torch_version']}"
-             + ("" if facts["torch_supported"] else f" (NOT supported: {facts['supported_range']})")]
+    lines = [
+        f"torch {facts['torch_version']}"
+        + ("" if facts["torch_supported"] else f" (NOT supported: {facts['supported_range']})")
+    ]
     state = "installed into torch._dynamo" if facts["installed"] else "NOT installed"
     lines.append(f"compiler_collectives {facts['package_version']}: {state}")
-    lines.append("Dynamo seams: " + ("all present" if not facts["missing_seams"]
-                                     else "MISSING " + ", ".join(facts["missing_seams"])))
+    lines.append(
+        "Dynamo seams: "
+        + ("all present" if not facts["missing_seams"] else "MISSING " + ", ".join(facts["missing_seams"]))
+    )
     missing_audit = facts.get("missing_audit_backend_seams", [])
-    lines.append("program audit levels beyond Dynamo's graph (AOTAutograd, inductor): "
-                 + ("seams present" if not missing_audit else
-                    "NOT audited, missing " + ", ".join(missing_audit)))
+    lines.append(
+        "program audit levels beyond Dynamo's graph (AOTAutograd, inductor): "
+        + ("seams present" if not missing_audit else "NOT audited, missing " + ", ".join(missing_audit))
+    )
     a = facts["autoload"]
     lines.append(
-        "autoload: entry point " + ("registered" if a["entry_point_registered"] else "NOT registered")
+        "autoload: entry point "
+        + ("registered" if a["entry_point_registered"] else "NOT registered")
         + f"; torch autoload {'on' if a['torch_autoload_enabled'] else 'off (TORCH_DEVICE_BACKEND_AUTOLOAD=0)'}"
         + f"; env asks for activation: {'yes' if a['env_requests_activation'] else 'no'}"
         + f"; at import torch: {a['status_at_import_torch'] or 'not called'}"
@@ -164,8 +174,10 @@ def render(facts: dict[str, Any]) -> str:
     pg = facts["process_groups"]
     if pg["initialized"]:
         ours = ", ".join(f"{k}: {b}" for k, b in pg["ours"].items()) or "not created yet"
-        lines.append(f"process group: rank {pg['rank']} of {pg['world_size']}, default backend "
-                     f"{pg['default_backend']}; ours: {ours}")
+        lines.append(
+            f"process group: rank {pg['rank']} of {pg['world_size']}, default backend "
+            f"{pg['default_backend']}; ours: {ours}"
+        )
         if pg.get("guard_transport"):
             lines.append(f"guard collective transport: {pg['guard_transport']}")
     else:

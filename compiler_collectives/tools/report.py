@@ -124,11 +124,18 @@ def table_rows(traces: Traces) -> list[dict[str, Any]]:
                 continue
             durs = [e["dur"] / 1e3 for e in evs]  # ms
             q = quantiles(durs)
-            rows.append({
-                "rank": rank, "kind": kind, "count": len(evs), "p50_ms": q[50], "p99_ms": q[99],
-                "max_ms": max(durs), "total_ms": sum(durs),
-                "bytes": sum(int(e["args"].get("bytes_out", 0)) + int(e["args"].get("bytes_in", 0)) for e in evs),
-            })
+            rows.append(
+                {
+                    "rank": rank,
+                    "kind": kind,
+                    "count": len(evs),
+                    "p50_ms": q[50],
+                    "p99_ms": q[99],
+                    "max_ms": max(durs),
+                    "total_ms": sum(durs),
+                    "bytes": sum(int(e["args"].get("bytes_out", 0)) + int(e["args"].get("bytes_in", 0)) for e in evs),
+                }
+            )
     return rows
 
 
@@ -145,11 +152,14 @@ def late_ranks(traces: Traces) -> collections.Counter[int]:
 
 def render(traces: Traces, merged_path: str, slowest: int = 5) -> str:
     lines = [f"{traces.world_size} ranks; merged trace: {merged_path}", ""]
-    lines.append(f"{'rank':>4} {'kind':<9} {'count':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
-                 f"{'total ms':>10} {'bytes':>10}")
+    lines.append(
+        f"{'rank':>4} {'kind':<9} {'count':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'total ms':>10} {'bytes':>10}"
+    )
     for r in table_rows(traces):
-        lines.append(f"{r['rank']:>4} {r['kind']:<9} {r['count']:>7} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
-                     f"{r['max_ms']:>9.3f} {r['total_ms']:>10.2f} {r['bytes']:>10}")
+        lines.append(
+            f"{r['rank']:>4} {r['kind']:<9} {r['count']:>7} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
+            f"{r['max_ms']:>9.3f} {r['total_ms']:>10.2f} {r['bytes']:>10}"
+        )
     all_events = [e for evs in traces.events.values() for e in evs]
     if all_events:
         lines += ["", f"slowest {min(slowest, len(all_events))} collectives:"]
@@ -159,8 +169,10 @@ def render(traces: Traces, merged_path: str, slowest: int = 5) -> str:
             lines.append(f"  {e['dur'] / 1e3:9.3f} ms  rank {e['pid']}  {a['kind']} #{a.get('seq')}{frame}")
     late = late_ranks(traces)
     if late:
-        lines += ["", "last to arrive at compiler collectives: "
-                  + ", ".join(f"rank {r} ({n}x)" for r, n in late.most_common(5))]
+        lines += [
+            "",
+            "last to arrive at compiler collectives: " + ", ".join(f"rank {r} ({n}x)" for r, n in late.most_common(5)),
+        ]
     return "\n".join(lines)
 
 

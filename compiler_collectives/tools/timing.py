@@ -68,16 +68,19 @@ class Recorder:
             self._file = open(path, "w", encoding="utf-8")
             self._file.write("[\n")
             self._write_event(
-                {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-                 "args": {"name": f"rank {self.rank}"}}
+                {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}}
             )
             self._write_event(
-                {"name": "compiler_collectives", "ph": "M", "pid": self.rank, "tid": 0,
-                 "args": {"world_size": self.world_size, "rank": self.rank}}
+                {
+                    "name": "compiler_collectives",
+                    "ph": "M",
+                    "pid": self.rank,
+                    "tid": 0,
+                    "args": {"world_size": self.world_size, "rank": self.rank},
+                }
             )
             self._write_event(
-                {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,
-                 "args": {"sort_index": self.rank}}
+                {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}}
             )
             self._file.flush()
         except OSError as e:
@@ -115,8 +118,9 @@ class Recorder:
                 return
             try:
                 # An empty instant event absorbs the trailing comma.
-                self._file.write(json.dumps({"name": "end", "ph": "i", "s": "p", "pid": self.rank,
-                                             "tid": 0, "ts": _ns() / 1e3}))
+                self._file.write(
+                    json.dumps({"name": "end", "ph": "i", "s": "p", "pid": self.rank, "tid": 0, "ts": _ns() / 1e3})
+                )
                 self._file.write("\n]\n")
                 self._file.close()
             except (OSError, ValueError):
@@ -146,12 +150,24 @@ class Recorder:
         self.late_ranks[last_rank] = self.late_ranks.get(last_rank, 0) + 1
         self._emit(
             {
-                "name": "compiler collective", "cat": "compiler_collectives", "ph": "X",
-                "pid": self.rank, "tid": 0, "ts": start_ns / 1e3, "dur": duration_s * 1e6,
+                "name": "compiler collective",
+                "cat": "compiler_collectives",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": 0,
+                "ts": start_ns / 1e3,
+                "dur": duration_s * 1e6,
                 "args": {
-                    "kind": "compiler", "seq": seq, "frame": frame, "compile_id": compile_id,
-                    "bytes_out": bytes_out, "bytes_in": bytes_in, "rounds": rounds,
-                    "phase": phase, "restart": restart, "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
+                    "kind": "compiler",
+                    "seq": seq,
+                    "frame": frame,
+                    "compile_id": compile_id,
+                    "bytes_out": bytes_out,
+                    "bytes_in": bytes_in,
+                    "rounds": rounds,
+                    "phase": phase,
+                    "restart": restart,
+                    "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
                     "last_rank": last_rank,
                 },
             },
@@ -164,10 +180,21 @@ class Recorder:
         if self._file is not None:
             self._emit(
                 {
-                    "name": "guard collective", "cat": "compiler_collectives", "ph": "X",
-                    "pid": self.rank, "tid": 0, "ts": start_ns / 1e3, "dur": duration_s * 1e6,
-                    "args": {"kind": "guard", "seq": seq, "hit": hit, "agreed_hit": agreed,
-                             "bytes_out": 24, "bytes_in": 24},
+                    "name": "guard collective",
+                    "cat": "compiler_collectives",
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": 0,
+                    "ts": start_ns / 1e3,
+                    "dur": duration_s * 1e6,
+                    "args": {
+                        "kind": "guard",
+                        "seq": seq,
+                        "hit": hit,
+                        "agreed_hit": agreed,
+                        "bytes_out": 24,
+                        "bytes_in": 24,
+                    },
                 },
                 flush_now=False,
             )
@@ -181,14 +208,23 @@ class Recorder:
             if not values:
                 continue
             q = quantiles(values)
-            out[kind] = {"count": len(values), "total_s": sum(values), "p50_s": q[50], "p90_s": q[90],
-                         "p99_s": q[99], "max_s": max(values), "bytes": self.bytes[kind]}
+            out[kind] = {
+                "count": len(values),
+                "total_s": sum(values),
+                "p50_s": q[50],
+                "p90_s": q[90],
+                "p99_s": q[99],
+                "max_s": max(values),
+                "bytes": self.bytes[kind],
+            }
         return out
 
     def summary(self) -> str:
         lines = [f"compiler_collectives timing, rank {self.rank}:"]
-        lines.append(f"  {'kind':<9} {'count':>7} {'total ms':>10} {'p50 ms':>8} {'p90 ms':>8} "
-                     f"{'p99 ms':>8} {'max ms':>8} {'bytes':>10}")
+        lines.append(
+            f"  {'kind':<9} {'count':>7} {'total ms':>10} {'p50 ms':>8} {'p90 ms':>8} "
+            f"{'p99 ms':>8} {'max ms':>8} {'bytes':>10}"
+        )
         for kind, values in self.samples.items():
             if not values:
                 continue
@@ -199,8 +235,7 @@ class Recorder:
             )
         if self.late_ranks:
             worst = sorted(self.late_ranks.items(), key=lambda kv: -kv[1])[:3]
-            lines.append("  last to arrive at compiler collectives: "
-                         + ", ".join(f"rank {r} ({n}x)" for r, n in worst))
+            lines.append("  last to arrive at compiler collectives: " + ", ".join(f"rank {r} ({n}x)" for r, n in worst))
         if len(lines) == 2:
             lines.append("  no collectives ran")
         return "\n".join(lines)

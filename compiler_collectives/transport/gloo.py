@@ -102,7 +102,8 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
                 f"{where} timed out: no answer within {config.settings.timeout_s:.0f}s "
                 "(COMPILER_COLLECTIVES_TIMEOUT), and gloo did not end the operation itself (its "
                 "threads are gone: is this a forked child using its parent's process group?). "
-                "A rank is stuck, much slower, or took another code path.")
+                "A rank is stuck, much slower, or took another code path."
+            )
 
 
 def translate_failure(
@@ -124,17 +125,26 @@ def translate_failure(
             f"ranks (gloo: {text.splitlines()[0] if text else type(error).__name__}). A rank is "
             "stuck, much slower, or took another code path. Raise COMPILER_COLLECTIVES_TIMEOUT "
             "if ranks legitimately compile at very different speeds.",
-            kind=kind, rank=rank, seq=seq, frame=frame,
+            kind=kind,
+            rank=rank,
+            seq=seq,
+            frame=frame,
         )
     if "connection" in lowered or "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
         return PeerFailureError(
             f"{where} failed: a peer's connection broke (gloo: {text.splitlines()[0]}). "
             "A peer process most likely crashed or was killed; check the other ranks' logs.",
-            kind=kind, rank=rank, seq=seq, frame=frame,
+            kind=kind,
+            rank=rank,
+            seq=seq,
+            frame=frame,
         )
     return CollectiveError(
         f"{where} failed: {type(error).__name__}: {text}",
-        kind=kind, rank=rank, seq=seq, frame=frame,
+        kind=kind,
+        rank=rank,
+        seq=seq,
+        frame=frame,
     )
 
 
@@ -178,8 +188,9 @@ def all_gather_bytes(
     lengths = [_LEN.unpack_from(h, 0)[0] for h in headers]
     phases = [_PHASE.unpack_from(h, _LEN.size)[0] for h in headers]
     if len(set(phases)) > 1:
-        lines = "\n".join(f"  rank {named[r]}: {PHASE_NAMES.get(p, f'unknown phase {p}')}"
-                          for r, p in enumerate(phases))
+        lines = "\n".join(
+            f"  rank {named[r]}: {PHASE_NAMES.get(p, f'unknown phase {p}')}" for r, p in enumerate(phases)
+        )
         where = describe() if describe is not None else f"byte all-gather on rank {named[pg.rank()]}"
         raise CollectiveDesyncError(
             f"{where}: the ranks are in different exchanges of a compile:\n{lines}\n"
@@ -187,7 +198,8 @@ def all_gather_bytes(
             "setting that decides whether the input exchange runs (COMPILER_COLLECTIVES_EXCHANGE_"
             "INPUTS_FIRST, COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART, torch._dynamo.config."
             "automatic_dynamic_shapes) was changed on some ranks only after the groups were created.",
-            kind="compiler", ranks=tuple(named[r] for r, p in enumerate(phases) if p != phases[pg.rank()]),
+            kind="compiler",
+            ranks=tuple(named[r] for r, p in enumerate(phases) if p != phases[pg.rank()]),
         )
     for sender, length in enumerate(lengths):
         if length > max_bytes:
@@ -195,7 +207,8 @@ def all_gather_bytes(
                 f"rank {named[sender]} announced a {length}-byte compiler-collective payload, over "
                 f"the limit of {max_bytes} bytes (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); "
                 "raise the limit on every rank if the state is legitimately that large",
-                kind="compiler", ranks=(named[sender],),
+                kind="compiler",
+                ranks=(named[sender],),
             )
     longest = max(lengths)
     if longest <= slot_bytes:

@@ -130,8 +130,11 @@ class Groups:
         if self._inherited_world is not None and dist.group.WORLD is self._inherited_world:
             if not self._told_child:
                 self._told_child = True
-                log.info("compiled code runs in process %d, forked from a rank: compiler and guard "
-                         "collectives do not run here (a forked child is not a rank of the job)", os.getpid())
+                log.info(
+                    "compiled code runs in process %d, forked from a rank: compiler and guard "
+                    "collectives do not run here (a forked child is not a rank of the job)",
+                    os.getpid(),
+                )
             return False
         return True
 
@@ -173,8 +176,12 @@ class Groups:
         if self.side is None:
             world = dist.group.WORLD
             side = SideChannel(
-                dist.get_rank(), dist.get_world_size(), self._generation, self._progress,
-                identity=_identity(), probe=shm.process_identity,
+                dist.get_rank(),
+                dist.get_world_size(),
+                self._generation,
+                self._progress,
+                identity=_identity(),
+                probe=shm.process_identity,
                 current=lambda: dist.is_initialized() and dist.group.WORLD is world,
             )
             _register_exit()
@@ -217,7 +224,8 @@ class Groups:
                 f"creating the {kind}-collective process group on rank {rank}: {e} "
                 "(COMPILER_COLLECTIVES_TIMEOUT). The store lives in the process that created it "
                 "(rank 0 under torchrun, or the MASTER_ADDR host): is it stopped, overloaded or gone?",
-                kind=kind, rank=rank,
+                kind=kind,
+                rank=rank,
             )
             health.poison(err)
             raise err from None
@@ -229,14 +237,19 @@ class Groups:
             return self._scoped_group(tag, self._scope.ranks)
         try:
             # Gloo's own connection set-up waits on the store as long as the store lets it.
-            return bounded(lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                                  group_desc=tag),
-                           timeout_s + 5.0, f"while creating the {kind}-collective gloo group")
+            return bounded(
+                lambda: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=tag),
+                timeout_s + 5.0,
+                f"while creating the {kind}-collective gloo group",
+            )
         except StoreUnresponsive as e:
             err = CollectiveTimeoutError(
                 f"creating the {kind}-collective process group on rank {rank}: gloo's connection set-up "
                 f"did not finish within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT; {e}). A peer "
-                "stopped, or the ranks use different stores.", kind=kind, rank=rank)
+                "stopped, or the ranks use different stores.",
+                kind=kind,
+                rank=rank,
+            )
             health.poison(err)
             raise err from None
 
@@ -246,11 +259,13 @@ class Groups:
         assert self._scope is not None
         prefix = f"pg/{self._scope.key}/{tag}/{'_'.join(map(str, ranks)) if len(ranks) <= 64 else len(ranks)}/"
         store = dist.PrefixStore(prefix, side.store)
-        return dist.ProcessGroupGloo(store, list(ranks).index(side.rank), len(ranks),
-                                     datetime.timedelta(seconds=config.settings.timeout_s))
+        return dist.ProcessGroupGloo(
+            store, list(ranks).index(side.rank), len(ranks), datetime.timedelta(seconds=config.settings.timeout_s)
+        )
 
-    def _absent_error(self, side: SideChannel, absent: list[int], kind: str, rank: int,
-                      timeout_s: float) -> CollectiveTimeoutError:
+    def _absent_error(
+        self, side: SideChannel, absent: list[int], kind: str, rank: int, timeout_s: float
+    ) -> CollectiveTimeoutError:
         """Ranks that did not come to make a group: alive ones (heartbeat moving) run other code."""
         alive: list[int] = []
         try:
@@ -264,12 +279,18 @@ class Groups:
             f"{absent} did not arrive within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT). "
             "They are stuck, much slower, crashed, or never compile this code (compiler "
             "collectives need every rank to compile the same frames)"
-            + (", or turned guard collectives on later than this rank or not at all "
-               "(the switch must be the same on every rank)" if kind == "guard" else "") + "."
+            + (
+                ", or turned guard collectives on later than this rank or not at all "
+                "(the switch must be the same on every rank)"
+                if kind == "guard"
+                else ""
+            )
+            + "."
         )
         if alive:
-            message += (f" Rank(s) {alive} are alive (their heartbeat moves) but elsewhere: they run "
-                        "other code than this rank.")
+            message += (
+                f" Rank(s) {alive} are alive (their heartbeat moves) but elsewhere: they run other code than this rank."
+            )
             if self._scope is None:
                 message += " " + SCOPE_HINT
         return CollectiveTimeoutError(message, kind=kind, rank=rank, ranks=tuple(absent))
@@ -294,8 +315,11 @@ class Groups:
                     # Store keys of each scope apart: two scopes on one host both have a host 0.
                     store = dist.PrefixStore(f"scope/{self._scope.key}/", side.store)
                     self._guard_channel = build_guard_channel(
-                        self._guard_pg, store, members=self._scope.ranks,
-                        subgroup=lambda ranks: self._scoped_group("compiler_collectives_guard_leaders", ranks))
+                        self._guard_pg,
+                        store,
+                        members=self._scope.ranks,
+                        subgroup=lambda ranks: self._scoped_group("compiler_collectives_guard_leaders", ranks),
+                    )
             return self._guard_channel
 
     def built_guard_channel(self) -> Any:
@@ -311,7 +335,8 @@ class Groups:
             rank = dist.get_rank()
             if self._agreed or self._compile_pg is not None or self._guard_channel is not None:
                 same = (self._scope is None and chosen is None) or (
-                    self._scope is not None and chosen is not None and self._scope.ranks == chosen.ranks)
+                    self._scope is not None and chosen is not None and self._scope.ranks == chosen.ranks
+                )
                 if same:
                     return
                 now = "the whole world" if self._scope is None else f"ranks {self._scope.render()}"
@@ -320,7 +345,9 @@ class Groups:
                     f"started (they span {now}): a compile with compiler or guard collectives on, or "
                     "an earlier scope() call. Call scope() on every rank before the first compile; "
                     "to change it later, call compiler_collectives.reset() on every rank first.",
-                    kind="scope", rank=rank)
+                    kind="scope",
+                    rank=rank,
+                )
             scope_mod.choose(chosen)
             if chosen is None:
                 return
@@ -328,8 +355,9 @@ class Groups:
                 side = self._side_channel()
                 self._agree(side, chosen)
             except StoreUnresponsive as e:
-                err = CollectiveTimeoutError(f"compiler_collectives.scope() on rank {rank}: {e}",
-                                             kind="setup", rank=rank)
+                err = CollectiveTimeoutError(
+                    f"compiler_collectives.scope() on rank {rank}: {e}", kind="setup", rank=rank
+                )
                 health.poison(err)
                 raise err from None
             except CollectiveError as err:
@@ -410,14 +438,18 @@ class Groups:
         (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
         if error.ranks and error.ranks != getattr(error, "reported_by", ()):
             return error
-        diagnosis = diagnose_with_deadline(self.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0,
-                                           until_absent=True)
+        diagnosis = diagnose_with_deadline(
+            self.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0, until_absent=True
+        )
         if diagnosis is None or not diagnosis.absent:
             return error
         absent = [p for p in diagnosis.peers if p.state == "absent"]
         new = PeerFailureError(
             f"{error}\nRanks not in the job:\n" + "\n".join("  " + p.describe() for p in absent),
-            kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame,
+            kind=error.kind,
+            rank=error.rank,
+            seq=error.seq,
+            frame=error.frame,
             ranks=tuple(p.rank for p in absent),
         )
         new.reported_by = getattr(error, "reported_by", ())  # type: ignore[attr-defined]
@@ -455,9 +487,9 @@ def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
         causes = [line for line in lines[1:] if any(line.strip().startswith(f"rank {r}:") for r in culprits)]
         naming = f" naming rank(s) {list(culprits)}" if culprits else ""
         err = PeerFailureError(
-            f"rank {peer} reported a collective failure{naming}: {lines[0]}"
-            + "".join(f"\n{line}" for line in causes),
-            rank=own_rank, ranks=culprits or (peer,),
+            f"rank {peer} reported a collective failure{naming}: {lines[0]}" + "".join(f"\n{line}" for line in causes),
+            rank=own_rank,
+            ranks=culprits or (peer,),
         )
     err.reported_by = (peer,)  # type: ignore[attr-defined]
     health.poison_from_peer(err)

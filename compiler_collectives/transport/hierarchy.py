@@ -151,11 +151,33 @@ class ShmGuardChannel:
     every rank), ``publish_failure`` for the failure procedure.
     """
 
-    __slots__ = ("pg", "leaders_pg", "check_desync", "name", "hosts", "local_ranks", "_n", "_local",
-                 "_leaders", "_multi_host", "_words", "_mine", "_peers", "_asleep", "_many")
+    __slots__ = (
+        "pg",
+        "leaders_pg",
+        "check_desync",
+        "name",
+        "hosts",
+        "local_ranks",
+        "_n",
+        "_local",
+        "_leaders",
+        "_multi_host",
+        "_words",
+        "_mine",
+        "_peers",
+        "_asleep",
+        "_many",
+    )
 
-    def __init__(self, pg: dist.ProcessGroup, local_ranks: int, exchange: shm.LocalExchange,
-                 hosts: int, leaders: LeaderExchange | None, leaders_pg: Any = None) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        local_ranks: int,
+        exchange: shm.LocalExchange,
+        hosts: int,
+        leaders: LeaderExchange | None,
+        leaders_pg: Any = None,
+    ) -> None:
         self.pg = pg
         self.leaders_pg = leaders_pg  # the leaders' gloo group (every rank took part in creating it)
         self.check_desync = True  # free here: the frame id rides in the same word
@@ -181,8 +203,7 @@ class ShmGuardChannel:
         parity = n & 1
         # The word format is in shm's docstring: 1<<63 | tag<<47 | key<<1 | hit.
         want = _TAG_BIT | (n & 0xFFFF)
-        word = (_WRITTEN | (want << _TAG_SHIFT) | ((((site * _GOLDEN) ^ seq) & _KEY_MASK) << 1)
-                | (1 if hit else 0))
+        word = _WRITTEN | (want << _TAG_SHIFT) | ((((site * _GOLDEN) ^ seq) & _KEY_MASK) << 1) | (1 if hit else 0)
         words = self._words
         words[self._mine + parity] = word
         if words[self._asleep] or self._many and self._local.anyone_asleep():
@@ -258,8 +279,9 @@ def _wait_count(store: Any, key: str, target: int, timeout_s: float) -> bool:
     return True
 
 
-def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float,
-                 leader: tuple[int, int]) -> tuple[shm.Segment | None, str | None]:
+def _map_segment(
+    store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float, leader: tuple[int, int]
+) -> tuple[shm.Segment | None, str | None]:
     """Create or map this host's segment and run the probe; (segment, None) or (None, why not).
 
     ``leader`` is the (pid, token) the host's leader all-gathered: its segment's name."""
@@ -278,15 +300,19 @@ def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeo
             # compare_set: a value someone else put there first is never overwritten, and is refused.
             published = store.compare_set(key, "", path).decode(errors="replace")
             if published != path:
-                raise ValueError(f"the c10d store key {key!r} already held {published[:200]!r}, written "
-                                 "by another client of the store; not sharing a segment through it")
+                raise ValueError(
+                    f"the c10d store key {key!r} already held {published[:200]!r}, written "
+                    "by another client of the store; not sharing a segment through it"
+                )
         else:
             store.wait([key], datetime.timedelta(seconds=timeout_s))
             published = store.get(key).decode(errors="replace")
             if published != path:
-                raise ValueError(f"the c10d store key {key!r} names {published[:200]!r}, not {path}, the "
-                                 f"segment rank {local_ranks[0]} created: another client of the store wrote "
-                                 "it; nothing was opened or deleted")
+                raise ValueError(
+                    f"the c10d store key {key!r} names {published[:200]!r}, not {path}, the "
+                    f"segment rank {local_ranks[0]} created: another client of the store wrote "
+                    "it; nothing was opened or deleted"
+                )
             segment = shm.Segment.open(path, n, leader[1])
         segment.register(index, rank)
     except Exception as e:  # noqa: BLE001 - any reason means: not here, use gloo
@@ -305,8 +331,9 @@ def _map_segment(store: Any, host: int, local_ranks: list[int], rank: int, timeo
     return (segment, None) if why is None else (None, why)
 
 
-def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = None,
-                        subgroup: Callable[[list[int]], Any] | None = None) -> Any:
+def build_guard_channel(
+    pg: Any, store: Any, members: Sequence[int] | None = None, subgroup: Callable[[list[int]], Any] | None = None
+) -> Any:
     """Every rank of ``pg`` together: the guard channel the settings ask for and this job can run.
 
     ``members``: the global rank of each of ``pg``'s ranks (a scope's; default: ``pg`` is the
@@ -336,7 +363,9 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
             # Store calls only: bounded, since the store's own timeout bounds none of them.
             segment, reason = bounded(
                 lambda: _map_segment(store, host, local_ranks, rank, settings.timeout_s, leader),
-                settings.timeout_s + 5.0, "while mapping the shared-memory segment")
+                settings.timeout_s + 5.0,
+                "while mapping the shared-memory segment",
+            )
         except StoreUnresponsive as e:
             segment, reason = None, str(e)
         results = _all_gather_ints(pg, [0 if segment is None else 1])
@@ -345,9 +374,12 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
         if reason:
             log.info("guard collective on rank %d: shared memory unusable here: %s", rank, reason)
         if index == 0:
-            log.warning("guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
-                        "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
-                        unable, f" ({reason})" if reason else "; their logs say why")
+            log.warning(
+                "guard collective falls back to gloo (COMPILER_COLLECTIVES_GUARD_TRANSPORT=auto): "
+                "rank(s) %s cannot use a shared-memory segment with their host's other ranks%s",
+                unable,
+                f" ({reason})" if reason else "; their logs say why",
+            )
         return GlooGuardChannel(pg, settings.guard_desync_check, rank=rank)
     assert segment is not None
     hosts = len(hosts_order)
@@ -357,9 +389,12 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
     if hosts > 1:
         if subgroup is None:
             # Every rank takes part in creating the group; only its members get one.
-            leaders_pg = dist.new_group(ranks=leader_ranks, backend="gloo",
-                                        timeout=datetime.timedelta(seconds=settings.timeout_s),
-                                        group_desc="compiler_collectives_guard_leaders")
+            leaders_pg = dist.new_group(
+                ranks=leader_ranks,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=settings.timeout_s),
+                group_desc="compiler_collectives_guard_leaders",
+            )
         elif rank in leader_ranks:
             leaders_pg = subgroup(leader_ranks)
         if rank == leader_ranks[host]:
@@ -367,9 +402,7 @@ def build_guard_channel(pg: Any, store: Any, members: Sequence[int] | None = Non
         else:
             leaders_pg = None  # not a member: torch's placeholder, not a group
     arrival = shm.Arrival(rank=rank, local_ranks=tuple(local_ranks), leader_index=0)
-    exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s,
-                                 _describe_guard(rank))
+    exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s, _describe_guard(rank))
     if index == 0:
-        log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host",
-                 hosts, len(local_ranks))
+        log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host", hosts, len(local_ranks))
     return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders, leaders_pg)

@@ -91,7 +91,10 @@ def from_setting(spec: str, rank: int, world: int) -> Scope | None:
         raise ScopeError(
             f"COMPILER_COLLECTIVES_SCOPE={spec} on rank {rank}: {world} ranks cannot form {stages} "
             "stages of equal size; set the number of pipeline stages, or call "
-            "compiler_collectives.scope(stage_group) instead", kind="scope", rank=rank)
+            "compiler_collectives.scope(stage_group) instead",
+            kind="scope",
+            rank=rank,
+        )
     if layout == "consecutive":
         size = world // stages
         first = rank // size * size
@@ -113,25 +116,37 @@ def ranks_of(group: Any, rank: int) -> tuple[int, ...]:
             raise ScopeError(
                 f"compiler_collectives.scope() on rank {rank}: the DeviceMesh has {group.ndim} dims"
                 f"{' ' + str(tuple(names)) if names else ''}; pass the 1-D mesh of the ranks that run "
-                "the same program, e.g. mesh[\"dp\"], or a flattened sub-mesh such as "
-                "mesh[\"dp\", \"tp\"]._flatten()", kind="scope", rank=rank)
+                'the same program, e.g. mesh["dp"], or a flattened sub-mesh such as '
+                'mesh["dp", "tp"]._flatten()',
+                kind="scope",
+                rank=rank,
+            )
         ranks = tuple(sorted(int(r) for r in group.mesh.flatten().tolist()))
     elif group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, dist.ProcessGroup):
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             raise ScopeError(
                 f"compiler_collectives.scope() on rank {rank}: the group does not contain this rank "
                 "(new_group returns a placeholder to ranks outside the group); pass each rank the "
-                "group of its own stage", kind="scope", rank=rank)
+                "group of its own stage",
+                kind="scope",
+                rank=rank,
+            )
         raise ScopeError(
             f"compiler_collectives.scope() on rank {rank}: expected a ProcessGroup, a 1-D DeviceMesh "
-            f"or None, got {type(group).__name__}", kind="scope", rank=rank)
+            f"or None, got {type(group).__name__}",
+            kind="scope",
+            rank=rank,
+        )
     else:
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
     if rank not in ranks:
         raise ScopeError(
             f"compiler_collectives.scope() on rank {rank}: the group {render_ranks(ranks)} does not "
-            "contain this rank; pass each rank the group of its own stage", kind="scope", rank=rank,
-            ranks=ranks)
+            "contain this rank; pass each rank the group of its own stage",
+            kind="scope",
+            rank=rank,
+            ranks=ranks,
+        )
     return ranks
 
 

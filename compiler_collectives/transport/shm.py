@@ -191,13 +191,13 @@ class Futex:
 
     @classmethod
     def available(cls) -> bool:
-        return (sys.platform.startswith("linux") and sys.byteorder == "little"
-                and platform.machine() in cls._NUMBERS)
+        return sys.platform.startswith("linux") and sys.byteorder == "little" and platform.machine() in cls._NUMBERS
 
     def wait(self, address: int, expected: int) -> None:
         """Sleep while the 32-bit word at ``address`` holds ``expected``, for the bounded time at most."""
-        self._syscall(self._number, ctypes.c_void_p(address), self._WAIT, ctypes.c_uint32(expected),
-                      self._timeout, None, 0)
+        self._syscall(
+            self._number, ctypes.c_void_p(address), self._WAIT, ctypes.c_uint32(expected), self._timeout, None, 0
+        )
 
     def wake(self, address: int) -> None:
         self._syscall(self._number, ctypes.c_void_p(address), self._WAKE, 0x7FFFFFFF, None, None, 0)
@@ -286,8 +286,11 @@ class Segment:
         pattern, no symlink, a regular file of this user, mode 0600, exact size, our header
         with the creator's ``token``. Raises ``OSError`` saying why not; never unlinks."""
         if not is_segment_path(path):
-            raise OSError(errno.EINVAL, f"{path!r} is not a compiler_collectives segment name "
-                          f"({SHM_DIR}/{SEGMENT_PREFIX}<pid>-<16 hex digits>); not opening it")
+            raise OSError(
+                errno.EINVAL,
+                f"{path!r} is not a compiler_collectives segment name "
+                f"({SHM_DIR}/{SEGMENT_PREFIX}<pid>-<16 hex digits>); not opening it",
+            )
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             why = _refusal(os.fstat(fd), segment_words(local_ranks) * 8)
@@ -299,11 +302,18 @@ class Segment:
             raise OSError(errno.EINVAL, f"segment {path}: {why}; not using it")
         seg = cls(path, local_ranks, fd)
         words = seg.words
-        if (words[_HDR_MAGIC] != MAGIC or words[_HDR_VERSION] != LAYOUT_VERSION
-                or words[_HDR_NRANKS] != local_ranks or words[_HDR_TOKEN] != token):
-            raise OSError(errno.EINVAL, f"segment {path} does not carry the header its creator wrote "
-                          f"(compiler_collectives layout {LAYOUT_VERSION}, {local_ranks} ranks, its token); "
-                          "not using it")
+        if (
+            words[_HDR_MAGIC] != MAGIC
+            or words[_HDR_VERSION] != LAYOUT_VERSION
+            or words[_HDR_NRANKS] != local_ranks
+            or words[_HDR_TOKEN] != token
+        ):
+            raise OSError(
+                errno.EINVAL,
+                f"segment {path} does not carry the header its creator wrote "
+                f"(compiler_collectives layout {LAYOUT_VERSION}, {local_ranks} ranks, its token); "
+                "not using it",
+            )
         return seg
 
     def unlink_name(self) -> None:
@@ -333,12 +343,16 @@ class Segment:
         for index, rank in enumerate(global_ranks):
             pid, start, registered_rank = self.peer(index)
             if pid == 0 or registered_rank != rank:
-                return (f"rank {rank}'s slot in {self.path} stays empty: /dev/shm is not shared "
-                        "between these ranks (a container with a private /dev/shm?)")
+                return (
+                    f"rank {rank}'s slot in {self.path} stays empty: /dev/shm is not shared "
+                    "between these ranks (a container with a private /dev/shm?)"
+                )
             ident = process_identity(pid)
             if ident is None or ident[1] != start:
-                return (f"rank {rank} registered pid {pid}, which this process cannot see in /proc "
-                        "(another pid namespace?), so its liveness cannot be watched")
+                return (
+                    f"rank {rank} registered pid {pid}, which this process cannot see in /proc "
+                    "(another pid namespace?), so its liveness cannot be watched"
+                )
         return None
 
 
@@ -363,9 +377,13 @@ def _remove_if_leaked(path: str, namespace: int) -> bool:
         if len(header) != LINE * 8:
             return False
         magic, version, n, _, _, owner_ns = struct.unpack("=6Q", header[:48])
-        if (magic != MAGIC or version != LAYOUT_VERSION or owner_ns != namespace
-                or not 1 <= n <= MAX_LOCAL_RANKS
-                or _refusal(st, segment_words(n) * 8) is not None):
+        if (
+            magic != MAGIC
+            or version != LAYOUT_VERSION
+            or owner_ns != namespace
+            or not 1 <= n <= MAX_LOCAL_RANKS
+            or _refusal(st, segment_words(n) * 8) is not None
+        ):
             return False  # not one of ours, another layout, or pids we cannot judge
         owners = []
         for i in range(n):
@@ -430,12 +448,30 @@ class LocalExchange:
     peer's) is inlined in ``hierarchy.ShmGuardChannel.agree``.
     """
 
-    __slots__ = ("words", "index", "n", "ranks", "timeout_s", "sleepers", "_result", "_pids", "_starts",
-                 "_describe", "_yield", "_monotonic", "_spin", "_yield_s", "_futex", "_waker", "_asleep",
-                 "_address")
+    __slots__ = (
+        "words",
+        "index",
+        "n",
+        "ranks",
+        "timeout_s",
+        "sleepers",
+        "_result",
+        "_pids",
+        "_starts",
+        "_describe",
+        "_yield",
+        "_monotonic",
+        "_spin",
+        "_yield_s",
+        "_futex",
+        "_waker",
+        "_asleep",
+        "_address",
+    )
 
-    def __init__(self, segment: Segment, index: int, arrival: Arrival, timeout_s: float,
-                 describe: Callable[[int], str]) -> None:
+    def __init__(
+        self, segment: Segment, index: int, arrival: Arrival, timeout_s: float, describe: Callable[[int], str]
+    ) -> None:
         self.words = segment.words
         self.index = index
         self.n = segment.local_ranks
@@ -458,8 +494,14 @@ class LocalExchange:
         self._address = segment.address
         self.sleepers = sleeper_words(self.n)  # a publisher reads these after its store
 
-    def tune(self, *, spin: int | None = None, yield_s: float | None = None, sleep: bool | None = None,
-             sleep_s: float = SLEEP_S) -> None:
+    def tune(
+        self,
+        *,
+        spin: int | None = None,
+        yield_s: float | None = None,
+        sleep: bool | None = None,
+        sleep_s: float = SLEEP_S,
+    ) -> None:
         """Change how this rank waits: benchmarks compare policies side by side, and tests
         lengthen the bound on one sleep to show that a wake-up, not the bound, ends it."""
         if spin is not None:
@@ -514,7 +556,9 @@ class LocalExchange:
         return PeerFailureError(
             f"{self._describe(n)}: rank {failed_rank}, on another host, failed during this guard "
             "collective (its host's leader reported it); that rank's log names the cause.",
-            kind="guard", rank=self.ranks.rank, ranks=(failed_rank,),
+            kind="guard",
+            rank=self.ranks.rank,
+            ranks=(failed_rank,),
         )
 
     # ------------------------------------------------------------------ waiting
@@ -596,14 +640,18 @@ class LocalExchange:
         return PeerFailureError(
             f"{self._describe(n)}: rank {failed} reported a failure on this host's shared-memory "
             "channel while this rank waited; its own error names the cause.",
-            kind="guard", rank=self.ranks.rank, ranks=(failed,),
+            kind="guard",
+            rank=self.ranks.rank,
+            ranks=(failed,),
         )
 
     def _poisoned(self, n: int) -> PeerFailureError:
         first = health.poisoned()
         return PeerFailureError(
             f"{self._describe(n)}: stopped waiting: {first}",
-            kind="guard", rank=self.ranks.rank, ranks=first.ranks if first is not None else (),
+            kind="guard",
+            rank=self.ranks.rank,
+            ranks=first.ranks if first is not None else (),
         )
 
     def _dead(self, j: int, n: int) -> PeerFailureError:
@@ -612,7 +660,9 @@ class LocalExchange:
             f"{self._describe(n)}: rank {rank} (pid {self._pids[j]}, same host) exited or was "
             "killed while this rank waited for it; check that rank's log and exit status "
             "(SIGKILL often means the out-of-memory killer).",
-            kind="guard", rank=self.ranks.rank, ranks=(rank,),
+            kind="guard",
+            rank=self.ranks.rank,
+            ranks=(rank,),
         )
 
     def _timed_out(self, index: int, n: int) -> CollectiveTimeoutError:
@@ -636,5 +686,7 @@ class LocalExchange:
             f"shared-memory channel for {'; '.join(notes) or 'the host leader'}. A rank is stuck, "
             "much slower, or took another code path. Raise COMPILER_COLLECTIVES_TIMEOUT if ranks "
             "legitimately run at very different speeds.",
-            kind="guard", rank=self.ranks.rank, ranks=ranks,
+            kind="guard",
+            rank=self.ranks.rank,
+            ranks=ranks,
         )
