@@ -39,7 +39,7 @@ def wanted(environ=None) -> bool:
     if environ.get("COMPILER_COLLECTIVES_AUTOLOAD", "1").strip().lower() in _OFF:
         return False
     return any(
-        (name == _TORCH_SWITCH or name.startswith(_PREFIX) and name not in _NOT_TRIGGERS)
+        (name == _TORCH_SWITCH or (name.startswith(_PREFIX) and name not in _NOT_TRIGGERS))
         and value.strip().lower() not in _OFF
         for name, value in environ.items()
     )
@@ -54,7 +54,7 @@ def load() -> None:
         import compiler_collectives  # noqa: F401  (installs itself)
 
         status = "active"
-    except BaseException as e:  # noqa: BLE001 - never break import torch, except for a typo
+    except BaseException as e:
         status = f"failed: {type(e).__name__}: {e}"
         import logging
 

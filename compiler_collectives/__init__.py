@@ -17,10 +17,13 @@ ranks that run the same program.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import os as _os
+from collections.abc import Iterator
+from typing import Any
 
 from . import config
-from .version import __version__
+from . import dynamo as _seams
+from .agreements import lifecycle as _lifecycle
 from .errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -37,11 +40,7 @@ from .errors import (
 from .state import DistributedState, LocalState, SizeEntry, register_field
 from .stats import counters as _counters
 from .stats import reset_counters as _reset_counters
-
-import os as _os
-
-from . import dynamo as _seams
-from .agreements import lifecycle as _lifecycle
+from .version import __version__
 
 
 def _running_doctor() -> bool:
@@ -78,33 +77,33 @@ except UnsupportedTorchError as _e:
 _os.register_at_fork(after_in_child=_lifecycle.after_fork_in_child)
 
 __all__ = [
-    "__version__",
-    "enable",
-    "disable",
-    "enabled",
-    "scope",
-    "is_enabled",
-    "guards_enabled",
-    "stats",
-    "reset",
-    "reset_stats",
-    "install",
-    "uninstall",
-    "LocalState",
-    "DistributedState",
-    "SizeEntry",
-    "register_field",
-    "CollectiveError",
-    "CollectiveTimeoutError",
     "CollectiveDesyncError",
+    "CollectiveError",
     "CollectivePoisonedError",
+    "CollectiveTimeoutError",
     "ConcurrentThreadsError",
+    "DistributedState",
+    "LocalState",
     "PeerFailureError",
     "ProgramDivergenceError",
     "ScopeError",
     "SetupMismatchError",
-    "WireFormatError",
+    "SizeEntry",
     "UnsupportedTorchError",
+    "WireFormatError",
+    "__version__",
+    "disable",
+    "enable",
+    "enabled",
+    "guards_enabled",
+    "install",
+    "is_enabled",
+    "register_field",
+    "reset",
+    "reset_stats",
+    "scope",
+    "stats",
+    "uninstall",
 ]
 
 

@@ -19,7 +19,8 @@ import dataclasses
 import difflib
 import logging
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .errors import ConfigError
 

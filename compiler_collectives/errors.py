@@ -8,7 +8,7 @@ and what to set or check next.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class CollectiveError(RuntimeError):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 
 class Marker(enum.Enum):
@@ -53,12 +54,12 @@ class SizeEntry:
     """
 
     scalar: Atom = UNSET
-    size: Union[Marker, tuple[Atom, ...]] = UNSET
-    stride: Union[Marker, tuple[StrideAtom, ...]] = UNSET
-    excluded_sizes: Union[tuple[Union[int, None], ...], None] = None
-    excluded_scalar: Union[int, None] = None
+    size: Marker | tuple[Atom, ...] = UNSET
+    stride: Marker | tuple[StrideAtom, ...] = UNSET
+    excluded_sizes: tuple[int | None, ...] | None = None
+    excluded_scalar: int | None = None
 
-    def same_decision_as(self, other: "SizeEntry") -> bool:
+    def same_decision_as(self, other: SizeEntry) -> bool:
         """Equal in everything that drives a compile decision."""
         return self.scalar == other.scalar and self.size == other.size and self.stride == other.stride
 
@@ -163,14 +164,14 @@ class DistributedState:
 
     compile_pg: Any
     local_state: LocalState
-    all_states: Union[list[LocalState], None] = None
+    all_states: list[LocalState] | None = None
     # Filled in by the seams: where each recorded name lives in Dynamo's frame
     # state (code object, closure), so a skipped restart can still apply.
     origins: dict[str, Any] = dataclasses.field(default_factory=dict)
-    frame: Union[FrameId, None] = None
-    seq: Union[int, None] = None
+    frame: FrameId | None = None
+    seq: int | None = None
     restart_skipped: bool = False
     # The input exchange before the first trace (see compiler_collective):
     # every rank's predicted entries for the frame's own arguments.
-    early_states: Union[list[LocalState], None] = None
+    early_states: list[LocalState] | None = None
     early_names: frozenset[str] = frozenset()

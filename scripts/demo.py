@@ -61,7 +61,8 @@ import textwrap
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -284,7 +285,7 @@ def train(
     cfg: DemoConfig,
     *,
     guards: bool = True,
-    on_step: Optional[Callable[[int, float], None]] = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg.steps`` steps on this rank; the default process group must exist.
 
@@ -357,11 +358,11 @@ def decisions(result: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
 class RankOutcome:
     rank: int
     status: str  # "finished", "timed out", "error", "died"
-    result: Optional[dict[str, Any]] = None
+    result: dict[str, Any] | None = None
     last_step: int = -1  # last step this rank completed
-    error: Optional[str] = None  # traceback or reason
-    pid: Optional[int] = None  # of the rank process (None under torchrun)
-    stuck_at: Optional[str] = None  # where a killed rank was waiting, from its stack
+    error: str | None = None  # traceback or reason
+    pid: int | None = None  # of the rank process (None under torchrun)
+    stuck_at: str | None = None  # where a killed rank was waiting, from its stack
 
 
 @dataclasses.dataclass
@@ -369,7 +370,7 @@ class RunOutcome:
     run: Run
     ranks: list[RankOutcome]
     elapsed_s: float
-    log_dir: Optional[str] = None  # kept only when something went wrong
+    log_dir: str | None = None  # kept only when something went wrong
 
     @property
     def finished(self) -> bool:
@@ -380,7 +381,7 @@ class RunOutcome:
         return any(r.status == "timed out" for r in self.ranks)
 
     @property
-    def agree(self) -> Optional[bool]:
+    def agree(self) -> bool | None:
         """Whether every rank made the same compile decisions (None: unknown)."""
         if not self.finished:
             return None
@@ -466,7 +467,7 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     outcomes = [RankOutcome(rank, "running") for rank in range(cfg.nproc)]
     started = time.monotonic()
     deadline = started + cfg.timeout
-    failed_at: Optional[float] = None
+    failed_at: float | None = None
     grace_after_failure = 10.0  # peers of a failed rank are stuck in collectives
     quiet_notice_s = 30.0  # say so when no rank finished a step for this long
     last_news = started
@@ -560,7 +561,7 @@ def _reap(procs: Sequence[Any], grace_s: float) -> None:
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
-def stuck_at(log_text: str) -> Optional[str]:
+def stuck_at(log_text: str) -> str | None:
     """Where a rank was stuck, from the last stack faulthandler wrote to its log.
 
     Returns e.g. ``all_gather_bytes (gloo.py:187) <- train (demo.py:301)``:
@@ -617,7 +618,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def _last_line(text: Optional[str]) -> str:
+def _last_line(text: str | None) -> str:
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no message)"
 
@@ -657,7 +658,7 @@ def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> 
                     progress(_progress_line(_name, step, cfg, loss, time.monotonic() - _t0))
 
             result = train(rank, world, run.use_service, cfg, guards=run.guards, on_step=on_step)
-            gathered: Optional[list[Any]] = [None] * world if rank == 0 else None
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             if gathered is not None:
                 ranks = [RankOutcome(r, "finished", res, cfg.steps - 1) for r, res in enumerate(gathered)]

@@ -26,7 +26,8 @@ import signal
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 _CONTEXTS: dict[str, Any] = {}
 EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
@@ -45,7 +46,7 @@ def _context(start_method: str) -> Any:
 class RanksFailed(AssertionError):
     """A rank raised, died, or the job passed its deadline."""
 
-    def __init__(self, message: str, outcome: "Outcome") -> None:
+    def __init__(self, message: str, outcome: Outcome) -> None:
         super().__init__(message)
         self.outcome = outcome
 

@@ -218,7 +218,7 @@ def test_a_changed_torch_internal_leaves_torch_unpatched(monkeypatch):
     slot_before = _guard_slot()
 
     # A torch whose _compile takes its arguments in another order: a fragile read fails.
-    def _compile(globals, code, locals, *rest, **kwargs):  # noqa: A002
+    def _compile(globals, code, locals, *rest, **kwargs):
         raise AssertionError("never called")
 
     monkeypatch.setattr(convert_frame, "_compile", _compile)

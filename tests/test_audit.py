@@ -343,8 +343,9 @@ def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_wai
 
 
 def backward_fails_on_rank_1(rank: int, world: int) -> dict:
-    import compiler_collectives as cc
     from torch._dynamo.backends.common import aot_autograd
+
+    import compiler_collectives as cc
 
     def forward_compiler(gm, example_inputs):
         return gm.forward
@@ -398,7 +399,7 @@ def _two_symbolic_inputs() -> tuple:
 
 
 def _graph_reducing_second_input(first, second, *, device=None, scale=2):
-    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+    import torch.distributed._functional_collectives
 
     g = torch.fx.Graph()
     a = g.placeholder("a")

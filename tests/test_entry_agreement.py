@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -165,8 +164,9 @@ def _reduce_then_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def inductor_with_caches(rank: int, world: int, swap_reduce_op_on_rank_1: bool) -> dict:
-    import compiler_collectives as cc
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    import compiler_collectives as cc
 
     class SwapReduceOp(CustomGraphPass):
         """A post-grad pass whose cache identity hides what it does: sum becomes max when on."""

@@ -205,10 +205,8 @@ def test_a_rank_waiting_in_our_collective_stops_within_seconds_when_a_peer_repor
     assert waiting["type"] == "CollectiveDesyncError", waiting
     assert waiting["ranks"] == [1], waiting
     assert (
-        "rank 2" in waiting["message"]
-        and "stopped waiting" in waiting["message"]
-        or "rank 2 reported a failure" in waiting["message"]
-    ), waiting["message"]
+        "rank 2" in waiting["message"] and "stopped waiting" in waiting["message"]
+    ) or "rank 2 reported a failure" in waiting["message"], waiting["message"]
     assert waiting["at"] - failing["at"] < 3.0, (waiting, failing)  # both spend the same diagnosis grace
     assert waiting["seconds"] < 15.0, waiting
 

@@ -198,7 +198,7 @@ def test_under_a_scope_an_entry_divergence_names_global_ranks_in_its_message_and
     for rank in (2, 3):
         r = results[rank]
         assert r["type"] == "ProgramDivergenceError" and r["phase"] == 2, r
-        assert f"entry collective #" in r["message"] and f"on rank {rank}" in r["message"]
+        assert "entry collective #" in r["message"] and f"on rank {rank}" in r["message"]
         assert "rank 2: cache entry #0" in r["message"], r["message"]
         assert "rank 3: cache entry #1" in r["message"], r["message"]
         assert "rank 0" not in r["message"] and "rank 1:" not in r["message"]
@@ -307,8 +307,9 @@ def _sweep_train(rank: int, model: torch.nn.Module, step: object) -> list[float]
 
 
 def sweep(rank: int, world: int, backend: str) -> dict:
-    import compiler_collectives as cc
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import compiler_collectives as cc
 
     cc.enable(guards=True)
     torch.manual_seed(0)

@@ -283,9 +283,9 @@ def test_the_same_compiled_frames_called_from_different_lines_are_not_a_desync()
 def frame_identity_of(rank: int, world: int) -> dict:
     import sys
 
-    import compiler_collectives  # noqa: F401
     import torch._C._dynamo.eval_frame as c_eval_frame
 
+    import compiler_collectives  # noqa: F401
     from compiler_collectives.agreements import guard as guard_collective
 
     seen = []

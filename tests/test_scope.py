@@ -313,8 +313,9 @@ def test_overlapping_scopes_fail_at_the_call_naming_both_scopes_and_stop_every_r
 
 
 def scope_with_meshes(rank: int, world: int) -> dict:
-    import compiler_collectives as cc
     from torch.distributed.device_mesh import init_device_mesh
+
+    import compiler_collectives as cc
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     out = {}

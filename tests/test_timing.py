@@ -22,7 +22,6 @@ def _fn(x: torch.Tensor) -> torch.Tensor:
 
 def traced_job(rank: int, world: int) -> dict:
     import compiler_collectives as cc
-
     from compiler_collectives.transport import groups
 
     f = torch.compile(_fn, backend="eager")

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compiler_collectives  # noqa: F401  (installs the Dynamo seams used by entry_to_torch)
-from compiler_collectives import __version__
-from compiler_collectives import dynamo
+from compiler_collectives import __version__, dynamo
 from compiler_collectives.agreements import wire
 from compiler_collectives.errors import WireFormatError
 from compiler_collectives.state import (

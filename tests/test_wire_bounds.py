@@ -73,8 +73,9 @@ def _decode_all(data: bytes) -> dict:
 
 
 def _child_main(case: str, path: str) -> None:
-    import compiler_collectives  # noqa: F401  (imports torch: its mappings count as the baseline)
     import hypothesis  # noqa: F401
+
+    import compiler_collectives  # noqa: F401  (imports torch: its mappings count as the baseline)
 
     _cap_address_space()
     if case == "decode":

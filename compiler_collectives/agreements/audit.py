@@ -43,18 +43,19 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from .. import health
-from . import exchange as exchange_frame
-from . import wire
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe, ranks_text
-from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 from ..state import FrameId
 from ..stats import counters
 from ..transport import groups
+from . import exchange as exchange_frame
+from . import wire
+from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 
 log = logging.getLogger("compiler_collectives.audit")
 

@@ -13,17 +13,17 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import config, health
-from ..tools import timing
-from . import exchange as exchange_frame
-from . import guard
-from . import wire
 from ..errors import SCOPE_HINT, CollectiveDesyncError, describe
 from ..state import DistributedState, FrameId, LocalState
 from ..stats import counters
+from ..tools import timing
 from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
+from . import exchange as exchange_frame
+from . import guard, wire
 
 log = logging.getLogger("compiler_collectives.compiler")
 

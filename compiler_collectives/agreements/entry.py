@@ -51,7 +51,8 @@ import logging
 import re
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import health
 from ..errors import CollectiveError, ProgramDivergenceError, describe, ranks_text
@@ -134,7 +135,7 @@ class Entry:
     a graph, run the empty program.
     """
 
-    __slots__ = ("index", "compile_id", "attempt", "graphs", "resumes", "program_key", "key", "site", "has_graph")
+    __slots__ = ("attempt", "compile_id", "graphs", "has_graph", "index", "key", "program_key", "resumes", "site")
 
     def __init__(self, compile_id: str, attempt: int) -> None:
         self.index = -1  # creation order in the frame's cache, set when Dynamo keeps the entry
@@ -204,7 +205,7 @@ class Frame:
     entry there only).
     """
 
-    __slots__ = ("frame", "entries", "created", "first_key", "mixed", "warned", "__weakref__")
+    __slots__ = ("__weakref__", "created", "entries", "first_key", "frame", "mixed", "warned")
 
     def __init__(self, frame: FrameId) -> None:
         self.frame = frame
@@ -377,7 +378,7 @@ def check_entry(registry: Frame, entry: Entry) -> None:
         everyone = channel.describe_all(-seq, entry.index | empty)
     except CollectiveError:
         raise
-    except Exception as e:  # noqa: BLE001 - gloo's own errors: through the failure procedure
+    except Exception as e:
         err = guard_collective.translate_entry_failure(e, seq=seq, frame=str(registry.frame))
         raise err from e
     finally:

@@ -19,7 +19,7 @@ until ``compiler_collectives.reset()``.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from .. import config, health
 from ..errors import CollectiveDesyncError, CollectiveError, WireFormatError

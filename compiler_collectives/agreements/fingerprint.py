@@ -32,7 +32,8 @@ import dataclasses
 import hashlib
 import os
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx
@@ -111,7 +112,7 @@ _SYMBOL = re.compile(r"\b([a-z]+)(\d+)\b")
 class _Symbols:
     """Renames symbols in order of first use: s77, s3 -> s0, s1 (u5 -> u0, ...)."""
 
-    __slots__ = ("names", "counts")
+    __slots__ = ("counts", "names")
 
     def __init__(self) -> None:
         self.names: dict[str, str] = {}

@@ -43,14 +43,14 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
 from .. import health
-from ..tools import timing
 from ..errors import (
     SCOPE_HINT,
     CollectiveDesyncError,
@@ -60,6 +60,7 @@ from ..errors import (
     describe,
 )
 from ..stats import counters
+from ..tools import timing
 from ..transport import GuardChannel, groups, translate_failure
 from . import failure
 
@@ -71,7 +72,7 @@ _get_ident = threading.get_ident
 
 
 class _GuardState:
-    __slots__ = ("seq", "channel", "world", "agreed_miss", "owner", "owner_thread", "solo_world", "apart")
+    __slots__ = ("agreed_miss", "apart", "channel", "owner", "owner_thread", "seq", "solo_world", "world")
 
     def __init__(self) -> None:
         self.seq = 0

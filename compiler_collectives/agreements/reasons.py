@@ -21,11 +21,11 @@ import logging
 from typing import Any
 
 from .. import health
-from . import exchange as exchange_frame
-from . import wire
 from ..errors import CollectiveDesyncError, describe
 from ..stats import counters
 from ..transport import groups
+from . import exchange as exchange_frame
+from . import wire
 
 log = logging.getLogger("compiler_collectives.guard")
 

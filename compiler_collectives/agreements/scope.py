@@ -27,7 +27,8 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import torch.distributed as dist

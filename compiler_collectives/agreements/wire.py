@@ -54,13 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
-from ..version import __version__
 from ..errors import CollectiveDesyncError, WireFormatError
-from .fingerprint import Collective
 from ..state import (
     DYNAMIC,
     UNSET,
@@ -71,6 +70,8 @@ from ..state import (
     SizeEntry,
     registered_fields,
 )
+from ..version import __version__
+from .fingerprint import Collective
 
 FORMAT_VERSION = 1
 
@@ -368,7 +369,7 @@ class _Reader:
     so a list of the wrong length or a container where a single value belongs is refused
     before anything in it is built; ``value`` builds anything else, within the budget."""
 
-    __slots__ = ("_data", "_up", "_left", "_names_left")
+    __slots__ = ("_data", "_left", "_names_left", "_up")
 
     def __init__(self, data: bytes) -> None:
         n = len(data)

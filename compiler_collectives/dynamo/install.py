@@ -93,11 +93,11 @@ def install() -> None:
     try:
         originals = {row.name: table.resolve(row) for row in table.required_rows()}
         replacements = {row.name: _replacement(row, originals[row.name]) for row in table.patched_rows()}
+        import torch._dynamo.exc as exc
         import torch._dynamo.guards as guards
         import torch._dynamo.pgo as pgo
         import torch._dynamo.utils as dynamo_utils
-        import torch._dynamo.exc as exc
-    except Exception as e:  # noqa: BLE001 - any surprise in torch's internals
+    except Exception as e:
         raise UnsupportedTorchError(
             f"compiler_collectives cannot hook into torch {torch.__version__}: reading its Dynamo "
             f"internals failed ({type(e).__name__}: {e}). Nothing was patched. It supports "

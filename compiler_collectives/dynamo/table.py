@@ -23,7 +23,8 @@ import dataclasses
 import dataclasses as _dc
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import CollectiveError, CollectivePoisonedError, PeerFailureError
 

@@ -47,7 +47,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -385,7 +386,7 @@ class SideChannel:
                 peers.append(status)
             undecided = [p for p in peers if p.state == "alive"]
             left = deadline - time.monotonic()
-            if not undecided or left <= 0 or until_absent and any(p.state == "absent" for p in peers):
+            if not undecided or left <= 0 or (until_absent and any(p.state == "absent" for p in peers)):
                 return Diagnosis(peers)
             time.sleep(min(0.1, left))
 

@@ -18,7 +18,8 @@ whenever a field changes meaning or disappears.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
 
@@ -211,7 +212,7 @@ def summary_line(payload: dict[str, Any]) -> str:
     )
 
 
-def guard_collective(shared: "Shared", frame: str | None) -> dict[str, Any]:
+def guard_collective(shared: Shared, frame: str | None) -> dict[str, Any]:
     """The ``guard_collective`` artifact for one miss every rank agreed on (emitted on every rank)."""
     return {
         "artifact_version": ARTIFACT_VERSION,

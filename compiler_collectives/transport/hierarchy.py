@@ -43,14 +43,14 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import CollectiveError
-from ..errors import StoreUnresponsive
+from ..errors import CollectiveError, StoreUnresponsive
 from ..health.watchdog import bounded
 from . import shm
 from .gloo import GlooGuardChannel, wait
@@ -89,7 +89,7 @@ class LeaderExchange:
     Buffers and ctypes views are made once, here.
     """
 
-    __slots__ = ("pg", "index", "hosts", "_plan", "_send", "_recv", "_send_view", "_recv_view")
+    __slots__ = ("_plan", "_recv", "_recv_view", "_send", "_send_view", "hosts", "index", "pg")
 
     def __init__(self, pg: dist.ProcessGroup, index: int, hosts: int) -> None:
         self.pg = pg
@@ -152,21 +152,21 @@ class ShmGuardChannel:
     """
 
     __slots__ = (
-        "pg",
-        "leaders_pg",
-        "check_desync",
-        "name",
-        "hosts",
-        "local_ranks",
-        "_n",
-        "_local",
-        "_leaders",
-        "_multi_host",
-        "_words",
-        "_mine",
-        "_peers",
         "_asleep",
+        "_leaders",
+        "_local",
         "_many",
+        "_mine",
+        "_multi_host",
+        "_n",
+        "_peers",
+        "_words",
+        "check_desync",
+        "hosts",
+        "leaders_pg",
+        "local_ranks",
+        "name",
+        "pg",
     )
 
     def __init__(
@@ -206,7 +206,7 @@ class ShmGuardChannel:
         word = _WRITTEN | (want << _TAG_SHIFT) | ((((site * _GOLDEN) ^ seq) & _KEY_MASK) << 1) | (1 if hit else 0)
         words = self._words
         words[self._mine + parity] = word
-        if words[self._asleep] or self._many and self._local.anyone_asleep():
+        if words[self._asleep] or (self._many and self._local.anyone_asleep()):
             self._local.wake(self._mine + parity)
         if self._multi_host and self._leaders is None:
             return self._local.wait_result(n)

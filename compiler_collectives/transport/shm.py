@@ -75,7 +75,7 @@ import stat
 import struct
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .. import health
 from ..errors import CollectiveTimeoutError, PeerFailureError
@@ -248,7 +248,7 @@ class Segment:
         self.asleep = (ctypes.c_uint8 * (flag_lines(local_ranks) * FLAGS_PER_LINE)).from_buffer(self._map, first)
 
     @classmethod
-    def create(cls, path: str, local_ranks: int, token: int, global_rank: int) -> "Segment":
+    def create(cls, path: str, local_ranks: int, token: int, global_rank: int) -> Segment:
         """Create ``path`` (``segment_path(os.getpid(), token)``) with its header written and
         this process registered in slot 0 before the name appears."""
         size = segment_words(local_ranks) * 8
@@ -281,7 +281,7 @@ class Segment:
         return seg
 
     @classmethod
-    def open(cls, path: str, local_ranks: int, token: int) -> "Segment":
+    def open(cls, path: str, local_ranks: int, token: int) -> Segment:
         """Map the segment another local rank created, after checking it is one: our name
         pattern, no symlink, a regular file of this user, mode 0600, exact size, our header
         with the creator's ``token``. Raises ``OSError`` saying why not; never unlinks."""
@@ -449,24 +449,24 @@ class LocalExchange:
     """
 
     __slots__ = (
-        "words",
+        "_address",
+        "_asleep",
+        "_describe",
+        "_futex",
+        "_monotonic",
+        "_pids",
+        "_result",
+        "_spin",
+        "_starts",
+        "_waker",
+        "_yield",
+        "_yield_s",
         "index",
         "n",
         "ranks",
-        "timeout_s",
         "sleepers",
-        "_result",
-        "_pids",
-        "_starts",
-        "_describe",
-        "_yield",
-        "_monotonic",
-        "_spin",
-        "_yield_s",
-        "_futex",
-        "_waker",
-        "_asleep",
-        "_address",
+        "timeout_s",
+        "words",
     )
 
     def __init__(
