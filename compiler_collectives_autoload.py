@@ -20,6 +20,7 @@ one warning naming the cause, and torch is left as it was.
 """
 
 import os
+from collections.abc import Mapping
 
 # Set to a value other than an "off" one, torch's switch or any of ours except
 # those below activates the package, which then checks every one of our
@@ -34,7 +35,7 @@ _OFF = ("", "0", "false", "no", "off")
 status = None
 
 
-def wanted(environ=None) -> bool:
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if environ.get("COMPILER_COLLECTIVES_AUTOLOAD", "1").strip().lower() in _OFF:
         return False

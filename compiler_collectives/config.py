@@ -19,8 +19,8 @@ import dataclasses
 import difflib
 import logging
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 
@@ -36,7 +36,10 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
 
 
-def _parse_number(name: str, raw: str, kind: type, what: str, allow_zero: bool) -> Any:
+N = TypeVar("N", int, float)
+
+
+def _parse_number(name: str, raw: str, kind: Callable[[str], N], what: str, allow_zero: bool) -> N:
     try:
         value = kind(raw)
     except ValueError:
@@ -283,13 +286,14 @@ def known_variables() -> tuple[str, ...]:
     return tuple(row.env for row in SETTINGS_TABLE) + OTHER_VARIABLES
 
 
-def check_names(environ: dict[str, str] | None = None) -> None:
+def check_names(environ: Mapping[str, str] | None = None) -> None:
     """Raise ``ConfigError`` for a ``COMPILER_COLLECTIVES_*`` variable we do not know.
 
     A misspelt name (``COMPILER_COLLECTIVES_GAURDS=1``) would otherwise be
     ignored, and that rank would run with the default while its peers do not.
     """
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     known = known_variables()
     for name in sorted(environ):
         if name.startswith(PREFIX) and name not in known:
@@ -300,12 +304,13 @@ def check_names(environ: dict[str, str] | None = None) -> None:
             )
 
 
-def load_from_env(environ: dict[str, str] | None = None) -> Any:
+def load_from_env(environ: Mapping[str, str] | None = None) -> Any:
     """Build a fresh Settings from ``environ`` (``os.environ`` by default).
 
     Raises ``ConfigError`` naming the variable for a value that does not parse
     or a ``COMPILER_COLLECTIVES_*`` name that is not ours."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     check_names(environ)
     if AUTOLOAD_ENV in environ:
         _parse_bool(AUTOLOAD_ENV, environ[AUTOLOAD_ENV])

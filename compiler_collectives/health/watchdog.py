@@ -78,7 +78,8 @@ def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         raise StoreUnresponsive(what, timeout_s)
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    value: T = box["value"]
+    return value
 
 
 @dataclasses.dataclass
@@ -166,7 +167,9 @@ class SideChannel:
         self.rank = rank
         self.world = world
         self.generation = generation
-        self.store = dist.PrefixStore(f"compiler_collectives/{generation}/", default_store())
+        # torch.distributed re-exports PrefixStore at run time, outside what its types declare.
+        prefix_store = dist.PrefixStore  # type: ignore[attr-defined]
+        self.store = prefix_store(f"compiler_collectives/{generation}/", default_store())
         self._progress = progress
         # This process as peers on the same host check it: pid, start time, host key.
         self._identity = dict(identity or {})

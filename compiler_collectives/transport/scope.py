@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from .. import config
 from ..errors import ScopeError
@@ -150,7 +153,7 @@ def ranks_of(group: Any, rank: int) -> tuple[int, ...]:
     return ranks
 
 
-def _device_mesh_type() -> type | None:
+def _device_mesh_type() -> type[DeviceMesh] | None:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:
