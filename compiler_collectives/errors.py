@@ -17,7 +17,10 @@ class CollectiveError(RuntimeError):
     Attributes give the context in machine-readable form: ``kind`` ("compiler",
     "guard" or "audit"), ``rank`` (this rank), ``seq`` (this rank's sequence number for
     that kind of collective), ``frame`` (``co_name at file:line`` or None) and
-    ``ranks`` (the peers implicated, e.g. the sender of a bad payload).
+    ``ranks`` (the peers implicated, e.g. the sender of a bad payload) and
+    ``reported_by`` (the peer(s) whose failure report this rank learned of the
+    failure from, through the store or the shared-memory failure word; empty
+    when this rank saw the failure itself).
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class CollectiveError(RuntimeError):
         seq: int | None = None,
         frame: str | None = None,
         ranks: tuple[int, ...] = (),
+        reported_by: tuple[int, ...] = (),
     ) -> None:
         super().__init__(message)
         self.kind = kind
@@ -36,6 +40,7 @@ class CollectiveError(RuntimeError):
         self.seq = seq
         self.frame = frame
         self.ranks = tuple(ranks)
+        self.reported_by = tuple(reported_by)
 
 
 class WireFormatError(CollectiveError):
@@ -49,8 +54,14 @@ class CollectiveTimeoutError(CollectiveError):
 
 
 class PeerFailureError(CollectiveError):
-    """Raised when a peer rank's connection broke mid-collective (the peer
-    process most likely crashed or was killed)."""
+    """Raised when a peer rank failed: its connection broke mid-collective (the
+    peer process most likely crashed or was killed), or it reported a failure
+    (``reported_by``), or it left the job (``left``: its own code raised while
+    it waited in a collective). Names that rank and its cause."""
+
+    def __init__(self, message: str, *, left: bool = False, **context: object) -> None:
+        super().__init__(message, **context)  # type: ignore[arg-type]
+        self.left = left
 
 
 class CollectiveDesyncError(CollectiveError):

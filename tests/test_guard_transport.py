@@ -289,7 +289,9 @@ def test_a_failure_published_on_the_host_wakes_a_sleeping_rank():
     )
     sleeper, failing = outcome.results[0], outcome.results[2]
     assert failing["type"] == "CollectiveDesyncError", failing  # rank 1 is alive, elsewhere
-    assert sleeper["type"] == "CollectiveDesyncError" and sleeper["ranks"] == [1], sleeper
+    # The sleeper learned of it from rank 2's report: it quotes it (naming the rank rank 2
+    # waited for), never re-types it as a desync of its own.
+    assert sleeper["type"] == "PeerFailureError" and sleeper["ranks"] == [1], sleeper
     # Woken by rank 2's failure word at about 2 s, long before its own timeout (40 s)
     # or the bound on its sleep (60 s); both then spend the same diagnosis grace.
     assert sleeper["seconds"] < 12.0, sleeper

@@ -12,6 +12,16 @@ failure word). This module decides what that means for the job:
   names the ranks that are absent (crashed, killed, stopped) or alive
   elsewhere (a desync), and the error is re-typed to say so.
 
+**A report keeps its type.** When this rank's collective stopped on a peer's
+report (the error's ``reported_by``: the failure word, the store report its
+heartbeat thread heard), the error is that report, in its sender's words: a
+``PeerFailureError`` naming the rank that failed (or left) and its cause; the
+diagnosis then only adds ranks that are absent. Ranks that are alive but not
+in the collective are never called a desync there: they most likely stopped
+on hearing of the same report. For the same reason a desync diagnosis gives
+way to a peer's original report (one that peer did not relay) that does not
+name the ranks found elsewhere.
+
 Either way this rank is poisoned (``health``): its later collectives refuse
 until ``compiler_collectives.reset()``.
 """
@@ -22,11 +32,15 @@ import logging
 from collections.abc import Callable
 
 from .. import config, health
-from ..errors import CollectiveDesyncError, CollectiveError, WireFormatError
+from ..errors import CollectiveDesyncError, CollectiveError, PeerFailureError, WireFormatError, describe
 from ..health.watchdog import Diagnosis, diagnose_with_deadline
-from ..transport import groups, translate_failure
+from ..transport import groups, report_error, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")
+
+REPORT_WAIT_S = 2.0
+"""How long a rank that saw a peer's failure word waits for that peer's store report (its
+words): the peer publishes the word first, the report a store round-trip later."""
 
 
 def exchange_failed(
@@ -60,12 +74,13 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
     collectives stop.
     """
     side = groups.side
+    heard = error.reported_by[0] if error.reported_by else None  # the peer whose report stopped us
     channel = groups.built_guard_channel()
     if channel is not None and side is not None:
         channel.publish_failure(side.rank)  # same-host peers stop waiting within microseconds
     if side is not None:
         try:
-            side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks)
+            side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks, heard_from=heard)
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.warning(
                 "rank %d could not report its failure on the c10d store (%s); peers on "
@@ -73,33 +88,98 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
                 side.rank,
                 e,
             )
-    diagnosis = diagnose_with_deadline(side, deadline_s=2.5 * config.settings.heartbeat_s + 2.0)
-    explained = explain(error, diagnosis)
+    deadline_s = 2.5 * config.settings.heartbeat_s + 2.0
+    if heard is not None:
+        reported = as_reported(error, heard, seq)
+        # Only absent ranks are worth adding; a rank that left names itself already (and
+        # waiting for a verdict costs heartbeats).
+        left = getattr(reported, "left", False)
+        diagnosis = None if left else diagnose_with_deadline(side, deadline_s=deadline_s, until_absent=True)
+        explained = explain(reported, diagnosis)
+    else:
+        explained = explain(error, diagnose_with_deadline(side, deadline_s=deadline_s))
     if side is not None and explained is not error:
         try:  # peers that read the report from now on name the ranks the diagnosis found
-            side.report_failure(explained.kind or "?", seq, str(explained), ranks=explained.ranks, update=True)
+            side.report_failure(
+                explained.kind or "?", seq, str(explained), ranks=explained.ranks, update=True, heard_from=heard
+            )
         except Exception as e:  # noqa: BLE001 - the first report stands
             log.debug("rank %d could not update its failure report: %s", side.rank, e)
     return explained
 
 
+def as_reported(error: CollectiveError, peer: int, seq: int | None = None) -> CollectiveError:
+    """``error``, which stopped on rank ``peer``'s report, as that report says it (the rank
+    that failed or left, and its cause); ``error`` itself if the report cannot be read."""
+    report = groups.peer_report(peer, error.rank, wait_s=REPORT_WAIT_S)
+    if report is None:
+        return error
+    seq = error.seq if error.seq is not None else seq
+    new = PeerFailureError(
+        f"{describe(error.kind, error.rank, seq, error.frame)} stopped: {report}\n"
+        f"This rank only stopped on that report; rank {report.reported_by[0]}'s log has the details. "
+        "Every rank's later collectives refuse; call compiler_collectives.reset() on every rank (or "
+        "restart the job).",
+        kind=error.kind,
+        rank=error.rank,
+        seq=seq,
+        frame=error.frame,
+        ranks=report.ranks,
+        reported_by=report.reported_by,
+        left=report.left,
+    )
+    new.__cause__ = error.__cause__
+    return new
+
+
 def explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveError:
-    """``error`` re-typed and extended by what the diagnosis found (absent ranks, a desync)."""
+    """``error`` re-typed and extended by what the diagnosis found (absent ranks, a desync).
+
+    A peer's report is never re-typed as a desync (see the module docstring)."""
     if diagnosis is None:
         return error
     base = str(error)
     details = diagnosis.render()
-    common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame)
+    common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame, reported_by=error.reported_by)
+    alive = diagnosis.alive_elsewhere
     if diagnosis.absent:
         new = type(error)(f"{base}\nRanks not in this collective:\n{details}", ranks=tuple(diagnosis.absent), **common)
-    elif diagnosis.alive_elsewhere:
-        new = CollectiveDesyncError(
-            f"{base}\nRank(s) {diagnosis.alive_elsewhere} are alive but did not enter this "
-            f"collective: the ranks are out of step (desync).\n{details}",
-            ranks=tuple(diagnosis.alive_elsewhere),
-            **common,
-        )
+    elif alive and not error.reported_by:
+        reported = _unrelated_report(error, diagnosis)
+        if reported is not None:
+            new = PeerFailureError(
+                f"{base}\n{reported}\nRank(s) {alive} are alive but did not enter this collective: "
+                f"most likely they stopped on hearing of rank {reported.reported_by[0]}'s report "
+                f"(not a desync).\n{details}",
+                kind=error.kind,
+                rank=error.rank,
+                seq=error.seq,
+                frame=error.frame,
+                ranks=reported.ranks,
+                reported_by=reported.reported_by,
+                left=reported.left,
+            )
+        else:
+            new = CollectiveDesyncError(
+                f"{base}\nRank(s) {alive} are alive but did not enter this "
+                f"collective: the ranks are out of step (desync).\n{details}",
+                ranks=tuple(alive),
+                **common,
+            )
     else:
         return error
     new.__cause__ = error.__cause__
     return new
+
+
+def _unrelated_report(error: CollectiveError, diagnosis: Diagnosis) -> PeerFailureError | None:
+    """A peer's original report that names none of the ranks the diagnosis found alive elsewhere.
+
+    Such ranks did not run other code: they stopped on that report. A report that names
+    them (a peer timed out waiting for them too) confirms the desync instead."""
+    alive = set(diagnosis.alive_elsewhere)
+    for peer in diagnosis.original_reports():
+        reported = report_error(error.rank, peer.rank, peer.report or {})
+        if not alive & set(reported.ranks):
+            return reported
+    return None

@@ -597,6 +597,8 @@ def _park_failure(error: BaseException) -> None:
     seq = _state.seq
     if isinstance(error, CollectiveError):
         err = error
+        if err.kind is None:  # raised by a transport wait that knows no context: the hook does
+            err.kind, err.rank, err.seq = "guard", rank, seq
     else:
         err = translate_failure(
             error,

@@ -241,7 +241,11 @@ def _stop_if_poisoned(rank: int) -> None:
     failure = health.poisoned()
     if failure is not None:
         raise PeerFailureError(
-            f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks
+            f"setup check on rank {rank}: stopped waiting: {failure}",
+            kind="setup",
+            rank=rank,
+            ranks=failure.ranks,
+            reported_by=failure.reported_by,
         )
 
 

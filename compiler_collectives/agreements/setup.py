@@ -241,7 +241,11 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
         failure = health.poisoned()
         if failure is not None:
             raise PeerFailureError(
-                f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks
+                f"setup check on rank {rank}: stopped waiting: {failure}",
+                kind="setup",
+                rank=rank,
+                ranks=failure.ranks,
+                reported_by=failure.reported_by,
             )
         if time.monotonic() >= deadline:
             break

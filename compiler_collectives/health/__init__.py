@@ -15,11 +15,13 @@ is parked as itself: it reaches the user as a ``KeyboardInterrupt``, and only
 this rank is poisoned (nothing is reported to the other ranks).
 
 A rank can also be poisoned by a peer: the heartbeat thread hears of another
-rank's failure through the store (``poison_from_peer``). Refusing then says
-which rank failed and why, as a ``PeerFailureError``, not "an earlier
-collective failed on this rank": this rank's own collectives did nothing
-wrong. The first refusal asks ``explainer`` (set by the transport layer) to
-name the failed rank where the report itself names nobody.
+rank's failure through the store (``poison_from_peer``), or a collective of
+this rank stopped on a peer's report (an error with ``reported_by``, from the
+shared-memory failure word, say). Refusing then says which rank failed and
+why, as a ``PeerFailureError``, not "an earlier collective failed on this
+rank": this rank's own collectives did nothing wrong. The first refusal of a
+report heard through the store asks ``explainer`` (set by the transport layer)
+to name the failed rank where the report itself names nobody.
 """
 
 from __future__ import annotations
@@ -46,9 +48,13 @@ explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
 
 
 def poison(error: CollectiveError) -> None:
-    global first_failure
+    global first_failure, _from_peer, _explained
     if first_failure is None:
         first_failure = error
+        # Learned from a peer's report: refusals name that peer. The failure procedure
+        # that produced it has diagnosed already: nothing left to explain.
+        _from_peer = isinstance(error, PeerFailureError) and bool(error.reported_by)
+        _explained = True
         log.error("%s", error)
 
 
@@ -85,6 +91,8 @@ def check(kind: str) -> None:
             kind=kind,
             rank=first.rank,
             ranks=first.ranks,
+            reported_by=first.reported_by,
+            left=first.left,
         ) from first
     if first_failure is not None:
         raise CollectivePoisonedError(

@@ -19,7 +19,10 @@ but not which rank is gone. This module keeps, under the key prefix
   heartbeat thread of every rank watches the counter and poisons its rank on
   a peer's report, so a rank waiting in one of our collectives (which checks
   that between slices of its wait) or about to enter one raises within about
-  one heartbeat instead of at its timeout.
+  one heartbeat instead of at its timeout. A rank whose collective stopped on
+  a peer's report reports too (``heard_from`` names that peer): the heartbeat
+  threads prefer an original report, and a diagnosis never takes a relayed
+  one for a failure of its own.
 
 On a failure, ``diagnose`` waits briefly for every peer to either report its
 own failure or be seen absent, then says which ranks are absent and which
@@ -92,6 +95,7 @@ class PeerStatus:
     silent_s: float | None = None  # how long this rank watched the beat counter stand still
     why: str | None = None  # for "absent": what showed it
     message: str | None = None
+    report: dict[str, Any] | None = None  # for "failed": its failure report as the diagnosis ended
 
     def describe(self) -> str:
         where = []
@@ -122,6 +126,12 @@ class Diagnosis:
     @property
     def alive_elsewhere(self) -> list[int]:
         return [p.rank for p in self.peers if p.state == "alive"]
+
+    def original_reports(self) -> list[PeerStatus]:
+        """Peers that reported a failure they saw themselves (not one relayed from a peer)."""
+        return [
+            p for p in self.peers if p.state == "failed" and p.report is not None and p.report.get("heard_from") is None
+        ]
 
     def render(self) -> str:
         interesting = [p for p in self.peers if p.state != "failed"]
@@ -276,15 +286,48 @@ class SideChannel:
                 log.warning("heartbeat of rank %d: the c10d store answers again", self.rank)
 
     def _notice_failures(self) -> None:
+        # The lowest rank with an original report: a relayed one (a rank that stopped on
+        # another's report) only where none is readable yet.
+        relayed: tuple[int, dict[str, Any]] | None = None
         for r in range(self.world):
             if r == self.rank:
                 continue
-            key = f"fail/{r}"
-            if self.store.check([key]):
-                report = json.loads(self.store.get(key))
+            report = self._report(r)
+            if report is None:
+                continue
+            if report.get("heard_from") is None:
                 if self._on_peer_failure is not None:
-                    self._on_peer_failure(r, report if isinstance(report, dict) else {})
+                    self._on_peer_failure(r, report)
                 return
+            if relayed is None:
+                relayed = (r, report)
+        if relayed is not None and self._on_peer_failure is not None:
+            self._on_peer_failure(*relayed)
+
+    def _report(self, r: int) -> dict[str, Any] | None:
+        key = f"fail/{r}"
+        if not self.store.check([key]):
+            return None
+        try:
+            report = json.loads(self.store.get(key))
+        except ValueError:
+            return {}
+        return report if isinstance(report, dict) else {}
+
+    def read_report(self, r: int, wait_s: float = 0.0) -> dict[str, Any] | None:
+        """Rank ``r``'s failure report, waiting up to ``wait_s`` for it (bounded: the store may
+        be what failed); None if there is none. A rank publishes its shared-memory failure word
+        before its store report, so a peer that saw the word waits a moment for the words."""
+
+        def read() -> dict[str, Any] | None:
+            if wait_s > 0:
+                try:
+                    self.store.wait([f"fail/{r}"], datetime.timedelta(seconds=wait_s))
+                except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
+                    return None
+            return self._report(r)
+
+        return bounded(read, wait_s + 2.0, f"reading rank {r}'s failure report")
 
     # ------------------------------------------------------------ failures
 
@@ -297,6 +340,7 @@ class SideChannel:
         ranks: tuple[int, ...] = (),
         left: bool = False,
         update: bool = False,
+        heard_from: int | None = None,
     ) -> None:
         """Publish this rank's failure (bounded: the store may be what failed).
 
@@ -304,9 +348,17 @@ class SideChannel:
         it name them; ``left``: this rank did not fail, it left (its own code
         raised while it waited), and peers say so. ``update``: replace this
         rank's report (after its diagnosis named the ranks) without counting
-        a new failure.
+        a new failure. ``heard_from``: this rank's collective stopped on that
+        peer's report (a relay, not a failure of its own).
         """
-        record = {"kind": kind, "seq": seq, "message": message[:2000], "ranks": list(ranks), "left": left}
+        record = {
+            "kind": kind,
+            "seq": seq,
+            "message": message[:2000],
+            "ranks": list(ranks),
+            "left": left,
+            "heard_from": heard_from,
+        }
 
         def report() -> None:
             self.store.set(f"fail/{self.rank}", json.dumps(record))
@@ -390,6 +442,9 @@ class SideChannel:
             undecided = [p for p in peers if p.state == "alive"]
             left = deadline - time.monotonic()
             if not undecided or left <= 0 or (until_absent and any(p.state == "absent" for p in peers)):
+                for p in peers:  # as they read now (a report is updated once its sender diagnosed)
+                    if p.state == "failed":
+                        p.report = self._report(p.rank)
                 return Diagnosis(peers)
             time.sleep(min(0.1, left))
 

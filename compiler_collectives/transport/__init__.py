@@ -26,7 +26,7 @@ from .gloo import (
     guard_key,
     translate_failure,
 )
-from .groups import Groups, groups, set_first_rendezvous
+from .groups import Groups, groups, report_error, set_first_rendezvous
 from .hierarchy import ShmGuardChannel
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "all_gather_bytes",
     "groups",
     "guard_key",
+    "report_error",
     "set_first_rendezvous",
     "translate_failure",
 ]

@@ -93,7 +93,13 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
         failure = health.poisoned()
         if failure is not None:
             where = describe() if describe is not None else "a collective"
-            raise PeerFailureError(f"{where}: stopped waiting: {failure}", ranks=failure.ranks)
+            # Keeps who reported it: the failure procedure then quotes that report, never re-types it.
+            raise PeerFailureError(
+                f"{where}: stopped waiting: {failure}",
+                ranks=failure.ranks,
+                reported_by=failure.reported_by,
+                left=getattr(failure, "left", False),
+            )
         now = time.monotonic()
         if deadline is None:
             deadline = now + config.settings.timeout_s + WAIT_MARGIN_S - WAIT_SLICE.total_seconds()
@@ -286,7 +292,7 @@ class GlooGuardChannel:
     def _where(self) -> str:
         return describe("guard", self.rank, self._seq, None)
 
-    def publish_failure(self, rank: int) -> None:
+    def publish_failure(self, rank: int, left: bool = False) -> None:
         """Nothing to publish on this path: peers learn through the store (see ``wait``)."""
 
     def describe_all(self, seq: int, site: int) -> list[tuple[int, int]]:

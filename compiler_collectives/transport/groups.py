@@ -422,13 +422,18 @@ class Groups:
     def leave(self, what: str, seq: int | None, kind: str = "guard") -> None:
         """This rank leaves mid-collective (its own code raised): tell the peers, in those words.
 
-        Not a failure: nothing is published on the shared-memory failure word
-        and nothing is diagnosed. Peers hear of it through the store within
-        about a heartbeat and stop waiting for this rank.
+        Not a failure, and nothing is diagnosed. Same-host peers see the
+        shared-memory failure word at once, its kind bit saying "left", and
+        read these words from the store report; other peers hear of it
+        through the store within about a heartbeat. Either way they stop
+        waiting for this rank and say that it left.
         """
         side = self.side
         if side is None:
             return
+        channel = self._guard_channel
+        if channel is not None:
+            channel.publish_failure(side.rank, left=True)
         try:
             side.report_failure(kind, seq, what, ranks=(side.rank,), left=True)
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
@@ -437,8 +442,8 @@ class Groups:
     def explain_report(self, error: PeerFailureError) -> PeerFailureError:
         """A peer's report heard through the store, naming the absent rank(s) where it names none
         (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
-        if error.ranks and error.ranks != getattr(error, "reported_by", ()):
-            return error
+        if error.left or (error.ranks and error.ranks != error.reported_by):
+            return error  # the report names its culprit (a rank that left names itself)
         diagnosis = diagnose_with_deadline(
             self.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0, until_absent=True
         )
@@ -452,9 +457,28 @@ class Groups:
             seq=error.seq,
             frame=error.frame,
             ranks=tuple(p.rank for p in absent),
+            reported_by=error.reported_by,
         )
-        new.reported_by = getattr(error, "reported_by", ())  # type: ignore[attr-defined]
         return new
+
+    def peer_report(self, peer: int, own_rank: int | None, wait_s: float) -> PeerFailureError | None:
+        """Rank ``peer``'s failure report as this rank raises it (``report_error``), waiting up to
+        ``wait_s`` for it; where ``peer`` only relayed another rank's report, that rank's.
+        None if there is none (or the store does not answer)."""
+        side = self.side
+        if side is None:
+            return None
+        try:
+            report = side.read_report(peer, wait_s)
+            origin = report.get("heard_from") if report is not None else None
+            if type(origin) is int and origin not in (peer, own_rank) and 0 <= origin < side.world:
+                first = side.read_report(origin, wait_s)
+                if first is not None:
+                    peer, report = origin, first
+        except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+            log.debug("reading rank %d's failure report: %s", peer, e)
+            return None
+        return None if report is None else report_error(own_rank, peer, report)
 
 
 # rendezvous(side, timeout_s): raises to stop group creation on every rank.
@@ -474,13 +498,16 @@ def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     _first_rendezvous = prepare
 
 
-def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
-    """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
-    collective, and make a wait in progress in one of our collectives stop."""
+def report_error(own_rank: int | None, peer: int, report: dict[str, Any]) -> PeerFailureError:
+    """A peer's failure report (a ``SideChannel.report_failure`` record), as this rank raises it:
+    which rank failed (or left), its cause, the ranks it names (``ranks``; the peer itself
+    where it names none) and who reported it (``reported_by``)."""
     message = report.get("message")
     lines = message.splitlines() if isinstance(message, str) and message else ["no message"]
     if report.get("left") is True:
-        err = PeerFailureError(f"rank {peer} left the job: {lines[0]}", rank=own_rank, ranks=(peer,))
+        err = PeerFailureError(
+            f"rank {peer} left the job: {lines[0]}", rank=own_rank, ranks=(peer,), reported_by=(peer,), left=True
+        )
     else:
         named = report.get("ranks")
         culprits = tuple(r for r in named if type(r) is int and 0 <= r < 1 << 20) if isinstance(named, list) else ()
@@ -491,9 +518,15 @@ def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
             f"rank {peer} reported a collective failure{naming}: {lines[0]}" + "".join(f"\n{line}" for line in causes),
             rank=own_rank,
             ranks=culprits or (peer,),
+            reported_by=(peer,),
         )
-    err.reported_by = (peer,)  # type: ignore[attr-defined]
-    health.poison_from_peer(err)
+    return err
+
+
+def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
+    """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
+    collective, and make a wait in progress in one of our collectives stop."""
+    health.poison_from_peer(report_error(own_rank, peer, report))
 
 
 _exit_registered = False

@@ -249,8 +249,8 @@ class ShmGuardChannel:
         """Slow path after a mismatch (every rank takes it): each rank's (seq, site)."""
         return [(s, f) for s, f in _all_gather_ints(self.pg, [seq, site])]
 
-    def publish_failure(self, rank: int) -> None:
-        self._local.publish_failure(rank)
+    def publish_failure(self, rank: int, left: bool = False) -> None:
+        self._local.publish_failure(rank, left)
 
     def _tell_other_hosts(self, error: CollectiveError) -> None:
         """This host failed: still take part in the leaders' exchange, carrying a negative

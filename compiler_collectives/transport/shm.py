@@ -5,7 +5,10 @@ ranks ever write the same line):
 
 * line 0: header: magic, layout version, number of local ranks, failure word,
   the creator's random token, the creator's pid namespace (inode of
-  /proc/self/ns/pid);
+  /proc/self/ns/pid). The failure word is 0 until a local rank publishes
+  (``failure_word``): its rank + 1 in the low 32 bits, and the kind bit
+  ``FAIL_LEFT`` (bit 32) when that rank left the job (its own code raised while
+  it waited) rather than failed, so that peers say which;
 * line 1 + i: local rank i's slot: [0] its word for even calls, [1] for odd
   calls, [2] pid, [3] process start time, [4] global rank;
 * line 1 + n: the host leader's result: [0] even calls, [1] odd calls
@@ -83,7 +86,7 @@ from ..errors import CollectiveTimeoutError, PeerFailureError
 log = logging.getLogger("compiler_collectives.transport.shm")
 
 MAGIC = 0x63635F73686D3031  # "cc_shm01"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: the failure word's kind bit (FAIL_LEFT)
 LINE = 8  # words per cache line
 FLAGS_PER_LINE = 8 * LINE  # one byte per local rank
 
@@ -94,6 +97,9 @@ WRITTEN = 1 << 63
 TAG_SHIFT = 47
 KEY_MASK = (1 << 46) - 1
 TAG_BIT = 0x10000
+
+FAIL_LEFT = 1 << 32  # kind bit of the failure word: the rank left the job, it did not fail
+_FAIL_RANK = (1 << 32) - 1
 
 SPIN_READS = 400  # about 20-40 µs of reads before the first yield, with a core per rank
 SPIN_READS_OVERSUBSCRIBED = 8  # more local ranks than cores: give the core up almost at once
@@ -153,6 +159,18 @@ def _refusal(st: os.stat_result, size: int) -> str | None:
 def tag(n: int) -> int:
     """The tag of call ``n``: never zero, so an unwritten word matches no call."""
     return TAG_BIT | (n & 0xFFFF)
+
+
+def failure_word(rank: int, left: bool = False) -> int:
+    """The failure word a rank publishes: never zero (zero means no failure)."""
+    return (rank + 1) | (FAIL_LEFT if left else 0)
+
+
+def read_failure_word(word: int) -> tuple[int, bool] | None:
+    """(global rank that published, whether it left rather than failed), or None if none did."""
+    if not word:
+        return None
+    return (word & _FAIL_RANK) - 1, bool(word & FAIL_LEFT)
 
 
 def flag_lines(local_ranks: int) -> int:
@@ -553,6 +571,8 @@ class LocalExchange:
         return bool(w & 2) and bool(w & 1), bool(w & 2)
 
     def failed_elsewhere(self, n: int, failed_rank: int) -> PeerFailureError:
+        # Not marked as a report: the rank named may be one that died without reporting
+        # (its host's leader saw it gone); the diagnosis finds out.
         return PeerFailureError(
             f"{self._describe(n)}: rank {failed_rank}, on another host, failed during this guard "
             "collective (its host's leader reported it); that rank's log names the cause.",
@@ -627,22 +647,29 @@ class LocalExchange:
 
     # ------------------------------------------------------------------ failures
 
-    def publish_failure(self, rank: int) -> None:
-        """Tell every local rank that this one failed: they stop waiting at once."""
+    def publish_failure(self, rank: int, left: bool = False) -> None:
+        """Tell every local rank that this one failed (or, ``left``, left the job): they stop
+        waiting at once. The first word published stays: it is what the others raise."""
         if not self.words[_HDR_FAIL]:
-            self.words[_HDR_FAIL] = rank + 1
+            self.words[_HDR_FAIL] = failure_word(rank, left)
         for j in range(self.n + 1):  # every slot and the result line: wherever a rank may sleep
             for parity in (0, 1):
                 self.wake(LINE * (1 + j) + parity)
 
     def _peer_reported(self, n: int) -> PeerFailureError:
-        failed = self.words[_HDR_FAIL] - 1
+        # A report: the failure procedure replaces these words by the rank's own store report.
+        failed, left = read_failure_word(self.words[_HDR_FAIL]) or (-1, False)
+        if left:
+            what = f"rank {failed} left the job (its own code raised while it waited in a guard collective)"
+        else:
+            what = f"rank {failed} reported a failure on this host's shared-memory channel"
         return PeerFailureError(
-            f"{self._describe(n)}: rank {failed} reported a failure on this host's shared-memory "
-            "channel while this rank waited; its own error names the cause.",
+            f"{self._describe(n)}: {what} while this rank waited; that rank's own error names the cause.",
             kind="guard",
             rank=self.ranks.rank,
             ranks=(failed,),
+            reported_by=(failed,),
+            left=left,
         )
 
     def _poisoned(self, n: int) -> PeerFailureError:
@@ -652,6 +679,8 @@ class LocalExchange:
             kind="guard",
             rank=self.ranks.rank,
             ranks=first.ranks if first is not None else (),
+            reported_by=first.reported_by if first is not None else (),
+            left=getattr(first, "left", False),
         )
 
     def _dead(self, j: int, n: int) -> PeerFailureError:
