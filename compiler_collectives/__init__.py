@@ -72,6 +72,9 @@ except UnsupportedTorchError as _e:
     if not _running_doctor():
         raise
     install_error = _e
+    from .tools import doctor as _doctor
+
+    _doctor.set_install_error(_e)
 
 # A forked child (a DataLoader worker) gets a fresh state of its own.
 _os.register_at_fork(after_in_child=_lifecycle.after_fork_in_child)
@@ -194,7 +197,7 @@ def stats() -> dict[str, Any]:
     With timing on (COMPILER_COLLECTIVES_TIMING / _TRACE_DIR), ``"timing"``
     holds per kind the count, total, p50/p90/p99/max (seconds) and bytes.
     """
-    from .tools import timing
+    from .instrument import timing
     from .transport import groups
 
     out = _counters.snapshot()

@@ -154,6 +154,21 @@ class StoreUnresponsive(Exception):
         self.timeout_s = timeout_s
 
 
+class MalformedPayload(Exception):
+    """A peer's msgpack payload failed validation (internal to ``agreements/wire.py``, whose
+    ``decode`` functions turn it into a ``WireFormatError``)."""
+
+
+class PayloadOutOfStep(Exception):
+    """A peer sent the other kind of envelope (internal to ``agreements/wire.py``, whose
+    ``decode`` functions turn it into a ``CollectiveDesyncError``)."""
+
+
+class MalformedSetupRecord(Exception):
+    """A peer's setup record is unreadable (internal to ``agreements/setup.py``, where an
+    unreadable record is itself a difference the ``SetupMismatchError`` names)."""
+
+
 def ranks_text(ranks: Sequence[int]) -> str:
     """'rank 3' or 'ranks 0, 2': how messages name (global) ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

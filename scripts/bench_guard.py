@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     import compiler_collectives  # noqa: F401
     from compiler_collectives import dynamo
     from compiler_collectives.agreements import guard as guard_collective
-    from compiler_collectives.tools import timing
+    from compiler_collectives.instrument import timing
     from compiler_collectives.transport import groups
 
     torch_hook = dynamo.torch_original("guard_collectives_hook")

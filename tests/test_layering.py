@@ -1,65 +1,89 @@
-"""The package's layout keeps its promises: layers, private names, one seam table.
+"""The package's layout keeps its promises: layers by rank, private names, one seam table.
 
-* No module reads or writes another module's underscore names.
-* Only ``compiler_collectives/dynamo/`` imports torch's private modules or
-  reads torch's underscore names.
-* No import cycle between our modules at import time.
-* Every replacement the seam table names exists, and every row is listed in
-  docs/design.md; the package version is declared once, as pyproject says.
+* Every module belongs to a ranked layer (``RANKS``) and imports nothing of a
+  higher rank: lazy imports (inside functions), ``TYPE_CHECKING`` imports and
+  ``importlib.import_module("compiler_collectives...")`` count as imports.
+* The agreements import only what ``transport/__init__.py`` exports.
+* No module imports, reads or writes another module's underscore names, through
+  whatever name the module is bound to (``from x import m``, ``import x.m as s``,
+  ``import x.m``, ``getattr(s, "_n")``).
+* Only ``compiler_collectives/dynamo/`` touches torch's private modules or
+  names: by import, attribute, ``importlib.import_module``, ``__import__``,
+  ``getattr`` or ``sys.modules``.
+* No import cycle between our modules at import time, the root package included.
+* Every exception type, underscored or not, is declared in errors.py; the
+  package version is declared once (annotated or not), as pyproject says.
+* The seam table's replacements exist; docs/design.md lists every seam row and
+  draws the layers in rank order with every module.
+
+Each check is a function over a ``Tree`` (module name -> source text) that
+returns its offences. The tests run it on the real tree, which must be clean,
+and on a mutation of it (a snippet added to a real module, or a synthetic
+module), which must be flagged: every check is shown able to fail.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import dataclasses
+import functools
 import pathlib
 import re
+import textwrap
+from collections.abc import Iterator
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "compiler_collectives"
+TOP = "compiler_collectives"
 
 
-def _modules() -> dict[str, pathlib.Path]:
+# ----------------------------------------------------------------- the tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    shown: str  # the path offences name
+    text: str
+    is_package: bool
+
+
+Tree = dict[str, Source]
+
+
+def real_tree() -> Tree:
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
+        is_package = parts[-1] == "__init__"
+        if is_package:
             parts = parts[:-1]
-        out[".".join(parts)] = path
+        out[".".join(parts)] = Source(str(path.relative_to(ROOT)), path.read_text(), is_package)
     return out
 
 
-MODULES = _modules()
+TREE = real_tree()
 
 
-def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    if level > 1:
-        base = base[: len(base) - (level - 1)]
-    return ".".join(base + ([name] if name else []))
+def mutated(module: str, snippet: str, tree: Tree | None = None) -> Tree:
+    """The real tree with ``snippet`` appended to ``module`` (added as a new module if absent)."""
+    tree = dict(TREE if tree is None else tree)
+    old = tree.get(module, Source(f"<mutation {module}>", "", False))
+    tree[module] = Source(old.shown + " (mutated)", old.text + "\n" + textwrap.dedent(snippet), old.is_package)
+    return tree
 
 
-def _imports(module: str, path: pathlib.Path, top_level_only: bool) -> list[tuple[str, list[str], int]]:
-    """(imported module, names taken from it, line) for every import in ``module``."""
-    tree = ast.parse(path.read_text())
-    is_package = path.name == "__init__.py"
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    out = []
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            out.extend((alias.name, [], node.lineno) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:
-                target = _resolve_relative(module, is_package, node.level, node.module)
-            out.append((target, [alias.name for alias in node.names], node.lineno))
-    return out
+@functools.cache
+def _parse(text: str) -> ast.Module:
+    return ast.parse(text)
 
 
-def _our_module(name: str) -> str | None:
+def _ours(tree: Tree, name: str) -> str | None:
+    """The module of ours that ``name`` (a dotted path) names or lies in."""
     while name:
-        if name in MODULES:
+        if name in tree:
             return name
         name = name.rpartition(".")[0]
     return None
@@ -69,109 +93,242 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def test_no_module_imports_another_module_s_private_names():
-    offences = []
-    for module, path in MODULES.items():
-        for target, names, line in _imports(module, path, top_level_only=False):
-            owner = _our_module(target)
-            if owner is None or owner == module:
-                continue
-            for name in names:
-                # ``from . import _x`` of a submodule named _x would be a private module: refuse too.
-                if _private(name):
-                    offences.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
-    assert not offences, "\n".join(offences)
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    if not level:
+        return name or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
 
 
-def _module_aliases(module: str, path: pathlib.Path) -> dict[str, str]:
-    """Local names bound to our modules by imports (``from .. import health`` -> health)."""
-    aliases = {}
-    for target, names, _ in _imports(module, path, top_level_only=False):
-        if not names:
-            continue
-        for name in names:
-            full = f"{target}.{name}" if target else name
-            if full in MODULES:
-                aliases[name] = full
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module a constant ``importlib.import_module("x")`` / ``__import__("x")`` names."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    arg = node.args[0]
+    if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        if name == "import_module" and arg.value.startswith("."):
+            return None  # relative to a package argument: not followed
+        return arg.value
+    return None
+
+
+def _import_nodes(root: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
+    """Every import (statement or constant dynamic import), and whether it runs when the module
+    is imported (not inside a function, not under ``if TYPE_CHECKING:``)."""
+
+    def visit(node: ast.AST, runtime: bool) -> Iterator[tuple[ast.AST, bool]]:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or _dynamic_import(node) is not None:
+            yield node, runtime
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            runtime = False
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from visit(child, False)
+            for child in node.orelse:
+                yield from visit(child, runtime)
+            return
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, runtime)
+
+    yield from visit(root, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    target: str  # one of our modules
+    line: int
+    runtime: bool
+
+
+def edges(tree: Tree, module: str) -> list[Edge]:
+    """The modules of ours that ``module`` imports. A package's parents, which Python imports
+    first anyway, count only when named (``import compiler_collectives``) or when a name that is
+    not a submodule is taken from them (``from .. import install_error``)."""
+    src = tree[module]
+    out = []
+    for node, runtime in _import_nodes(_parse(src.text)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, src.is_package, node.level, node.module)
+            ancestor = base == module or module.startswith(base + ".")
             for alias in node.names:
-                if alias.asname:
-                    target = (
-                        _resolve_relative(module, path.name == "__init__.py", node.level, node.module)
-                        if node.level
-                        else (node.module or "")
-                    )
-                    full = f"{target}.{alias.name}"
-                    if full in MODULES:
-                        aliases[alias.asname] = full
-    return aliases
+                # a submodule, or a name the package's __init__ defines (``*`` included)
+                targets.append(f"{base}.{alias.name}" if f"{base}.{alias.name}" in tree else base)
+            if not ancestor:
+                targets.append(base)
+        else:
+            targets = [_dynamic_import(node) or ""]
+        for target in targets:
+            owner = _ours(tree, target)
+            if owner is not None and owner != module:
+                out.append(Edge(owner, node.lineno, runtime))
+    return out
 
 
-def test_no_module_reads_or_writes_another_module_s_private_names():
-    offences = []
-    for module, path in MODULES.items():
-        aliases = _module_aliases(module, path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and aliases[node.value.id] != module
-                and _private(node.attr)
-            ):
-                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
-    assert not offences, "\n".join(offences)
+def _aliases(tree: Tree, module: str) -> dict[str, str]:
+    """Local names bound to our modules: ``from .. import health``, ``from . import x as s``,
+    ``import compiler_collectives.transport.shm as s``, ``import compiler_collectives``."""
+    src = tree[module]
+    out = {}
+    for node, _ in _import_nodes(_parse(src.text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in tree:
+                    out[alias.asname] = alias.name
+                elif not alias.asname and alias.name.split(".")[0] in tree:
+                    out[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, src.is_package, node.level, node.module)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in tree:
+                    out[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return out
 
 
-def _torch_private(target: str) -> bool:
-    return target.split(".")[0] == "torch" and any(_private(p) for p in target.split(".")[1:])
+def _module_of(tree: Tree, aliases: dict[str, str], node: ast.expr) -> str | None:
+    """The module of ours an expression names (``s``, ``compiler_collectives.transport.shm``)."""
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+        parent = _module_of(tree, aliases, node.value)
+        if parent is not None and f"{parent}.{node.attr}" in tree:
+            return f"{parent}.{node.attr}"
+    return None
 
 
-def test_only_the_dynamo_package_touches_torch_private_modules_or_names():
-    offences = []
-    for module, path in MODULES.items():
-        if module.startswith("compiler_collectives.dynamo"):
+def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
+    """(module of ours, name, line) for every ``m.name`` and ``getattr(m, "name")`` (also
+    ``setattr``, ``delattr``, ``hasattr``) on another module of ours in ``module``."""
+    aliases = _aliases(tree, module)
+    for node in ast.walk(_parse(tree[module].text)):
+        if isinstance(node, ast.Attribute):
+            owner, name = _module_of(tree, aliases, node.value), node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "delattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            owner, name = _module_of(tree, aliases, node.args[0]), node.args[1].value
+        else:
             continue
-        for target, names, line in _imports(module, path, top_level_only=False):
-            if _torch_private(target) or (target.split(".")[0] == "torch" and any(_private(n) for n in names)):
-                offences.append(f"{path.relative_to(ROOT)}:{line} imports {target} {names}")
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and _private(node.attr):
-                chain, value = [node.attr], node.value
-                while isinstance(value, ast.Attribute):
-                    chain.append(value.attr)
-                    value = value.value
-                if isinstance(value, ast.Name) and value.id in ("torch", "dist"):
-                    offences.append(
-                        f"{path.relative_to(ROOT)}:{node.lineno} reads {value.id}.{'.'.join(reversed(chain))}"
+        if owner is not None and owner != module:
+            yield owner, name, node.lineno
+
+
+# ---------------------------------------------------------------- the layers
+
+BASE = ("config", "errors", "state", "stats", "version")
+RANKS = {
+    # the root package's __init__ (the public API) and __main__: above everything
+    "package": 7,
+    # the command-line tools (cli, doctor, report): they read everything
+    "tools": 6,
+    "dynamo": 5,
+    "agreements": 4,
+    "transport": 3,
+    "health": 2,
+    # timing and the artifacts' plain data: what every layer records into
+    "instrument": 1,
+    # config, errors, state, stats, version
+    "base": 0,
+}
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != TOP:
+        return None
+    if len(parts) == 1 or parts[1:] == ["__main__"]:
+        return "package"
+    if len(parts) == 2 and parts[1] in BASE:
+        return "base"
+    if parts[1] in RANKS and parts[1] not in ("package", "base"):
+        return parts[1]
+    return None
+
+
+def check_layers(tree: Tree) -> list[str]:
+    """Every module is in a ranked layer, and imports nothing from a higher one."""
+    offences = []
+    for module, src in tree.items():
+        layer = layer_of(module)
+        if layer is None:
+            offences.append(f"{src.shown}: {module} is in no ranked layer (add its folder to RANKS)")
+            continue
+        for edge in edges(tree, module):
+            up = layer_of(edge.target)
+            if up is not None and RANKS[up] > RANKS[layer]:
+                how = "" if edge.runtime else " (lazily or under TYPE_CHECKING)"
+                offences.append(f"{src.shown}:{edge.line} ({layer}) imports {edge.target} ({up}){how}")
+    return offences
+
+
+def _exports(tree: Tree, package: str) -> set[str]:
+    for node in _parse(tree[package].text).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def check_transport_exports(tree: Tree) -> list[str]:
+    """The agreements use only the names ``transport/__init__.py`` exports (its ``__all__``)."""
+    transport = f"{TOP}.transport"
+    exported = _exports(tree, transport)
+    offences = []
+    for module, src in tree.items():
+        if layer_of(module) != "agreements":
+            continue
+        for node, _ in _import_nodes(_parse(src.text)):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, src.is_package, node.level, node.module)
+                if base.startswith(transport + "."):
+                    offences.append(f"{src.shown}:{node.lineno} imports from {base}")
+                elif base == transport:
+                    offences.extend(
+                        f"{src.shown}:{node.lineno} imports transport.{a.name}, which transport does not export"
+                        for a in node.names
+                        if a.name not in exported
                     )
-    assert not offences, "\n".join(offences)
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [_dynamic_import(node)]
+                offences.extend(
+                    f"{src.shown}:{node.lineno} imports {n}" for n in names if n and n.startswith(transport + ".")
+                )
+        for owner, name, line in _reads(tree, module):
+            if owner == transport and name not in exported:
+                offences.append(f"{src.shown}:{line} reads transport.{name}, which transport does not export")
+    return offences
 
 
-def test_our_modules_import_each_other_without_a_cycle():
-    graph: dict[str, set[str]] = {m: set() for m in MODULES}
-    for module, path in MODULES.items():
-        for target, names, _ in _imports(module, path, top_level_only=True):
-            for full in [target] + [f"{target}.{n}" for n in names]:
-                owner = _our_module(full)
-                if owner is not None and owner != module and not module.startswith(owner + "."):
-                    graph[module].add(owner)
-    # A package's __init__ importing its own submodules is how packages work; a
-    # submodule importing its package back (beyond the parents Python imports
-    # first anyway) is a cycle like any other.
+def check_cycles(tree: Tree) -> list[str]:
+    """No cycle among the imports that run when a module is imported, the root package included."""
+    graph = {m: sorted({e.target for e in edges(tree, m) if e.runtime}) for m in tree}
     state: dict[str, int] = {}
     stack: list[str] = []
+    found: list[str] = []
 
     def visit(node: str) -> None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1 and not nxt.startswith(node + ".") and not node.startswith(nxt + "."):
-                cycle = stack[stack.index(nxt) :] + [nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                found.append("import cycle: " + " -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
                 visit(nxt)
         stack.pop()
         state[node] = 2
@@ -179,6 +336,453 @@ def test_our_modules_import_each_other_without_a_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+    return found
+
+
+# ------------------------------------------------------------- private names
+
+
+def check_private_imports(tree: Tree) -> list[str]:
+    """No ``from <our module> import _name`` (nor ``import`` of a private module of ours) elsewhere."""
+    offences = []
+    for module, src in tree.items():
+        for node, _ in _import_nodes(_parse(src.text)):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, src.is_package, node.level, node.module)
+                owner = _ours(tree, base)
+                if owner is None or owner == module:
+                    continue
+                # ``from . import _x`` of a submodule named _x would be a private module: refuse too.
+                offences.extend(
+                    f"{src.shown}:{node.lineno} imports {base}.{a.name}" for a in node.names if _private(a.name)
+                )
+                if any(_private(p) for p in base.split(".")):
+                    offences.append(f"{src.shown}:{node.lineno} imports from the private module {base}")
+            elif isinstance(node, ast.Import):
+                offences.extend(
+                    f"{src.shown}:{node.lineno} imports the private module {a.name}"
+                    for a in node.names
+                    if _ours(tree, a.name) not in (None, module) and any(_private(p) for p in a.name.split("."))
+                )
+    return offences
+
+
+def check_private_reads(tree: Tree) -> list[str]:
+    """No module reads or writes another module's underscore names, whatever name it is bound to."""
+    return [
+        f"{tree[module].shown}:{line} uses {owner}.{name}"
+        for module in tree
+        for owner, name, line in _reads(tree, module)
+        if _private(name)
+    ]
+
+
+# ------------------------------------------------------- torch's private side
+
+
+def _torch_private(target: str) -> bool:
+    parts = target.split(".")
+    return parts[0] == "torch" and any(_private(p) for p in parts[1:])
+
+
+def _in_dynamo(module: str) -> bool:
+    return module == f"{TOP}.dynamo" or module.startswith(f"{TOP}.dynamo.")
+
+
+def _chain(node: ast.expr) -> tuple[str | None, list[str]]:
+    """(root name, attributes) of ``a.b.c`` -> ("a", ["b", "c"])."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+def _is_sys_modules(node: ast.expr) -> bool:
+    root, attrs = _chain(node)
+    return (root == "sys" and attrs == ["modules"]) or (root == "modules" and not attrs)
+
+
+def _str_arg(node: ast.Call | ast.Subscript) -> str | None:
+    arg = node.slice if isinstance(node, ast.Subscript) else (node.args[0] if node.args else None)
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def check_torch_private(tree: Tree) -> list[str]:
+    """Outside ``dynamo/``, nothing reaches torch's private modules or names, in any of the forms
+    Python offers: import, attribute, ``importlib.import_module``/``__import__``, ``getattr`` (and
+    ``setattr``/``hasattr``/``delattr``), ``sys.modules``; through any name torch is bound to."""
+    offences = []
+    for module, src in tree.items():
+        if _in_dynamo(module):
+            continue
+        body = _parse(src.text)
+        where = src.shown
+        torch_names = {"torch", "dist"}
+        for node in ast.walk(body):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "torch":
+                        torch_names.add(a.asname or "torch")
+                    if _torch_private(a.name):
+                        offences.append(f"{where}:{node.lineno} imports {a.name}")
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+                torch_names.update(a.asname or a.name for a in node.names)
+                if _torch_private(node.module or "") or any(_private(a.name) for a in node.names):
+                    offences.append(f"{where}:{node.lineno} imports {node.module} {[a.name for a in node.names]}")
+        for node in ast.walk(body):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                root, attrs = _chain(node)
+                if root in torch_names:
+                    offences.append(f"{where}:{node.lineno} reads {root}.{'.'.join(attrs)}")
+            elif isinstance(node, ast.Call):
+                func = node.func
+                text = _str_arg(node)
+                if _dynamic_import(node) is not None and _torch_private(_dynamic_import(node) or ""):
+                    offences.append(f"{where}:{node.lineno} imports {_dynamic_import(node)} dynamically")
+                elif (
+                    isinstance(func, ast.Name)
+                    and func.id in ("getattr", "setattr", "delattr", "hasattr")
+                    and len(node.args) >= 2
+                    and _chain(node.args[0])[0] in torch_names
+                    and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)
+                    and _private(node.args[1].value)
+                ):
+                    offences.append(f"{where}:{node.lineno} {func.id}s {node.args[1].value} of torch")
+                elif (
+                    isinstance(func, ast.Attribute)
+                    and _is_sys_modules(func.value)
+                    and text is not None
+                    and _torch_private(text)
+                ):
+                    offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
+            elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
+                text = _str_arg(node)
+                if text is not None and _torch_private(text):
+                    offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
+    return offences
+
+
+# ---------------------------------------------------- errors and the version
+
+_BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+
+
+def _base_name(node: ast.expr) -> str:
+    root, attrs = _chain(node)
+    return attrs[-1] if attrs else (root or "")
+
+
+def check_exceptions(tree: Tree) -> list[str]:
+    """Every exception type, underscored or not, is declared in errors.py (a subclass of one of
+    ours, of a builtin exception or of a local exception class counts)."""
+    errors = f"{TOP}.errors"
+    ours = (
+        {n.name for n in ast.walk(_parse(tree[errors].text)) if isinstance(n, ast.ClassDef)}
+        if errors in tree
+        else set()
+    )
+    offences = []
+    for module, src in tree.items():
+        if module == errors:
+            continue
+        classes = [n for n in ast.walk(_parse(src.text)) if isinstance(n, ast.ClassDef)]
+        exceptional = _BUILTIN_EXCEPTIONS | ours
+        flagged: set[int] = set()
+        changed = True
+        while changed:  # local subclasses of local exception classes, to a fixed point
+            changed = False
+            for c in classes:
+                bases = {_base_name(b) for b in c.bases}
+                if id(c) not in flagged and any(b in exceptional or b.endswith(("Error", "Exception")) for b in bases):
+                    exceptional.add(c.name)
+                    flagged.add(id(c))
+                    changed = True
+                    offences.append(f"{src.shown}:{c.lineno} declares {c.name}")
+    return offences
+
+
+def _assigned_names(target: ast.expr) -> Iterator[str]:
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for t in target.elts:
+            yield from _assigned_names(t)
+    elif isinstance(target, ast.Starred):
+        yield from _assigned_names(target.value)
+
+
+def version_declarations(tree: Tree) -> list[str]:
+    """The modules that assign ``__version__`` (plain, annotated, augmented or unpacked)."""
+    out = []
+    for module, src in tree.items():
+        for node in ast.walk(_parse(src.text)):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
+            if any("__version__" in _assigned_names(t) for t in targets):
+                out.append(module)
+                break
+    return out
+
+
+# ------------------------------------------------------- the real tree: clean
+
+
+def test_every_module_is_in_a_ranked_layer_and_imports_nothing_above_it():
+    offences = check_layers(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_the_agreements_use_only_what_transport_exports():
+    offences = check_transport_exports(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_no_module_imports_another_module_s_private_names():
+    offences = check_private_imports(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_no_module_reads_or_writes_another_module_s_private_names():
+    offences = check_private_reads(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_only_the_dynamo_package_touches_torch_private_modules_or_names():
+    offences = check_torch_private(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_our_modules_import_each_other_without_a_cycle():
+    offences = check_cycles(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_every_exception_type_of_the_package_is_declared_in_errors():
+    offences = check_exceptions(TREE)
+    assert not offences, "\n".join(offences)
+
+
+def test_the_version_is_declared_once_and_pyproject_agrees():
+    from compiler_collectives.version import __version__
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf'^version = "{re.escape(__version__)}"$', pyproject, re.M)
+    assert version_declarations(TREE) == [f"{TOP}.version"]
+
+
+# ------------------------------------------------ mutations: each check fails
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        # a top-level import upward: transport reading the agreements
+        ("compiler_collectives.transport.groups", "from ..agreements import guard as _g\n"),
+        # a lazy one, inside a function
+        ("compiler_collectives.agreements.guard", "def f():\n    from ..dynamo import bound\n"),
+        # one under TYPE_CHECKING
+        ("compiler_collectives.health.watchdog", "if TYPE_CHECKING:\n    from ..transport import Groups\n"),
+        # the instrumentation reading the agreements (the artifacts' old Shared import)
+        (
+            "compiler_collectives.instrument.artifacts",
+            "if TYPE_CHECKING:\n    from ..agreements.reasons import Shared\n",
+        ),
+        # the base reading the instrumentation
+        ("compiler_collectives.config", "def f():\n    from .instrument import timing\n"),
+        # the agreements reading the command-line tools (the old tools.timing import)
+        ("compiler_collectives.agreements.compiler", "from ..tools import report\n"),
+        # the tools reading the root package (doctor's old `import compiler_collectives as package`)
+        ("compiler_collectives.tools.doctor", "def f():\n    import compiler_collectives as package\n"),
+        # a name, not a submodule, from the root package
+        ("compiler_collectives.dynamo.install", "def f():\n    from .. import install_error\n"),
+        # importlib with a constant name
+        ("compiler_collectives.health", "import importlib\nimportlib.import_module('compiler_collectives.dynamo')\n"),
+        # a module outside every ranked layer
+        ("compiler_collectives.extras.thing", "x = 1\n"),
+    ],
+)
+def test_the_layer_check_flags_an_upward_import(module, snippet):
+    offences = check_layers(mutated(module, snippet))
+    assert offences, f"not flagged: {snippet!r} in {module}"
+    assert all("(mutated)" in o or "<mutation" in o for o in offences), offences
+
+
+def test_the_layer_check_allows_imports_down_and_within_a_layer():
+    tree = mutated(
+        "compiler_collectives.agreements.guard",
+        "def f():\n    from ..transport import groups\n    from . import wire\n    from .. import config\n",
+    )
+    assert check_layers(tree) == []
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "from ..transport import shm\n",  # agreements/scope.py's old import
+        "from ..transport.scope import Scope\n",  # and its other one
+        "import compiler_collectives.transport.hierarchy as h\n",
+        "from .. import transport\nx = transport.shm\n",
+    ],
+)
+def test_the_transport_export_check_flags_a_name_transport_does_not_export(snippet):
+    offences = check_transport_exports(mutated("compiler_collectives.agreements.scope", snippet))
+    assert offences, snippet
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "from ..transport.shm import _HDR_VERSION\n",
+        "from ..transport import _private_module\n",
+        "from ..transport._hidden import x\n",
+    ],
+)
+def test_the_private_import_check_flags_a_private_import(snippet):
+    assert check_private_imports(mutated("compiler_collectives.agreements.scope", snippet)), snippet
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        # the gap the review found: a module imported under another name
+        "import compiler_collectives.transport.shm as s\nx = s._HDR_VERSION\n",
+        "from ..transport import shm as s\nx = s._HDR_VERSION\n",
+        "import compiler_collectives.transport.shm\nx = compiler_collectives.transport.shm._HDR_VERSION\n",
+        "from .. import transport\nx = transport.shm._HDR_VERSION\n",
+        "from ..transport import shm\nshm._HDR_VERSION = 9\n",
+        "from ..transport import shm\nx = getattr(shm, '_HDR_VERSION')\n",
+        "def f():\n    from ..health import watchdog as w\n    return w._log\n",
+    ],
+)
+def test_the_private_read_check_flags_a_private_read_through_any_alias(snippet):
+    offences = check_private_reads(mutated("compiler_collectives.agreements.scope", snippet))
+    assert offences, snippet
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import torch._dynamo\n",
+        "from torch import _dynamo\n",
+        "import torch\nx = torch._dynamo.config\n",
+        "import torch as t\nx = t._dynamo\n",
+        "from torch import fx\nx = fx._symbolic_trace\n",
+        # the gaps the review found
+        "import importlib\nm = importlib.import_module('torch._dynamo.config')\n",
+        "from importlib import import_module\nm = import_module('torch._inductor')\n",
+        "m = __import__('torch._dynamo')\n",
+        "import torch\nm = getattr(torch, '_dynamo')\n",
+        "import torch\nm = getattr(torch.fx, '_symbolic_trace')\n",
+        "import torch\nm = getattr(torch._C, 'x')\n",
+        "import torch\nok = hasattr(torch, '_inductor')\n",
+        "import sys\nm = sys.modules['torch._dynamo']\n",
+        "import sys\nm = sys.modules.get('torch._dynamo.eval_frame')\n",
+    ],
+)
+def test_the_torch_private_check_flags_every_form_outside_dynamo(snippet):
+    assert check_torch_private(mutated("compiler_collectives.agreements.scope", snippet)), snippet
+    # ... and dynamo/ may.
+    assert check_torch_private(mutated("compiler_collectives.dynamo.install", snippet)) == []
+
+
+def test_the_torch_private_check_leaves_public_torch_alone():
+    snippet = "import importlib, sys, torch\nimportlib.import_module('torch.fx')\nsys.modules['torch.nn']\n"
+    snippet += "getattr(torch, 'compile')\nx = torch.fx.Graph\n"
+    assert check_torch_private(mutated("compiler_collectives.agreements.scope", snippet)) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        # the gap the review found: a cycle through the root package's __init__
+        ("compiler_collectives.health", "from .. import install_error\n"),
+        ("compiler_collectives.agreements.wire", "import compiler_collectives\n"),
+        ("compiler_collectives.transport.gloo", "from compiler_collectives import stats as _s, reset\n"),
+        # and an ordinary one
+        ("compiler_collectives.transport.shm", "from .groups import Groups\n"),
+    ],
+)
+def test_the_cycle_check_flags_a_cycle(module, snippet):
+    offences = check_cycles(mutated(module, snippet))
+    assert offences, snippet
+
+
+def test_the_cycle_check_ignores_imports_that_run_later():
+    lazy = "def f():\n    import compiler_collectives\nif TYPE_CHECKING:\n    from .groups import Groups\n"
+    assert check_cycles(mutated("compiler_collectives.transport.shm", lazy)) == []
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "class Bad(Exception):\n    pass\n",
+        # the gap the review found: an underscored one
+        "class _Bad(Exception):\n    pass\n",
+        "class _Bad(ValueError):\n    pass\n",
+        "from ..errors import CollectiveError\nclass _Mine(CollectiveError):\n    pass\n",
+        "class Base(Exception):\n    pass\nclass _Sub(Base):\n    pass\n",
+        "def f():\n    class _Local(RuntimeError):\n        pass\n",
+    ],
+)
+def test_the_exception_check_flags_an_exception_declared_outside_errors(snippet):
+    assert check_exceptions(mutated("compiler_collectives.agreements.wire", snippet)), snippet
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        '__version__ = "9.9.9"\n',
+        # the gap the review found: annotated
+        '__version__: str = "9.9.9"\n',
+        '__version__, other = "9.9.9", 1\n',
+    ],
+)
+def test_the_version_check_flags_a_second_declaration(snippet):
+    assert version_declarations(mutated("compiler_collectives.stats", snippet)) != [f"{TOP}.version"], snippet
+
+
+# ------------------------------------------------------------------- docs
+
+
+def _layer_picture() -> list[str]:
+    """docs/design.md's layer picture, one text per box section, top to bottom."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    block = doc.split("## Layers, and where each lives", 1)[1].split("```", 2)[1]
+    sections: list[str] = []
+    for line in block.splitlines():
+        if line.strip().startswith(("┌", "├", "└")):
+            sections.append("")
+        elif sections and line.strip().startswith("│"):
+            sections[-1] += line + "\n"
+    return [s for s in sections if s]
+
+
+def test_docs_design_draws_the_layers_in_rank_order_with_every_module():
+    sections = _layer_picture()
+    special = {"package": "compiler_collectives/__init__.py", "base": "compiler_collectives/*.py"}
+    order = []
+    for layer in RANKS:
+        where = special.get(layer, f"compiler_collectives/{layer}/")
+        boxes = [s for s in sections if where in s]
+        assert len(boxes) == 1, f"docs/design.md's layer picture has {len(boxes)} boxes for {where}"
+        text = boxes[0]
+        order.append(sections.index(text))
+        for module in TREE:
+            if layer_of(module) != layer or TREE[module].is_package:
+                continue
+            name = module.rsplit(".", 1)[1]
+            assert re.search(rf"(?<![\w.]){re.escape(name)}\b", text), f"the {layer} box does not name {module}"
+    assert order == sorted(order), "docs/design.md draws the layers out of rank order"
+
+
+# --------------------------------------------------------------- seam table
 
 
 def test_every_replacement_the_seam_table_names_exists():
@@ -213,25 +817,3 @@ def test_docs_design_lists_every_row_of_the_seam_table():
         assert cells[2] == ("yes" if row.required else f"no ({row.level})"), line
         for read in row.reads:
             assert read.what in cells[3], f"{row.name}: the read {read.what!r} is not in docs/design.md"
-
-
-def test_the_version_is_declared_once_and_pyproject_agrees():
-    from compiler_collectives.version import __version__
-
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(rf'^version = "{re.escape(__version__)}"$', pyproject, re.M)
-    declared = [p for p in MODULES.values() if re.search(r"^__version__\s*=", p.read_text(), re.M)]
-    assert declared == [PACKAGE / "version.py"]
-
-
-def test_every_exception_type_of_the_package_is_declared_in_errors():
-    offences = []
-    for module, path in MODULES.items():
-        if module == "compiler_collectives.errors":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and not _private(node.name):
-                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
-                if any(b.endswith(("Error", "Exception")) or b in ("Exception", "BaseException") for b in bases):
-                    offences.append(f"{path.relative_to(ROOT)}:{node.lineno} declares {node.name}")
-    assert not offences, "\n".join(offences)

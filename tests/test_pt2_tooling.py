@@ -14,8 +14,8 @@ import torch
 
 from compiler_collectives.agreements import reasons as recompile_reasons
 from compiler_collectives.agreements.compiler import restart_decision
+from compiler_collectives.instrument import artifacts
 from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
-from compiler_collectives.tools import artifacts
 from tests.harness import run_ranks
 
 

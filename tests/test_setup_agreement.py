@@ -186,6 +186,7 @@ def test_the_setup_record_holds_every_must_match_setting_and_the_versions():
 )
 def test_a_malformed_setup_record_is_refused_by_validation(data):
     from compiler_collectives.agreements import setup as setup_agreement
+    from compiler_collectives.errors import MalformedSetupRecord
 
-    with pytest.raises(setup_agreement._Bad):
+    with pytest.raises(MalformedSetupRecord):
         setup_agreement.decode(data, 0)

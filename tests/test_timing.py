@@ -113,7 +113,7 @@ def untraced_job(rank: int, world: int) -> dict:
     import sys
 
     import compiler_collectives as cc
-    from compiler_collectives.tools import timing
+    from compiler_collectives.instrument import timing
 
     package_dir = os.path.dirname(cc.__file__) + os.sep
     written = []

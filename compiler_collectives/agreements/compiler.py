@@ -18,9 +18,9 @@ from typing import Any
 
 from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, describe
+from ..instrument import timing
 from ..state import DistributedState, FrameId, LocalState
 from ..stats import counters
-from ..tools import timing
 from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
 from . import exchange as exchange_frame
 from . import guard, wire

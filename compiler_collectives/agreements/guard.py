@@ -59,8 +59,8 @@ from ..errors import (
     SetupMismatchError,
     describe,
 )
+from ..instrument import timing
 from ..stats import counters
-from ..tools import timing
 from ..transport import GuardChannel, groups, translate_failure
 from . import failure
 

@@ -35,8 +35,7 @@ import torch.distributed as dist
 
 from .. import health
 from ..errors import CollectiveTimeoutError, PeerFailureError, ScopeError, SetupMismatchError
-from ..transport import PROTOCOL_VERSION, set_first_rendezvous, shm
-from ..transport.scope import Scope
+from ..transport import PROTOCOL_VERSION, SHM_LAYOUT_VERSION, Scope, set_first_rendezvous
 from . import setup as setup_agreement
 
 log = logging.getLogger("compiler_collectives.scope")
@@ -265,7 +264,7 @@ def first_rendezvous(chosen: Scope | None) -> Callable[[Any, float], None]:
     rank = dist.get_rank()
     items: dict[str, Any] = {
         "transport protocol version": PROTOCOL_VERSION,
-        "shared-memory layout version": shm.LAYOUT_VERSION,
+        "shared-memory layout version": SHM_LAYOUT_VERSION,
         SCOPE_ITEM: record_item(chosen),
     }
     if chosen is not None:

@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 
 from .. import config, health
-from ..errors import SCOPE_HINT, CollectiveTimeoutError, PeerFailureError, SetupMismatchError
+from ..errors import SCOPE_HINT, CollectiveTimeoutError, MalformedSetupRecord, PeerFailureError, SetupMismatchError
 
 log = logging.getLogger("compiler_collectives.setup")
 
@@ -88,31 +88,27 @@ def encode(rank: int, record: dict[str, Any]) -> bytes:
     return msgpack.packb([SETUP_FORMAT, rank, [[k, v] for k, v in record.items()]], use_bin_type=True)
 
 
-class _Bad(Exception):
-    pass
-
-
 def decode(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
-    """(format, items) of a peer's record; raises ``_Bad`` on anything malformed."""
+    """(format, items) of a peer's record; raises ``MalformedSetupRecord`` on anything malformed."""
     if len(data) > _MAX_RECORD_BYTES:
-        raise _Bad(f"{len(data)} bytes, over {_MAX_RECORD_BYTES}")
+        raise MalformedSetupRecord(f"{len(data)} bytes, over {_MAX_RECORD_BYTES}")
     try:
         obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise _Bad(f"not valid msgpack ({type(e).__name__})") from None
+        raise MalformedSetupRecord(f"not valid msgpack ({type(e).__name__})") from None
     if type(obj) is not list or len(obj) < 1 or type(obj[0]) is not int:
-        raise _Bad("not a versioned record")
+        raise MalformedSetupRecord("not a versioned record")
     if obj[0] != SETUP_FORMAT:
         return obj[0], {}
     if len(obj) != 3 or obj[1] != sender or type(obj[2]) is not list or len(obj[2]) > _MAX_ITEMS:
-        raise _Bad("malformed record")
+        raise MalformedSetupRecord("malformed record")
     items: dict[str, Any] = {}
     for pair in obj[2]:
         if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or len(pair[0]) > _MAX_TEXT:
-            raise _Bad("malformed item")
+            raise MalformedSetupRecord("malformed item")
         value = pair[1]
         if type(value) not in (type(None), bool, int, float, str) or (type(value) is str and len(value) > _MAX_TEXT):
-            raise _Bad(f"item {pair[0]!r} has a value of type {type(value).__name__}")
+            raise MalformedSetupRecord(f"item {pair[0]!r} has a value of type {type(value).__name__}")
         items[pair[0]] = value
     return obj[0], items
 
@@ -223,7 +219,7 @@ def agree(
 def _decode_or_unreadable(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
     try:
         return decode(data, sender)
-    except _Bad as e:  # an unreadable record is itself a difference worth naming
+    except MalformedSetupRecord as e:  # an unreadable record is itself a difference worth naming
         return SETUP_FORMAT, {"readable setup record": f"no ({e})"}
 
 

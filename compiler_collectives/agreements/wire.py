@@ -59,7 +59,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import CollectiveDesyncError, WireFormatError
+from ..errors import CollectiveDesyncError, MalformedPayload, PayloadOutOfStep, WireFormatError
 from ..state import (
     DYNAMIC,
     UNSET,
@@ -182,10 +182,6 @@ def encode(
 # ---------------------------------------------------------------- decoding
 
 
-class _Bad(Exception):
-    """Internal: a validation failure, turned into WireFormatError by decode()."""
-
-
 _short_repr = reprlib.Repr()
 _short_repr.maxlevel = 3
 _short_repr.maxstring = 80
@@ -218,7 +214,7 @@ def _is_native(v: Any) -> bool:
 
 def _expect(cond: bool, what: str) -> None:
     if not cond:
-        raise _Bad(what)
+        raise MalformedPayload(what)
 
 
 def _int(v: Any, what: str, *, lo: int = _INT64_MIN) -> int:
@@ -235,7 +231,7 @@ def _atom_in(v: Any, what: str, *, allow_infer: bool, lo: int) -> Any:
         return _int(v, what, lo=lo)
     if allow_infer and type(v) is list and len(v) == 1:
         return InferStride(_int(v[0], f"{what} InferStride dim", lo=0))
-    raise _Bad(f"{what}: unexpected value {_show(v)}")
+    raise MalformedPayload(f"{what}: unexpected value {_show(v)}")
 
 
 def _atom_raw(r: _Reader, what: str, *, allow_infer: bool) -> Any:
@@ -301,7 +297,7 @@ def _name_in(r: _Reader, i: int, previous: str) -> str:
 def _state_in(r: _Reader) -> LocalState:
     if not r.array_next():
         r.value()
-        raise _Bad("state must be [entries, fresh, extras]")
+        raise MalformedPayload("state must be [entries, fresh, extras]")
     r.array("state [entries, fresh, extras]", 3, 3)
     count = r.array("entries")
     entries: dict[str, SizeEntry] = {}
@@ -326,7 +322,7 @@ def _state_in(r: _Reader) -> LocalState:
         try:
             extras[name] = field.from_wire(raw)
         except (TypeError, ValueError) as e:
-            raise _Bad(f"extra field {name!r}: {e}") from None
+            raise MalformedPayload(f"extra field {name!r}: {e}") from None
     missing = set(fields) - set(extras)
     _expect(not missing, f"extra fields missing: {sorted(missing)}")
     return LocalState(automatic_dynamic=entries, frame_state_fresh=fresh, extras=extras)
@@ -363,7 +359,7 @@ def _cost(v: Any) -> int:
 
 
 class _Reader:
-    """A peer's payload read one value at a time, within the limits above (raises ``_Bad``).
+    """A peer's payload read one value at a time, within the limits above (raises ``MalformedPayload``).
 
     The parts whose shape the format fixes are read header first (``array``, ``scalar``),
     so a list of the wrong length or a container where a single value belongs is refused
@@ -393,12 +389,14 @@ class _Reader:
     def _charge(self, cost: int) -> None:
         self._left -= cost
         if self._left < 0:
-            raise _Bad(f"it decodes to more than {DECODED_BYTES_PER_BYTE} bytes of Python objects per payload byte")
+            raise MalformedPayload(
+                f"it decodes to more than {DECODED_BYTES_PER_BYTE} bytes of Python objects per payload byte"
+            )
 
     def charge_name(self, chars: int) -> None:
         self._names_left -= chars
         if self._names_left < 0:
-            raise _Bad(
+            raise MalformedPayload(
                 f"its source names decode to more than {NAME_CHARS_PER_BYTE} characters per "
                 "payload byte (front-coded names each repeating a long prefix)"
             )
@@ -418,7 +416,7 @@ class _Reader:
         try:
             return step()
         except Exception as e:  # msgpack raises several unrelated types
-            raise _Bad(f"not valid msgpack ({type(e).__name__}: {e})") from None
+            raise MalformedPayload(f"not valid msgpack ({type(e).__name__}: {e})") from None
 
     def value(self) -> Any:
         """The next value, whatever it is, charged to the budget as it is built.
@@ -444,10 +442,10 @@ class _Reader:
                 list_hook=self._list,
                 object_hook=self._map,
             )
-        except _Bad:
+        except MalformedPayload:
             raise
         except Exception as e:  # msgpack raises several unrelated types
-            raise _Bad(f"not valid msgpack ({type(e).__name__}: {e})") from None
+            raise MalformedPayload(f"not valid msgpack ({type(e).__name__}: {e})") from None
         self._charge(_cost(v))
         return v
 
@@ -468,7 +466,7 @@ class _Reader:
         """The next value's length, which must be an array of lo..hi items (from its header)."""
         if not self.array_next():
             self.value()  # invalid msgpack says so; anything else is the wrong type
-            raise _Bad(f"{what} must be a list")
+            raise MalformedPayload(f"{what} must be a list")
         n = self._read(self._up.read_array_header)
         if hi is None:
             _expect(lo <= n, f"{what} must have at least {lo} item(s)")
@@ -494,10 +492,10 @@ def _reader(data: Any, max_bytes: int, fail: Callable[[str], WireFormatError]) -
 
 def _envelope_head(r: _Reader, versions: str, *, speaks: int) -> tuple[int, list[Any]]:
     """(envelope length, [version, package, rank, world, frame, seq, sent_at]), the version
-    checked before any other item is read (raises ``_Bad``)."""
+    checked before any other item is read (raises ``MalformedPayload``)."""
     if not r.array_next():
         r.value()
-        raise _Bad("envelope must be a non-empty list")
+        raise MalformedPayload("envelope must be a non-empty list")
     n = r.array("envelope")
     _expect(n > 0, "envelope must be a non-empty list")
     version = r.scalar("format version")
@@ -510,12 +508,12 @@ def _envelope_head(r: _Reader, versions: str, *, speaks: int) -> tuple[int, list
 def _version_in(
     version: Any, package: Callable[[], Any], what: str = "wire format", speaks: int = FORMAT_VERSION
 ) -> int:
-    """The format version, which must be ours (raises ``_Bad``); ``package()`` reads the
+    """The format version, which must be ours (raises ``MalformedPayload``); ``package()`` reads the
     sender's package version, only for the message."""
     _expect(type(version) is int, f"format version must be an int, got {_show(version)}")
     if version != speaks:
         pkg = package()
-        raise _Bad(
+        raise MalformedPayload(
             f"{what} version {version}{f' (package {pkg})' if type(pkg) is str else ''}, "
             "this rank speaks version "
             f"{speaks} (package {__version__}); install the same compiler_collectives "
@@ -528,7 +526,7 @@ def _header_in(
     obj: list[Any], sender: int, expected_world_size: int | None
 ) -> tuple[str, int, int, FrameId, int, float]:
     """(package, rank, world size, frame, seq, sent_at) from the first seven items of an
-    envelope, each checked (raises ``_Bad``); shared by compiler-collective and audit envelopes."""
+    envelope, each checked (raises ``MalformedPayload``); shared by compiler-collective and audit envelopes."""
     _, pkg, rank, world, frame, seq, sent_at = obj[:7]
     _expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
     _int(rank, "sender rank", lo=0)
@@ -572,7 +570,7 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
         n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
         version = obj[0]
         if n == 9 and r.value() == AUDIT:
-            raise _OutOfStep(
+            raise PayloadOutOfStep(
                 f"rank {sender} sent a program-audit payload ({_peer_position(obj)}) while this "
                 "rank runs a compiler collective"
             )
@@ -580,9 +578,9 @@ def decode(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int
         pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
         local_state = _state_in(r)
         r.end()
-    except _Bad as e:
+    except MalformedPayload as e:
         raise fail(str(e)) from None
-    except _OutOfStep as e:
+    except PayloadOutOfStep as e:
         raise _desync(str(e), sender) from None
     return Envelope(
         format_version=version,
@@ -615,10 +613,6 @@ AUDIT_PHASES = ("forward", "backward")
 _MAX_LEVELS = 32
 _MAX_TEXT = 4096
 _MAX_ITEMS = 1_000_000
-
-
-class _OutOfStep(Exception):
-    """Internal: the peer sent the other kind of envelope."""
 
 
 def _desync(why: str, sender: int) -> CollectiveDesyncError:
@@ -788,7 +782,7 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
                 )
             )
         return AuditDetails(phase, level, collectives)
-    raise _Bad(f"unknown audit body {_show(v[0])}")
+    raise MalformedPayload(f"unknown audit body {_show(v[0])}")
 
 
 def decode_audit(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> AuditEnvelope:
@@ -801,7 +795,7 @@ def decode_audit(data: bytes, *, sender: int, max_bytes: int, expected_world_siz
         n, obj = _envelope_head(r, "wire format", speaks=FORMAT_VERSION)
         version = obj[0]
         if n == 8:
-            raise _OutOfStep(
+            raise PayloadOutOfStep(
                 f"rank {sender} is in a compiler collective ({_peer_position(obj)}) while this rank "
                 "audits a compiled graph"
             )
@@ -809,9 +803,9 @@ def decode_audit(data: bytes, *, sender: int, max_bytes: int, expected_world_siz
         pkg, rank, world, frame, seq, sent_at = _header_in(obj, sender, expected_world_size)
         parsed = _audit_body_in(r.value())
         r.end()
-    except _Bad as e:
+    except MalformedPayload as e:
         raise fail(str(e)) from None
-    except _OutOfStep as e:
+    except PayloadOutOfStep as e:
         raise _desync(str(e), sender) from None
     return AuditEnvelope(version, pkg, rank, world, frame, seq, sent_at, parsed)
 
@@ -862,7 +856,7 @@ def decode_reasons(
     try:
         if not r.array_next():
             r.value()
-            raise _Bad("payload must be a non-empty list")
+            raise MalformedPayload("payload must be a non-empty list")
         n = r.array("payload")
         _expect(n > 0, "payload must be a non-empty list")
         _version_in(r.scalar("format version"), lambda: None, "recompile-reason format", REASONS_FORMAT_VERSION)
@@ -887,6 +881,6 @@ def decode_reasons(
                 f"reasons[{i}] must be a string of at most {MAX_REASON_CHARS} characters",
             )
         _expect(missed or not reasons, "a rank that hit sent reasons")
-    except _Bad as e:
+    except MalformedPayload as e:
         raise fail(str(e)) from None
     return ReasonsEnvelope(rank=rank, world_size=world, seq=seq, missed=missed, reasons=reasons)

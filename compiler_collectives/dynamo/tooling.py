@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..agreements import guard, reasons
+from ..instrument import artifacts
 from ..state import DistributedState, FrameId
-from ..tools import artifacts
 from . import bound
 
 _compiler_log = logging.getLogger("compiler_collectives.compiler")
@@ -69,6 +69,28 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
         _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
 
 
+def guard_collective(shared: reasons.Shared, frame: str | None) -> dict[str, Any]:
+    """The ``guard_collective`` artifact for one miss every rank agreed on (emitted on every rank)."""
+    return {
+        "artifact_version": artifacts.ARTIFACT_VERSION,
+        "event": "recompile",
+        "seq": shared.seq,
+        "frame": frame,
+        "rank": shared.rank,
+        "world_size": shared.world_size,
+        "this_rank_missed": shared.this_rank_missed,
+        # this rank's own guards passed: it recompiles only because others missed
+        "forced": not shared.this_rank_missed,
+        "missed_ranks": sorted(shared.missed),
+        "reasons_by_rank": {str(r): v for r, v in sorted(shared.missed.items())},
+        "recorded_reasons": shared.reasons,
+        "bytes_sent": shared.bytes_sent,
+        "bytes_received": shared.bytes_received,
+        "rounds": shared.rounds,
+        "time_ms": round(shared.elapsed_s * 1e3, 3),
+    }
+
+
 def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False) -> list[str]:
     """Dynamo's recompile reasons; after an agreed guard miss, every rank's, on every rank."""
     original = bound.originals["get_and_maybe_log_recompilation_reasons"]
@@ -82,7 +104,7 @@ def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_log
     # cannot find a reason.
     own = original(cache_entries, frame, backend, skip_logging=True) if missed else []
     shared = reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)
-    structured_artifact("guard_collective", lambda: artifacts.guard_collective(shared, where))
+    structured_artifact("guard_collective", lambda: guard_collective(shared, where))
     _record_recompile_reasons(code, shared.reasons)
     return shared.reasons
 

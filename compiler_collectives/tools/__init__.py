@@ -1,2 +1,4 @@
-"""What people and PT2's tooling see: timing and Chrome traces, structured-trace
-artifacts, the ``report`` and ``doctor`` commands, and the command line."""
+"""The command-line tools, on top of every layer: ``cli`` (``python -m
+compiler_collectives``), ``doctor`` and ``report``. They may import anything
+of ours; nothing of ours but the package's ``__main__`` imports them (and the
+package's ``__init__``, which hands ``doctor`` the install error it caught)."""

@@ -43,11 +43,12 @@ def add_report_parser(subparsers: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from ..errors import ReportError
     from . import report
 
     try:
         _say(report.run(args.directory, args.out))
-    except report.ReportError as e:
+    except ReportError as e:
         print(f"report: {e}", file=sys.stderr)
         return 1
     return 0

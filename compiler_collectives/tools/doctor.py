@@ -12,6 +12,18 @@ import os
 from typing import Any
 
 from .. import config
+from ..errors import UnsupportedTorchError
+from ..version import __version__
+
+install_error: UnsupportedTorchError | None = None
+"""What installing into ``torch._dynamo`` raised when the package was imported to run
+``doctor`` (which reports a broken install instead of dying of it); the package's
+``__init__``, above this module, hands it over with ``set_install_error``."""
+
+
+def set_install_error(error: UnsupportedTorchError | None) -> None:
+    global install_error
+    install_error = error
 
 
 def _autoload_facts() -> dict[str, Any]:
@@ -91,18 +103,16 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
     import torch
 
     facts: dict[str, Any] = {"torch_version": torch.__version__}
-    import compiler_collectives as package
-
     from .. import dynamo as dynamo_seams
 
-    facts["package_version"] = package.__version__
+    facts["package_version"] = __version__
     facts["missing_seams"] = dynamo_seams.missing_seams()
     facts["missing_audit_backend_seams"] = dynamo_seams.missing_audit_backend_seams()
     facts["torch_supported"] = dynamo_seams.version_supported()
     facts["supported_range"] = dynamo_seams.supported_range()
     facts["installed"] = dynamo_seams.installed()
-    if package.install_error is not None:
-        facts["install_error"] = str(package.install_error)
+    if install_error is not None:
+        facts["install_error"] = str(install_error)
     facts["autoload"] = _autoload_facts()
     facts["switches"] = _switch_sources()
     if create_groups:

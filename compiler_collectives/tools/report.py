@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from ..errors import ReportError
-from .timing import quantiles
+from ..instrument.timing import quantiles
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
 

@@ -13,7 +13,8 @@ One module per mechanism, and one for the groups they run on:
   and the teardown at interpreter exit. What a failure means for the job is
   decided above this layer (``agreements/failure.py``).
 
-The layer above (the agreements) imports only what this module exports.
+The layer above (the agreements) imports only what this module exports
+(``tests/test_layering.py`` checks it).
 """
 
 from .gloo import (
@@ -28,14 +29,18 @@ from .gloo import (
 )
 from .groups import Groups, groups, report_error, set_first_rendezvous
 from .hierarchy import ShmGuardChannel
+from .scope import Scope
+from .shm import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 
 __all__ = [
     "PHASE_INPUTS",
     "PHASE_TRACE",
     "PROTOCOL_VERSION",
+    "SHM_LAYOUT_VERSION",
     "GlooGuardChannel",
     "Groups",
     "GuardChannel",
+    "Scope",
     "ShmGuardChannel",
     "all_gather_bytes",
     "groups",

@@ -244,7 +244,7 @@ class Recorder:
 def quantiles(values: list[float]) -> dict[int, float]:
     ordered = sorted(values)
     n = len(ordered)
-    return {p: ordered[min(n - 1, int(round(p / 100 * (n - 1))))] for p in (50, 90, 99)}
+    return {p: ordered[min(n - 1, round(p / 100 * (n - 1)))] for p in (50, 90, 99)}
 
 
 # The active recorder, or None when timing is off. Hot paths read this global.

@@ -12,19 +12,19 @@ Two artifacts, both JSON, each filed under the compile it belongs to:
 
 Plain data in, plain data out: the seams module decides when to emit and
 hands the result to torch's structured trace. ``ARTIFACT_VERSION`` changes
-whenever a field changes meaning or disappears.
+whenever a field of either artifact changes meaning or disappears. The
+``guard_collective`` artifact is built from the agreements' ``reasons.Shared``,
+so it is built above them, in ``dynamo/tooling.py``; this module knows only
+the base modules' types.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
-
-if TYPE_CHECKING:
-    from ..agreements.reasons import Shared
 
 ARTIFACT_VERSION = 1
 
@@ -210,25 +210,3 @@ def summary_line(payload: dict[str, Any]) -> str:
         f"{payload['bytes_sent']} B out, {payload['bytes_received']} B in, "
         f"{payload['rounds']} round(s), {payload['time_ms']:.3f} ms"
     )
-
-
-def guard_collective(shared: Shared, frame: str | None) -> dict[str, Any]:
-    """The ``guard_collective`` artifact for one miss every rank agreed on (emitted on every rank)."""
-    return {
-        "artifact_version": ARTIFACT_VERSION,
-        "event": "recompile",
-        "seq": shared.seq,
-        "frame": frame,
-        "rank": shared.rank,
-        "world_size": shared.world_size,
-        "this_rank_missed": shared.this_rank_missed,
-        # this rank's own guards passed: it recompiles only because others missed
-        "forced": not shared.this_rank_missed,
-        "missed_ranks": sorted(shared.missed),
-        "reasons_by_rank": {str(r): v for r, v in sorted(shared.missed.items())},
-        "recorded_reasons": shared.reasons,
-        "bytes_sent": shared.bytes_sent,
-        "bytes_received": shared.bytes_received,
-        "rounds": shared.rounds,
-        "time_ms": round(shared.elapsed_s * 1e3, 3),
-    }
