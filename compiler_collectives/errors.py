@@ -155,18 +155,8 @@ class StoreUnresponsive(Exception):
 
 
 class MalformedPayload(Exception):
-    """A peer's msgpack payload failed validation (internal to ``agreements/wire.py``, whose
-    ``decode`` functions turn it into a ``WireFormatError``)."""
-
-
-class PayloadOutOfStep(Exception):
-    """A peer sent the other kind of envelope (internal to ``agreements/wire.py``, whose
-    ``decode`` functions turn it into a ``CollectiveDesyncError``)."""
-
-
-class MalformedSetupRecord(Exception):
-    """A peer's setup record is unreadable (internal to ``agreements/setup.py``, where an
-    unreadable record is itself a difference the ``SetupMismatchError`` names)."""
+    """A peer's msgpack payload failed validation (internal to ``agreements/wire/``, whose
+    ``decode`` functions turn it into a ``WireFormatError`` naming the sender)."""
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

@@ -520,7 +520,7 @@ def test_an_oversized_payload_is_rejected_before_parsing(monkeypatch):
     def must_not_parse(*args, **kwargs):
         raise AssertionError("decode parsed a payload over max_bytes")
 
-    monkeypatch.setattr(wire.msgpack, "unpackb", must_not_parse)
+    monkeypatch.setattr(msgpack, "unpackb", must_not_parse)
     _rejects(data, max_bytes=len(data) - 1, match=f"{len(data)} bytes exceeds the limit of {len(data) - 1}")
 
 

@@ -52,12 +52,23 @@ def _decode_all(data: bytes) -> dict:
     from compiler_collectives.agreements import wire
     from compiler_collectives.errors import CollectiveDesyncError, WireFormatError
 
+    decoders = {
+        "decode": lambda: wire.decode(data, sender=SENDER, max_bytes=MAX_BYTES, expected_world_size=WORLD),
+        "decode_audit": lambda: wire.decode_audit(data, sender=SENDER, max_bytes=MAX_BYTES, expected_world_size=WORLD),
+        "decode_reasons": lambda: wire.decode_reasons(
+            data, sender=SENDER, max_bytes=MAX_BYTES, expected_world_size=WORLD
+        ),
+        # The store's records and verdicts have smaller limits of their own; at the payloads'
+        # limit their decoders must stay within the same bounds.
+        "decode_setup": lambda: wire.decode_setup(data, sender=SENDER, max_bytes=MAX_BYTES),
+        "decode_verdict": lambda: wire.decode_verdict(data, sender=SENDER, world_size=WORLD, max_bytes=MAX_BYTES),
+    }
     out = {}
-    for name in ("decode", "decode_audit", "decode_reasons"):
+    for name, decode in decoders.items():
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.monotonic()
         try:
-            getattr(wire, name)(data, sender=SENDER, max_bytes=MAX_BYTES, expected_world_size=WORLD)
+            decode()
             outcome = "decoded"
         except (WireFormatError, CollectiveDesyncError) as e:
             assert f"rank {SENDER}" in str(e) and e.ranks == (SENDER,), str(e)
@@ -151,6 +162,12 @@ def _empty_arrays(where: str) -> bytes:
         template = [1, "0.1.0", SENDER, WORLD, "BOMB", 3, 1.5, [[], True, {}]]
     elif where == "audit-body":
         template = _header() + ["audit", "BOMB"]
+    elif where == "setup-items":
+        template = [1, SENDER, "BOMB"]
+    elif where == "setup-value":
+        template = [1, SENDER, [["torch version", "BOMB"]]]
+    elif where == "verdict":
+        template = ["absent", "BOMB"]
     else:  # recompile reasons
         template = [1, "recompile_reasons", SENDER, WORLD, 5, True, "BOMB"]
     packed = msgpack.packb(template, use_bin_type=True)
@@ -159,7 +176,9 @@ def _empty_arrays(where: str) -> bytes:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["envelope", "entries", "frame", "audit-body", "reasons"])
+@pytest.mark.parametrize(
+    "where", ["envelope", "entries", "frame", "audit-body", "reasons", "setup-items", "setup-value", "verdict"]
+)
 def test_16_mib_of_empty_arrays_is_refused_within_the_memory_and_time_bounds(tmp_path, where):
     results = _decode_in_child(tmp_path, _empty_arrays(where), timeout=200)
     meant = {
@@ -167,6 +186,9 @@ def test_16_mib_of_empty_arrays_is_refused_within_the_memory_and_time_bounds(tmp
         "frame": ["decode"],
         "audit-body": ["decode_audit"],
         "reasons": ["decode_reasons"],
+        "setup-items": ["decode_setup"],
+        "setup-value": ["decode_setup"],
+        "verdict": ["decode_verdict"],
     }.get(where, list(results))
     for name in meant:
         assert results[name]["outcome"].startswith("WireFormatError"), (name, results[name])
@@ -213,6 +235,8 @@ def _fuzz(examples: int) -> None:
             _header() + [[[], True, {}]],
             _header() + ["audit", ["summary", "forward", None, [], []]],
             [1, "recompile_reasons", SENDER, WORLD, 5, True, ["why"]],
+            [1, SENDER, [["torch version", "2.13.0"], ["COMPILER_COLLECTIVES_GUARDS", True], ["n", 4096]]],
+            ["setup", [0, SENDER]],
         ]
     )
 

@@ -12,7 +12,9 @@
   rendezvous (versions and settings across the job; a scope's ranks);
 * ``exchange``: the one all-gather frame the byte exchanges share;
 * ``failure``: what an agreement does when its exchange fails;
-* ``wire``: the msgpack payloads, versioned and validated;
+* ``wire``: the msgpack payloads, versioned and validated, one module per
+  format (``compiler``, ``audit``, ``reasons``, ``setup``, ``scope``), each read
+  through ``wire.codec``'s bounded reader;
 * ``lifecycle``: reset, a destroyed default group, a forked child.
 
 Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in.

@@ -12,10 +12,11 @@ scope wait for another (``agree``):
    every leader registered before it: scopes must be disjoint and settings
    equal. Of two leaders, the one that registers second always sees the
    other, so every difference between scopes is found by one of them;
-4. the leader posts a verdict for its scope; every member raises the same
-   error from it (or none). A rank that finds a problem also reports it on the
-   store, so ranks of other scopes, which passed already, are stopped by their
-   heartbeat thread within a heartbeat.
+4. the leader posts a verdict for its scope (``wire.scope``, validated like a
+   payload); every member raises the same error from it (or none). A rank
+   that finds a problem also reports it on the store, so ranks of other
+   scopes, which passed already, are stopped by their heartbeat thread within
+   a heartbeat.
 
 Nothing here waits for a rank outside the caller's scope. Without a scope the
 whole-world check of ``setup`` runs, and stops at once if rank 0 is scoped.
@@ -30,13 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import torch.distributed as dist
 
 from .. import health
 from ..errors import CollectiveTimeoutError, PeerFailureError, ScopeError, SetupMismatchError
 from ..transport import PROTOCOL_VERSION, SHM_LAYOUT_VERSION, Scope, set_first_rendezvous
 from . import setup as setup_agreement
+from . import wire
 
 log = logging.getLogger("compiler_collectives.scope")
 
@@ -62,20 +63,16 @@ def _scope_key(record: tuple[int, dict[str, Any]]) -> str:
     return text.split("#", 1)[1].split(" ", 1)[0]
 
 
-def _verdict(kind: str, ranks: list[int]) -> bytes:
-    return msgpack.packb([kind, ranks], use_bin_type=True)
-
-
 def agree(store: Any, rank: int, world: int, timeout_s: float, chosen: Scope, record: dict[str, Any]) -> None:
     """The setup check of ``chosen``'s ranks, and of this scope against the others (see the module
     docstring). Store calls only: the caller bounds it. Raises like ``setup_agreement.agree``."""
     deadline = time.monotonic() + timeout_s
-    mine = setup_agreement.encode(rank, record)
+    mine = wire.encode_setup(rank, record)
     store.set(f"setup/{rank}", mine)
     leader = chosen.ranks[0]
     verdict_key = f"setup/scope/{chosen.key}/verdict"
     if rank == leader:
-        verdict = _lead(store, rank, chosen, setup_agreement.decode(mine, rank), deadline, timeout_s)
+        verdict = _lead(store, rank, chosen, wire.decode_setup(mine, sender=rank), deadline, timeout_s)
         store.set(verdict_key, verdict)
     else:
         _wait(store, f"setup/{leader}", deadline, rank, timeout_s, chosen, [leader])
@@ -88,11 +85,7 @@ def agree(store: Any, rank: int, world: int, timeout_s: float, chosen: Scope, re
 
 
 def _record(store: Any, sender: int) -> tuple[int, dict[str, Any]]:
-    data = store.get(f"setup/{sender}")
-    try:
-        return setup_agreement.decode(data, sender)
-    except Exception as e:  # noqa: BLE001 - an unreadable record is itself a difference worth naming
-        return setup_agreement.SETUP_FORMAT, {"readable setup record": f"no ({e})"}
+    return setup_agreement.read_record(store.get(f"setup/{sender}"), sender)
 
 
 def _lead(
@@ -110,19 +103,19 @@ def _lead(
         for m in ready:
             records[m] = _record(store, m)
             if _scope_key(records[m]) != chosen.key:
-                return _verdict("overlap", [rank, m])
+                return wire.encode_verdict("overlap", [rank, m])
         pending = [m for m in pending if m not in ready]
         if pending:
             _stop_if_poisoned(rank)
             if time.monotonic() >= deadline:
-                return _verdict("absent", pending)
+                return wire.encode_verdict("absent", pending)
     differing = [
         m
         for m in chosen.ranks
         if m != rank and setup_agreement.differences(_settings_only(mine), _settings_only(records[m]))
     ]
     if differing:
-        return _verdict("setup", [rank] + differing)
+        return wire.encode_verdict("setup", [rank] + differing)
     # Against the other scopes: every leader registered before this one.
     k = int(store.add("setup/leaders", 1))
     store.set(f"setup/leader/{k}", str(rank))
@@ -135,10 +128,10 @@ def _lead(
             continue  # (cannot happen: one leader per scope)
         their_ranks = _ranks_in(theirs)
         if their_ranks is None or set(their_ranks) & set(chosen.ranks):
-            return _verdict("overlap", [other, rank])
+            return wire.encode_verdict("overlap", [other, rank])
         if setup_agreement.differences(_settings_only(theirs), _settings_only(mine)):
-            return _verdict("setup", [other, rank])
-    return _verdict("ok", [])
+            return wire.encode_verdict("setup", [other, rank])
+    return wire.encode_verdict("ok", [])
 
 
 def _ranks_in(record: tuple[int, dict[str, Any]]) -> tuple[int, ...] | None:
@@ -168,8 +161,9 @@ def _settings_only(record: tuple[int, dict[str, Any]]) -> tuple[int, dict[str, A
     return record[0], {k: v for k, v in record[1].items() if k not in (SCOPE_ITEM, RANKS_ITEM)}
 
 
-def _raise_verdict(store: Any, rank: int, world: int, timeout_s: float, chosen: Scope, verdict: bytes) -> None:
-    kind, ranks = msgpack.unpackb(verdict, raw=False)
+def _raise_verdict(store: Any, rank: int, world: int, timeout_s: float, chosen: Scope, data: bytes) -> None:
+    verdict = wire.decode_verdict(data, sender=chosen.ranks[0], world_size=world)
+    kind, ranks = verdict.kind, verdict.ranks
     if kind == "ok":
         return
     if kind == "overlap":

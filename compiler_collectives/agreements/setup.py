@@ -22,9 +22,11 @@ What is compared (``local_record``):
 
 The exchange runs on the c10d store, once per generation, and is also the
 first group's rendezvous. Every rank's record is msgpack
-(``[format, rank, [[item, value], ...]]``) and is validated before use. To
-stay at O(1) store operations per rank, each rank compares its record with
-rank 0's; only the ranks that differ publish theirs for the others to read:
+(``wire.setup``: ``[format, rank, [[item, value], ...]]``), read by the bounded
+reader and validated before use; a record that cannot be read shows as that
+rank's "readable setup record" item. To stay at O(1) store operations per
+rank, each rank compares its record with rank 0's; only the ranks that differ
+publish theirs for the others to read:
 
 1. ``setup/<rank>``: this rank's record (also its arrival mark);
 2. compare with ``setup/0``; if different, ``setup/mismatches`` += 1 and the
@@ -42,17 +44,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
 from .. import config, health
-from ..errors import SCOPE_HINT, CollectiveTimeoutError, MalformedSetupRecord, PeerFailureError, SetupMismatchError
+from ..errors import SCOPE_HINT, CollectiveTimeoutError, PeerFailureError, SetupMismatchError, WireFormatError
+from . import wire
 
 log = logging.getLogger("compiler_collectives.setup")
 
-SETUP_FORMAT = 1
-_MAX_RECORD_BYTES = 64 * 1024
-_MAX_ITEMS = 512
-_MAX_TEXT = 512
 _SHOWN_MISMATCHES = 32  # records read and shown when many ranks differ from rank 0
 
 _sources: list[Callable[[], dict[str, Any]]] = []
@@ -69,7 +66,6 @@ def local_record(versions: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from ..version import __version__
-    from . import wire
 
     record: dict[str, Any] = {
         "compiler_collectives version": __version__,
@@ -82,35 +78,6 @@ def local_record(versions: dict[str, Any]) -> dict[str, Any]:
     for source in _sources:
         record.update(source())
     return record
-
-
-def encode(rank: int, record: dict[str, Any]) -> bytes:
-    return msgpack.packb([SETUP_FORMAT, rank, [[k, v] for k, v in record.items()]], use_bin_type=True)
-
-
-def decode(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
-    """(format, items) of a peer's record; raises ``MalformedSetupRecord`` on anything malformed."""
-    if len(data) > _MAX_RECORD_BYTES:
-        raise MalformedSetupRecord(f"{len(data)} bytes, over {_MAX_RECORD_BYTES}")
-    try:
-        obj = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise MalformedSetupRecord(f"not valid msgpack ({type(e).__name__})") from None
-    if type(obj) is not list or len(obj) < 1 or type(obj[0]) is not int:
-        raise MalformedSetupRecord("not a versioned record")
-    if obj[0] != SETUP_FORMAT:
-        return obj[0], {}
-    if len(obj) != 3 or obj[1] != sender or type(obj[2]) is not list or len(obj[2]) > _MAX_ITEMS:
-        raise MalformedSetupRecord("malformed record")
-    items: dict[str, Any] = {}
-    for pair in obj[2]:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str or len(pair[0]) > _MAX_TEXT:
-            raise MalformedSetupRecord("malformed item")
-        value = pair[1]
-        if type(value) not in (type(None), bool, int, float, str) or (type(value) is str and len(value) > _MAX_TEXT):
-            raise MalformedSetupRecord(f"item {pair[0]!r} has a value of type {type(value).__name__}")
-        items[pair[0]] = value
-    return obj[0], items
 
 
 _MISSING = "<not sent>"
@@ -188,7 +155,7 @@ def agree(
     it. Raises on a mismatch or an absent rank. ``on_reference`` sees rank
     0's record first and may raise at once (rank 0 in a scope: see ``scope``).
     """
-    mine = encode(rank, record)
+    mine = wire.encode_setup(rank, record)
     deadline = time.monotonic() + timeout_s
     store.set(f"setup/{rank}", mine)
     if rank == 0:
@@ -196,10 +163,10 @@ def agree(
     else:
         _wait_or_raise(store, "setup/0", deadline, rank, world, timeout_s)
         reference_bytes = store.get("setup/0")
-    reference = _decode_or_unreadable(reference_bytes, 0)
+    reference = read_record(reference_bytes, 0)
     if on_reference is not None:
         on_reference(reference, store)
-    if reference_bytes != mine and differences(reference, decode(mine, rank)):
+    if reference_bytes != mine and differences(reference, wire.decode_setup(mine, sender=rank)):
         index = store.add("setup/mismatches", 1)
         store.set(f"setup/mismatch/{index}", str(rank))
     if store.add("setup/arrived", 1) == world:
@@ -211,16 +178,18 @@ def agree(
     others = []
     for index in range(1, min(total, _SHOWN_MISMATCHES) + 1):
         sender = int(store.get(f"setup/mismatch/{index}"))
-        others.append((sender, _decode_or_unreadable(store.get(f"setup/{sender}"), sender)))
+        others.append((sender, read_record(store.get(f"setup/{sender}"), sender)))
     others.sort(key=lambda pair: pair[0])
     raise mismatch_error(rank, world, reference, others, total)
 
 
-def _decode_or_unreadable(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
+def read_record(data: bytes, sender: int) -> tuple[int, dict[str, Any]]:
+    """The record ``sender`` posted, decoded; one that cannot be read is a record whose only
+    item says why (itself a difference worth naming)."""
     try:
-        return decode(data, sender)
-    except MalformedSetupRecord as e:  # an unreadable record is itself a difference worth naming
-        return SETUP_FORMAT, {"readable setup record": f"no ({e})"}
+        return wire.decode_setup(data, sender=sender)
+    except WireFormatError as e:
+        return wire.SETUP_FORMAT, {"readable setup record": f"no ({e})"}
 
 
 def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int, timeout_s: float) -> None:
@@ -237,11 +206,7 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
         failure = health.poisoned()
         if failure is not None:
             raise PeerFailureError(
-                f"setup check on rank {rank}: stopped waiting: {failure}",
-                kind="setup",
-                rank=rank,
-                ranks=failure.ranks,
-                reported_by=failure.reported_by,
+                f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks
             )
         if time.monotonic() >= deadline:
             break
