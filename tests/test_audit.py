@@ -342,6 +342,36 @@ def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_wai
     assert r0["seconds"] < 20  # well under COMPILER_COLLECTIVES_TIMEOUT
 
 
+def _print_when_long(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    if x.size(0) > 20:
+        print(f"{x.size(0)} rows")  # a graph break on long inputs
+    return y.sum()
+
+
+def break_on_one_rank(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    compiled = torch.compile(_print_when_long, backend="eager")
+    # Sizes differ: the dim is dynamic, and each rank's trace takes the branch its own size hint takes.
+    result = caught(lambda: compiled(torch.ones(32 if rank == 0 else 8, 4)))
+    result["stats"] = cc.stats()
+    return result
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_traces_break_the_graph_in_different_places_raise_at_the_audit_naming_the_break():
+    line = line_of(__file__, "a graph break on long inputs")
+    for r in run_ranks(break_on_one_rank, 2, env=ENV, timeout=120).results:
+        assert r["type"] == "ProgramDivergenceError" and r["level"] == "graph_break", r
+        assert "the ranks traced different paths through this frame in the same compile" in r["message"]
+        assert f"rank 0: the graph ends at a graph break at test_audit.py:{line}" in r["message"]
+        assert "rank 1: no graph break there" in r["message"]
+        assert r["ranks"] == [1]  # the odd one out on a tie: rank 0's group is kept
+        assert r["seconds"] < 20
+
+
 def backward_fails_on_rank_1(rank: int, world: int) -> dict:
     from torch._dynamo.backends.common import aot_autograd
 
@@ -460,7 +490,7 @@ def _summary(**overrides):
         phase="forward",
         failure=None,
         levels=[wire.AuditLevel("dynamo", 1, 2, b"\x01" * 8, b"\x02" * 8)],
-        pending_backwards=[True, False],
+        graph_break="train.py:18 (print)",
     )
     for key, value in overrides.items():
         setattr(body, key, value)
@@ -508,14 +538,14 @@ def _set(path, value):
     return edit
 
 
-# Positions in the envelope: [..., 7: "audit", 8: ["summary", phase, failure, levels, pending]].
+# Positions in the envelope: [..., 7: "audit", 8: ["summary", phase, failure, levels, graph_break]].
 @pytest.mark.parametrize(
     "edit, why",
     [
         (_set((8, 1), "sideways"), "audit phase must be one of"),
         (_set((8, 3, 0, 3), b"\x01"), "audit level 'dynamo' collectives digest must be 8 bytes"),
         (_set((8, 3, 0, 1), -1), "audit level 'dynamo' graph count must be an int in range"),
-        (_set((8, 4), [1]), "audit pending backwards must be a list of bools"),
+        (_set((8, 4), [1]), "audit graph break must be a string"),
         (_set((8, 0), "verdict"), "unknown audit body 'verdict'"),
     ],
 )

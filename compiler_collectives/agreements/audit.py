@@ -116,9 +116,11 @@ class AotScope:
 class GraphAudit:
     """Fingerprints gathered for one exchange: a Dynamo graph's compile."""
 
-    def __init__(self, frame: FrameId, phase: str) -> None:
+    def __init__(self, frame: FrameId, phase: str, graph_break: str | None = None) -> None:
         self.frame = frame
         self.phase = phase
+        # "file.py:18 (reason)" when this rank's trace ends this graph at a graph break.
+        self.graph_break = graph_break
         self.graphs: list[GraphFingerprint] = []
         self.broken: set[str] = set()  # levels this rank could not fingerprint
         self.scopes: list[AotScope] = []
@@ -186,11 +188,15 @@ def audit_graph(frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], 
 
 
 def audit_graph_program(
-    frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], T]
+    frame: FrameId, gm: torch.fx.GraphModule, compile: Callable[[], T], *, graph_break: str | None = None
 ) -> tuple[T, list[tuple[str, bytes, list[Collective]]]]:
     """``audit_graph``, also returning the program every rank agreed on for this graph:
-    per level compared on every rank, (level, collectives digest, collectives), in ``LEVELS`` order."""
-    record = GraphAudit(frame, "forward")
+    per level compared on every rank, (level, collectives digest, collectives), in ``LEVELS`` order.
+
+    ``graph_break``: where this rank's trace broke the frame's graph ("file.py:18 (reason)"),
+    when this graph ends there; ranks that differ in it raise (``_paths_differ``).
+    """
+    record = GraphAudit(frame, "forward", graph_break)
     record.add(gm, "dynamo")
     result, settled = _audited(record, compile, stage=None)
     digests = {lv.level: lv.collectives_digest for lv in settled.levels()}
@@ -271,7 +277,7 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         # rank knows ``missing`` from the same summaries: all take the second
         # exchange. The others wait for them, as they would for any compile.
         if groups.compile_pg().rank() in missing:
-            again = GraphAudit(record.frame, record.phase)
+            again = GraphAudit(record.frame, record.phase, record.graph_break)
             again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
             counters.audit_cache_recompiles += 1
             with torch.compiler.config.patch(force_disable_caches=True):
@@ -303,8 +309,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     _seq += 1
     seq = _seq
     started = time.perf_counter()
-    pending = [s.training and not s.backward_compiled for s in record.scopes]
-    summary = wire.AuditSummary(record.phase, failure, record.levels(), pending)
+    summary = wire.AuditSummary(record.phase, failure, record.levels(), record.graph_break)
     try:
         envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
         counters.audit_exchanges += 1
@@ -314,6 +319,13 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
             if len(failed) < world:
                 _fail_partial(record, summaries, failed, rank, seq, this_rank_failed=failure is not None)
             return []  # every rank failed: each raises its own error
+        breaks = [_break_site(s.graph_break) for s in summaries]
+        if len(set(breaks)) > 1:
+            err = _paths_differ(record, [s.graph_break for s in summaries], members, rank, seq)
+            counters.audit_divergences += 1
+            counters.errors += 1
+            health.poison(err)
+            raise err
         by_rank = [{lv.level: lv for lv in s.levels} for s in summaries]
         common = [lv for lv in LEVELS if all(lv in d for d in by_rank)]
         diverged = [lv for lv in common if len({d[lv].collectives_digest for d in by_rank}) > 1]
@@ -482,6 +494,50 @@ def _divergence(
         level=level,
         index=index,
         versions=versions,
+    )
+
+
+def _break_site(graph_break: str | None) -> str | None:
+    """Where a graph break is (its reason's text may differ by rank, its place may not)."""
+    return None if graph_break is None else graph_break.split(" (", 1)[0]
+
+
+def _paths_differ(
+    record: GraphAudit, breaks: list[str | None], members: Sequence[int], rank: int, seq: int
+) -> ProgramDivergenceError:
+    """The ranks' traces of one compile went different ways: a graph break on some ranks only."""
+    groups_of: dict[str | None, list[int]] = {}
+    texts: dict[str | None, str | None] = {}
+    for i, graph_break in enumerate(breaks):
+        site = _break_site(graph_break)
+        groups_of.setdefault(site, []).append(members[i])
+        texts.setdefault(site, graph_break)
+    lines = [
+        f"  {ranks_text(ranks)}: "
+        + (f"the graph ends at a graph break at {texts[site]}" if site is not None else "no graph break there")
+        for site, ranks in groups_of.items()
+    ]
+    largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
+    message = (
+        f"{describe('audit', rank, seq, str(record.frame))}: the ranks traced different paths through "
+        "this frame in the same compile; no rank has run it.\n" + "\n".join(lines) + "\n"
+        "The ranks that break the graph would go on to compile and run a resume function the others "
+        "never enter, and wait there for them. Usual cause: a branch on a size traced with each rank's "
+        "own size hint (`if x.size(1) > 48: print(...)` with that dim dynamic), or Python code that "
+        "depends on the rank. Make the branch the same on every rank (branch on something every rank "
+        "shares), or move what breaks the graph (a print, .item(), an unsupported call) out of the "
+        "branch or out of the compiled region. "
+        "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
+    )
+    return ProgramDivergenceError(
+        message,
+        kind="audit",
+        rank=rank,
+        seq=seq,
+        frame=str(record.frame),
+        ranks=tuple(r for r in members if r not in largest),
+        level="graph_break",
+        versions={members[i]: b for i, b in enumerate(breaks)},
     )
 
 

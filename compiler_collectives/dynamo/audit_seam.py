@@ -22,6 +22,7 @@ the audit covers fewer levels and logs so once.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -66,7 +67,9 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     ensure_backend_seams()
     code = getattr(getattr(self, "root_tx", None), "f_code", None)
     frame = frame_of(code) if code is not None else frame_of_unknown()
-    compiled, program = audit.audit_graph_program(frame, gm, lambda: original(self, gm, example_inputs))
+    compiled, program = audit.audit_graph_program(
+        frame, gm, lambda: original(self, gm, example_inputs), graph_break=graph_break_site(self)
+    )
     if code is None:
         return compiled
     # Entry agreement: the program of the cache entry this graph belongs to,
@@ -93,6 +96,21 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
         entry.GraphProgram(program),
         check=config.settings.entry_check and guard_seam.hook_active(),
     )
+
+
+def graph_break_site(output_graph: Any) -> str | None:
+    """Where this graph's trace broke the frame ("file.py:18 (reason)"), None if it runs to the end.
+
+    ``OutputGraph.compile_subgraph`` records why it compiles (seam table rows
+    ``compile_subgraph`` and ``GraphCompileReason``); the user frame is the last of its stack.
+    """
+    reason = getattr(output_graph, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    where = f"{os.path.basename(stack[-1].filename)}:{stack[-1].lineno}" if stack else "?"
+    text = str(getattr(reason, "reason", "")).strip().splitlines()
+    return f"{where} ({text[0][:200]})" if text else where
 
 
 def frame_of_unknown() -> Any:

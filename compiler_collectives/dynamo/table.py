@@ -404,6 +404,23 @@ SEAMS: tuple[Seam, ...] = (
     ),
     # -- the program audit (audit_seam.py)
     Seam(
+        "compile_subgraph",
+        "torch._dynamo.output_graph",
+        "OutputGraph.compile_subgraph",
+        reads=(
+            Read(
+                "records why it compiles as compile_subgraph_reason",
+                lambda f: "compile_subgraph_reason" in f.__code__.co_names,
+            ),
+        ),
+    ),
+    Seam(
+        "GraphCompileReason",
+        "torch._dynamo.output_graph",
+        "GraphCompileReason",
+        reads=(Read("has the fields reason, user_stack, graph_break", _fields("reason", "user_stack", "graph_break")),),
+    ),
+    Seam(
         "call_user_compiler",
         "torch._dynamo.output_graph",
         "OutputGraph.call_user_compiler",

@@ -1,7 +1,7 @@
 """The program audit's payload: one rank's summary of a compiled graph's collectives, or, once
 the summaries disagreed, the details.
 
-The envelope (``envelope.py``, format version ``FORMAT_VERSION``, now 1) is tagged ``"audit"``
+The envelope (``envelope.py``, format version ``FORMAT_VERSION``, now 2) is tagged ``"audit"``
 at position 7 and ends in ``body``::
 
     [format_version, package_version, sender_rank, world_size,
@@ -9,10 +9,12 @@ at position 7 and ends in ``body``::
 
 ``body`` is one of::
 
-    ["summary", phase, failure, levels, pending_backwards]
+    ["summary", phase, failure, levels, graph_break]
         failure: nil, or "ExcType: message" when this rank's compile raised
         levels: [[level, graphs, collectives, collectives_digest, graph_digest], ...]
-        pending_backwards: [bool, ...], one per AOTAutograd training graph
+        graph_break: nil, or where this rank's trace broke the frame's graph
+            ("file.py:18: reason"), when this graph ends at a graph break
+            (format 2; format 1 carried pending lazy backwards here)
     ["details", phase, level, [[op, group, reduce_op, [tensor, ...], args, where], ...]]
 
 ``phase`` is one of ``AUDIT_PHASES``; digests are 8-byte binaries; texts are cut to 4096
@@ -55,7 +57,7 @@ class AuditSummary:
     phase: str
     failure: str | None
     levels: list[AuditLevel]
-    pending_backwards: list[bool]
+    graph_break: str | None = None  # "file.py:18: reason" when the graph ends at a graph break
 
 
 @dataclasses.dataclass
@@ -97,7 +99,7 @@ def encode_audit(
             body.phase,
             None if body.failure is None else _clip(body.failure),
             [[lv.level, lv.graphs, lv.collectives, lv.collectives_digest, lv.graph_digest] for lv in body.levels],
-            [bool(p) for p in body.pending_backwards],
+            None if body.graph_break is None else _clip(body.graph_break),
         ]
     else:
         out = [
@@ -146,7 +148,7 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
     expect(type(v) is list and len(v) in (4, 5), "audit body must be a list of 4 or 5 items")
     expect(v[1] in AUDIT_PHASES, f"audit phase must be one of {AUDIT_PHASES}, got {show(v[1])}")
     if v[0] == "summary" and len(v) == 5:
-        _, phase, failure, raw_levels, raw_pending = v
+        _, phase, failure, raw_levels, graph_break = v
         expect(failure is None or type(failure) is str, "audit failure must be nil or a string")
         expect(
             type(raw_levels) is list and len(raw_levels) <= _MAX_LEVELS,
@@ -168,11 +170,12 @@ def _audit_body_in(v: Any) -> AuditSummary | AuditDetails:
                     _digest(lv[4], f"audit level {name!r} graph digest"),
                 )
             )
-        expect(
-            type(raw_pending) is list and len(raw_pending) <= _MAX_ITEMS and all(type(p) is bool for p in raw_pending),
-            "audit pending backwards must be a list of bools",
+        return AuditSummary(
+            phase,
+            None if failure is None else _text(failure, "audit failure"),
+            levels,
+            None if graph_break is None else _text(graph_break, "audit graph break"),
         )
-        return AuditSummary(phase, None if failure is None else _text(failure, "audit failure"), levels, raw_pending)
     if v[0] == "details" and len(v) == 4:
         _, phase, level, raw = v
         _text(level, "audit details level")

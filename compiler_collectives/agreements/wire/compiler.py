@@ -1,6 +1,6 @@
 """The compiler collective's payload: one rank's observations at a frame's first trace.
 
-The envelope (``envelope.py``, format version ``FORMAT_VERSION``, now 1) ends in ``state``::
+The envelope (``envelope.py``, format version ``FORMAT_VERSION``, now 2) ends in ``state``::
 
     [format_version, package_version, sender_rank, world_size,
      [co_name, co_filename, co_firstlineno], seq, sent_at, state]

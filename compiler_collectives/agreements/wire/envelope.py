@@ -9,7 +9,7 @@ followed by ``state`` for a compiler collective (8 items, ``compiler.py``) or by
 body`` for the program audit (9 items, ``audit.py``). ``sent_at`` is the sender's wall-clock
 time (seconds since the epoch) when it entered the collective.
 
-``format_version`` (``FORMAT_VERSION``, now 1) always comes first, so that a decoder refuses a
+``format_version`` (``FORMAT_VERSION``, now 2) always comes first, so that a decoder refuses a
 payload of another version before reading anything else. Any change to the envelope, the
 compiler state or the audit body bumps it; ranks must run the same format version, and a
 payload of another version is a ``WireFormatError`` naming the sender and both versions.
@@ -26,7 +26,7 @@ from ...errors import CollectiveDesyncError
 from ...state import FrameId
 from .codec import Reader, expect, int_in, reject, show, version_in
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 AUDIT = "audit"
 """The tag at position 7 of a program-audit envelope."""
 VERSIONS = "compiler_collectives and torch versions"
