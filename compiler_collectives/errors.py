@@ -1,9 +1,10 @@
 """The exception types compiler_collectives raises, and how their messages read.
 
 Every exception type of the package is declared here. Every runtime failure
-of a collective is a ``CollectiveError``; the subclass says what went wrong. Messages are written for the engineer on call: which
-rank, which collective and frame (``co_name`` at ``file:line``), what differed,
-and what to set or check next.
+of a collective is a ``CollectiveError``; the subclass says what went wrong.
+Messages are written for the engineer on call: which rank, which collective
+and frame (``co_name`` at ``file:line``), what differed, and what to set or
+check next.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 
 class Marker(enum.Enum):
@@ -40,8 +40,8 @@ class InferStride:
     dim: int
 
 
-Atom = Union[int, Marker]
-StrideAtom = Union[int, Marker, InferStride]
+Atom = int | Marker
+StrideAtom = int | Marker | InferStride
 
 
 @dataclasses.dataclass(frozen=True)

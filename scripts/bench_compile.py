@@ -1,4 +1,4 @@
-"""First-compile wall time with compiler collectives off, ours, ours with the program audit, and torch's own, side by side.
+"""First-compile wall time: compiler collectives off, ours, ours with the program audit, torch's own.
 
 A 32-layer residual MLP (Linear + LayerNorm + GELU, width 64) is compiled on
 2 gloo ranks, from a clean Dynamo state each time, for backends eager and

@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, transport:
         fns[f"three-entries/{'on' if check else 'off'}"] = (three, torch.ones(4))
     mixed = {k: [e["mixed"] for e in v][-1] for k, v in entry_agreement.frames().items()}
     samples: dict[str, list[float]] = {m: [] for m in fns}
-    for name, (fn, x) in fns.items():  # warm up
+    for fn, x in fns.values():  # warm up
         for _ in range(50):
             fn(x)
     for _ in range(blocks):

@@ -189,7 +189,7 @@ def main() -> None:
     print()
     print("| ranks | hosts | ours on | " + " | ".join(MODES) + " |")
     print("|---|---|---|" + "---|" * len(MODES))
-    for world, transport, m in rows:
+    for world, _transport, m in rows:
         print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
     print(
@@ -198,7 +198,7 @@ def main() -> None:
         "ours-gloo added / ours added | timing overhead |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for world, transport, m in rows:
+    for world, _transport, m in rows:
         added = {k: m[k] - m["none"] for k in MODES}
         print(
             f"| {world} | {added['ours']:.1f} µs | {m['ours'] - m['none-slowest']:.1f} µs | "

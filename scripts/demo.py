@@ -589,12 +589,12 @@ def stuck_at(log_text: str) -> str | None:
     package = os.path.dirname(os.path.abspath(compiler_collectives.__file__)) + os.sep
     shown = [frames[0][1]]
     # The innermost frame of the service, if any (e.g. the compiler collective) ...
-    for path, frame in frames[1:]:
+    for _path, frame in frames[1:]:
         if os.path.abspath(path).startswith(package):
             shown.append(frame)
             break
     # ... and the training loop's line that led there.
-    for path, frame in frames[1:]:
+    for _path, frame in frames[1:]:
         if frame.startswith("train ("):
             shown.append(frame)
             break

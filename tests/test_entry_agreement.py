@@ -36,7 +36,7 @@ def three_phases(rank: int, world: int) -> dict:
     phases = [(32, 32), (8, 12), (32, 8)]
     out: dict = {"phases": []}
     for phase, rows in enumerate(phases):
-        result = caught(lambda: step(torch.ones(rows[rank], 4)))
+        result = caught(lambda rows=rows: step(torch.ones(rows[rank], 4)))
         out["phases"].append(result)
         if result["type"] is not None:
             break
@@ -54,7 +54,7 @@ def test_ranks_hitting_entries_with_different_collectives_raise_before_the_lone_
     env = dict(ENV, COMPILER_COLLECTIVES_GUARD_TRANSPORT=transport)
     outcome = run_ranks(three_phases, 2, env=env, timeout=180)  # a rank killed by a signal fails here
     line = line_of(__file__, "the lone all_reduce")
-    for rank, r in enumerate(outcome.results):
+    for _rank, r in enumerate(outcome.results):
         p0, p1, p2 = r["phases"]
         assert p0["type"] is None and p1["type"] is None, r
         # phases 0 and 1 left two entries with different programs: checks from then on

@@ -73,7 +73,7 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
     # On shared memory rank 1 published its word for this call before it died,
     # so this call may still agree; the next one must fail.
     start = time.monotonic()
-    for call in range(2):
+    for call in range(2):  # noqa: B007 - read after the loop: which call failed
         result = caught(lambda: f(torch.ones(2)))
         if result["type"]:
             break
@@ -355,7 +355,7 @@ def extra_call(rank: int, world: int) -> dict:
     f(torch.ones(2))  # both compile on every rank
     g(torch.ones(2))
     for fn in [f, f, g] if rank == 0 else [f, g]:  # rank 0 calls f one extra time
-        result = caught(lambda: fn(torch.ones(2)))
+        result = caught(lambda fn=fn: fn(torch.ones(2)))
         if result["type"]:
             return _with_transport(result)
     return {"type": None}

@@ -184,7 +184,7 @@ def scoped_entries(rank: int, world: int) -> dict:
     for phase, rows in enumerate(PHASES[:3]):
         if rank < 2:
             rows = (8, 8)  # stage 0 stays on one entry
-        out = caught(lambda: step(torch.ones(rows[dp], 4), name))
+        out = caught(lambda rows=rows: step(torch.ones(rows[dp], 4), name))
         if out["type"] is not None:
             out["phase"] = phase
             break
@@ -241,7 +241,7 @@ def backwards_differ(rank: int, world: int) -> dict:
     w.register_hook(lambda g: backwards_run.append(True))
     out: dict = {}
     for phase, rows in enumerate(PHASES[:3]):
-        out = caught(lambda: step(torch.ones(rows[rank], 4), w).backward())
+        out = caught(lambda rows=rows: step(torch.ones(rows[rank], 4), w).backward())
         if out["type"] is not None:
             out["phase"] = phase
             break

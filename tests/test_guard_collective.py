@@ -47,7 +47,7 @@ def one_rank_misses_without_guards(rank: int, world: int) -> dict:
 def test_when_one_rank_misses_its_guards_every_rank_recompiles_and_the_job_finishes():
     outcome = run_ranks(one_rank_misses_with_guards, 2, timeout=60)
     expected = 2 * float(torch.ones(4).sin().sum() * 2)
-    for rank, r in enumerate(outcome.results):
+    for _rank, r in enumerate(outcome.results):
         assert r["totals"] == pytest.approx([expected] * 3)
         assert r["compiles"] == 2
         assert r["collectives"] == 2
@@ -233,7 +233,7 @@ def rank_keeps_missing(rank: int, world: int) -> dict:
     f = torch.compile(_step, backend=rec)
     dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
     values = []
-    for call, dtype in enumerate(dtypes):
+    for _call, dtype in enumerate(dtypes):
         x = torch.ones(4, dtype=dtype if rank == 0 else torch.float32)
         values.append(float(f(x).float().sum()))
         t = torch.ones(1)

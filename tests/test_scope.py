@@ -79,7 +79,7 @@ def two_stages_scoped(rank: int, world: int) -> dict:
 
 
 def _check_stages(results: list[dict], stages: dict[int, list[int]]) -> None:
-    for stage, ranks in stages.items():
+    for _stage, ranks in stages.items():
         a, b = (results[r] for r in ranks)
         assert a["scope"] == ranks and b["scope"] == ranks, (a, b)
         # The stage's dp ranks end with the same graphs, in the same number of compiles.

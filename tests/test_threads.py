@@ -81,10 +81,8 @@ def owner_compiles_then_a_helper_calls(rank: int, world: int, rounds: int) -> di
     g = torch.compile(_g, backend="eager")
     x = torch.ones(2)
     out = []
-    for i in range(rounds):
-        # Every round starts with no live owner (the last round's owner ended) and cold frames:
-        # the owner's first calls compile, and never reach the guard hook before the helper does.
-        torch._dynamo.reset()
+
+    def one_round(i: int) -> dict:
         record: dict = {}
 
         def owner() -> None:
@@ -100,7 +98,13 @@ def owner_compiles_then_a_helper_calls(rank: int, world: int, rounds: int) -> di
             record["later"] = [c["type"] for c in later]
 
         _in_thread(f"owner-{i}", owner)
-        out.append(record)
+        return record
+
+    for i in range(rounds):
+        # Every round starts with no live owner (the last round's owner ended) and cold frames:
+        # the owner's first calls compile, and never reach the guard hook before the helper does.
+        torch._dynamo.reset()
+        out.append(one_round(i))
     return _report({"rounds": out})
 
 
@@ -144,7 +148,7 @@ def owner_recompiles_while_a_helper_loops(rank: int, world: int, compiles: int) 
 
     thread = threading.Thread(target=helper, name="helper")
     thread.start()
-    owner = [caught(lambda: grows(torch.ones(n))) for n in range(3, 3 + compiles)]
+    owner = [caught(lambda n=n: grows(torch.ones(n))) for n in range(3, 3 + compiles)]
     stop.set()
     thread.join(60)
     return _report(

@@ -219,7 +219,7 @@ def _meta(rank, world):
 
 
 def test_report_on_an_empty_directory_says_how_to_produce_traces(tmp_path):
-    with pytest.raises(report.ReportError, match="no rank\\*.json files.*COMPILER_COLLECTIVES_TRACE_DIR"):
+    with pytest.raises(report.ReportError, match=r"no rank\*.json files.*COMPILER_COLLECTIVES_TRACE_DIR"):
         report.run(str(tmp_path))
 
 

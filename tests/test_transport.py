@@ -345,7 +345,7 @@ def test_guard_channel_describe_all_tells_every_rank_where_each_rank_was(transpo
 @pytest.mark.timeout(60)
 def test_our_groups_are_gloo_distinct_for_compile_and_guard_and_created_once():
     outcome = run_ranks(describe_groups, 2, timeout=45)
-    for rank, r in enumerate(outcome.results):
+    for _rank, r in enumerate(outcome.results):
         assert r["compile_backend"] == "gloo"
         assert r["guard_backend"] == "gloo"
         assert r["compile_name"] == "gloo" and r["guard_name"] == "gloo"

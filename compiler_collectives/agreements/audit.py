@@ -280,7 +280,7 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
             again = GraphAudit(record.frame, record.phase, record.graph_break)
             again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
             counters.audit_cache_recompiles += 1
-            with torch.compiler.config.patch(force_disable_caches=True):
+            with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]  # config module's patch is added at run time
                 result = _run(again, compile, stage)
             record = again
         settle(record)
@@ -349,7 +349,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
                 seq,
                 record.frame,
                 ranks_text([members[r] for r in missing]),
-                ", ".join(sorted(produced - set.intersection(*(set(d) for d in by_rank)))),
+                ", ".join(sorted(produced - set[str].intersection(*(set(d) for d in by_rank)))),
             )
             return missing
         record.compared = common
@@ -385,7 +385,9 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
 def _exchange(
     pg: Any, body: wire.AuditSummary | wire.AuditDetails, frame: FrameId, seq: int, rank: int, world: int
 ) -> list[wire.AuditEnvelope]:
-    where = lambda: describe("audit", rank, seq, str(frame))  # noqa: E731
+    def where() -> str:
+        return describe("audit", rank, seq, str(frame))
+
     payload = wire.encode_audit(body, rank=rank, world_size=world, frame=frame, seq=seq, sent_at=time.time())
     return exchange_frame.gather(
         pg,
@@ -570,7 +572,7 @@ def _fail_partial(
 
 def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.AuditLevel]], seq: int) -> None:
     counters.audit_report_only_differences += 1
-    entry = {
+    entry: dict[str, Any] = {
         "seq": seq,
         "frame": str(record.frame),
         "phase": record.phase,

@@ -93,7 +93,9 @@ def exchange(
     key = _frame_key(frame)
     _frame_seqs[key] = _frame_seqs.get(key, 0) + 1
     ds.frame, ds.seq = frame, seq
-    where = lambda: describe("compiler", rank, seq, str(frame))  # noqa: E731
+
+    def where() -> str:
+        return describe("compiler", rank, seq, str(frame))
 
     start_ns = time.time_ns()
     sent_at = start_ns / 1e9
@@ -175,7 +177,11 @@ def exchange(
 
 # The compile id of the compile in progress ("0/1"), from the Dynamo seam
 # (torch keeps it in an internal context); None outside a compile.
-_compile_id: Callable[[], str | None] = lambda: None
+def _no_compile_id() -> str | None:
+    return None
+
+
+_compile_id: Callable[[], str | None] = _no_compile_id
 
 
 def set_compile_id_source(source: Callable[[], str | None]) -> None:

@@ -44,6 +44,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -102,10 +103,20 @@ _state = _GuardState()
 # objects are Dynamo's output, through ``set_frame_sources``.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _wrapper_locals: dict[Any, str] = {}  # wrapper code object -> name of the local holding the target
-_is_dynamo_output_code: Callable[[Any], bool] = lambda code: False
+
+
+def _never(code: Any) -> bool:
+    return False
+
+
+def _off() -> bool:
+    return False
+
+
+_is_dynamo_output_code: Callable[[Any], bool] = _never
 # Whether torch's profiler is on (then each call gets a record_function range);
 # the Dynamo seam supplies the probe, since the flag is a torch internal.
-_profiler_enabled: Callable[[], bool] = lambda: False
+_profiler_enabled: Callable[[], bool] = _off
 
 
 def set_frame_sources(wrapper_locals: dict[Any, str], is_dynamo_output_code: Callable[[Any], bool]) -> None:
@@ -173,7 +184,8 @@ def frame_identity(frame: Any) -> int:
                 return (_stable_id(target) << 14) & 0x3FFFFFFFFFFF
         elif kind == "code":
             crc, with_lasti = detail
-            return ((crc << 14) + (frame.f_lasti & 0x3FFF if with_lasti else 0)) & 0x3FFFFFFFFFFF
+            ident: int = ((crc << 14) + (frame.f_lasti & 0x3FFF if with_lasti else 0)) & 0x3FFFFFFFFFFF
+            return ident
         frame = frame.f_back
     return 0
 
@@ -555,7 +567,7 @@ def _describe_mismatch(channel: GuardChannel, seq: int, site: int, caller: Any) 
 def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int, int]]) -> CollectiveDesyncError:
     members = groups.member_ranks(channel.pg)  # global ranks, under a scope too
     rank = members[channel.pg.rank()]
-    caller = sys._getframe(2)
+    caller: FrameType | None = sys._getframe(2)
     while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
         caller = caller.f_back
     here = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"

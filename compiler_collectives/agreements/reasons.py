@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from .. import health
@@ -84,10 +85,13 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
     health.check("guard")
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
-    where = lambda: describe("guard", rank, seq, frame) + " (recompile reasons)"  # noqa: E731
+
+    def where() -> str:
+        return describe("guard", rank, seq, frame) + " (recompile reasons)"
+
     payload = wire.encode_reasons(rank=rank, world_size=world, seq=seq, missed=missed, reasons=own if missed else [])
 
-    def same_miss(envelopes: list[wire.ReasonsEnvelope], _rank: int) -> None:
+    def same_miss(envelopes: Sequence[wire.ReasonsEnvelope], _rank: int) -> None:
         if any(e.seq != seq for e in envelopes):
             lines = "\n".join(f"  rank {e.rank}: guard collective #{e.seq}" for e in envelopes)
             raise CollectiveDesyncError(
