@@ -589,7 +589,7 @@ def stuck_at(log_text: str) -> str | None:
     package = os.path.dirname(os.path.abspath(compiler_collectives.__file__)) + os.sep
     shown = [frames[0][1]]
     # The innermost frame of the service, if any (e.g. the compiler collective) ...
-    for _path, frame in frames[1:]:
+    for path, frame in frames[1:]:
         if os.path.abspath(path).startswith(package):
             shown.append(frame)
             break
