@@ -189,7 +189,7 @@ def main() -> None:
     print()
     print("| ranks | hosts | ours on | " + " | ".join(MODES) + " |")
     print("|---|---|---|" + "---|" * len(MODES))
-    for world, _transport, m in rows:
+    for world, transport, m in rows:
         print(f"| {world} | {args.hosts} | {transport} | " + " | ".join(f"{m[k]:.1f}" for k in MODES) + " |")
     print()
     print(
