@@ -180,3 +180,40 @@ def describe(
     if frame:
         what += f" (frame {frame})"
     return what
+
+
+def program_divergence(
+    *,
+    kind: str,
+    rank: int,
+    seq: int,
+    frame: str,
+    problem: str,
+    where: str,
+    shown: Sequence[tuple[Sequence[int], str]],
+    ranks: Sequence[int],
+    advice: str,
+    level: str | None,
+    index: int,
+    versions: dict[int, str | None],
+) -> ProgramDivergenceError:
+    """The one error every rank raises when the ranks' programs differ (the audit's and entry agreement's).
+
+    ``shown``: per version of the first difference (``where``), the ranks that
+    hold it and how it reads. The ranks outside the largest of those groups
+    (the first one on a tie), in the order of ``ranks``, are the odd ones out
+    the error names.
+    """
+    largest = max((group for group, _ in shown), key=lambda group: (len(group), -group[0]))
+    lines = "\n".join(f"  {ranks_text(group)}: {text}" for group, text in shown)
+    return ProgramDivergenceError(
+        f"{describe(kind, rank, seq, frame)}: {problem}\nFirst difference: {where}:\n{lines}\n{advice}",
+        kind=kind,
+        rank=rank,
+        seq=seq,
+        frame=frame,
+        ranks=tuple(r for r in ranks if r not in largest),
+        level=level,
+        index=index,
+        versions=versions,
+    )

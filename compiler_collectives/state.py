@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -152,6 +153,11 @@ class FrameId:
 
     def __str__(self) -> str:
         return f"{self.name} at {self.filename}:{self.line}"
+
+    def key(self) -> tuple[str, str, int]:
+        """The frame as ranks compare it: by its file's base name (the same script may live
+        under different paths on different hosts, which is not a desync)."""
+        return (self.name, os.path.basename(self.filename), self.line)
 
 
 @dataclasses.dataclass

@@ -10,14 +10,9 @@
 from __future__ import annotations
 
 import multiprocessing.process
-import os
 import subprocess
 
 import pytest
-
-# CC_RECORD_SPAWNS=FILE: instead of failing, append the ids of unmarked tests
-# that start a process to FILE (used once to mark the suite).
-_RECORD = os.environ.get("CC_RECORD_SPAWNS")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,14 +46,9 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
         yield
         return
     nodeid = request.node.nodeid
-    start, popen_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
 
-    def refuse(what: str, original):
+    def refuse(what: str):
         def guarded(self, *args, **kwargs):
-            if _RECORD:
-                with open(_RECORD, "a") as f:
-                    f.write(nodeid + "\n")
-                return original(self, *args, **kwargs)
             raise AssertionError(
                 f"{nodeid} starts a process ({what}) but is not marked @pytest.mark.multiprocess: "
                 "mark it, so that `scripts/dev test --fast` stays a tier that starts none"
@@ -66,6 +56,6 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
 
         return guarded
 
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing", start))
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess", popen_init))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
     yield

@@ -324,3 +324,113 @@ def test_enabled_context_manager_restores_the_previous_state():
     with cc.enabled(guards=True):
         assert cc.is_enabled() and cc.guards_enabled()
     assert not cc.is_enabled() and not cc.guards_enabled()
+
+
+def _wired() -> dict[str, object]:
+    """What ``dynamo/wiring.py`` connected, as the layers below hold it."""
+    import sys
+
+    from compiler_collectives import dynamo, health
+    from compiler_collectives.agreements import audit, compiler, fingerprint, guard, scope, setup
+    from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
+    from compiler_collectives.health import watchdog
+    from compiler_collectives.transport import groups
+
+    transport_groups = sys.modules["compiler_collectives.transport.groups"]  # the module, not the instance
+    sources = groups.progress_sources
+    return {
+        "explainer": health.explainer == groups.explain_report,
+        "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
+        "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit.progress)],
+        "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
+        "store": vars(watchdog)["_default_store"] is dynamo.torch_original("get_default_store"),
+        "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
+        "frames": sorted(vars(guard)["_wrapper_locals"].values()),
+        "profiler": vars(guard)["_profiler_enabled"](),
+        "artifact_sink": vars(audit)["_artifact_sink"] is tooling.emit_artifact,
+        "group_resolver": vars(fingerprint)["_resolve_group"] is audit_seam.group_text,
+        "operators": (vars(fingerprint)["_op_overload"], vars(fingerprint)["_op_overload_packet"]),
+        "normalize": vars(fingerprint)["_normalize"] is torch.fx.operator_schemas.normalize_function,
+    }
+
+
+EVERYTHING_WIRED_ONCE = {
+    "explainer": True,
+    "first_rendezvous": True,
+    "progress": [1, 1, 1],
+    "setup": 1,
+    "store": True,
+    "compile_id": True,
+    "frames": ["fn", "forward_call"],
+    "profiler": False,
+    "artifact_sink": True,
+    "group_resolver": True,
+    "operators": (type(torch.ops.aten.add.Tensor), type(torch.ops.aten.add)),
+    "normalize": True,
+}
+
+
+def test_install_wires_every_setter_and_registry_once_however_often_it_runs():
+    import compiler_collectives as cc
+
+    assert _wired() == EVERYTHING_WIRED_ONCE  # at import
+    cc.install()
+    cc.install()
+    assert _wired() == EVERYTHING_WIRED_ONCE
+    cc.uninstall()
+    try:
+        unwired = _wired()
+        # only what holds while we are patched into torch goes with uninstall
+        assert not unwired["artifact_sink"] and not unwired["group_resolver"]
+    finally:
+        cc.install()
+    assert _wired() == EVERYTHING_WIRED_ONCE
+
+
+def test_reset_and_a_destroyed_default_group_keep_the_wiring():
+    import compiler_collectives as cc
+    from compiler_collectives.agreements import lifecycle
+
+    cc.reset()
+    assert _wired() == EVERYTHING_WIRED_ONCE
+    lifecycle.default_group_destroyed()
+    assert _wired() == EVERYTHING_WIRED_ONCE
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_keeps_the_wiring():
+    import os
+
+    import compiler_collectives  # noqa: F401  (its fork handler runs in the child)
+
+    pid = os.fork()
+    if pid == 0:  # the child: after_fork_in_child has run
+        code = 1
+        try:
+            code = 0 if _wired() == EVERYTHING_WIRED_ONCE else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_optional_audit_levels_are_patched_through_the_table_and_put_back_at_uninstall():
+    import torch._dynamo.backends.common as common
+
+    import compiler_collectives as cc
+    from compiler_collectives import dynamo
+    from compiler_collectives.dynamo import audit_seam, bound
+
+    torch_own = common.aot_module_simplified
+    if "aot" in bound.levels:
+        torch_own = dynamo.torch_original("aot_module_simplified")
+    audit_seam.ensure_backend_seams()
+    try:
+        assert bound.levels["aot"] and bound.levels["audit-groups"]
+        assert common.aot_module_simplified is audit_seam.aot_module_simplified
+        assert dynamo.torch_original("aot_module_simplified") is torch_own
+        assert dynamo.missing_audit_backend_seams() == []  # reads are about torch's object, not ours
+        cc.uninstall()
+        assert common.aot_module_simplified is torch_own and bound.levels == {}
+    finally:
+        cc.install()

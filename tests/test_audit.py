@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
-from tests.rankside import caught, line_of
+from tests.rankside import caught, kept_logs, line_of
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
 
@@ -98,15 +98,8 @@ def rank_constant(rank: int, world: int) -> dict:
     import compiler_collectives as cc
     from compiler_collectives.agreements import audit
 
-    lines: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("compiler_collectives.audit")
-    logger.addHandler(Catch(level=logging.INFO))
-    logger.setLevel(logging.INFO)
+    lines = kept_logs("compiler_collectives.audit", "INFO")
+    logging.getLogger("compiler_collectives.audit").setLevel(logging.INFO)
     cc.enable()
     compiled = torch.compile(_scaled_by_rank, backend="aot_eager")
     value = compiled(torch.ones(3))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.harness import _free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -209,12 +210,6 @@ def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_val
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str([True, True, False, False, True, True, True, False])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TRAINING_SCRIPT = """

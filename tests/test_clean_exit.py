@@ -12,12 +12,13 @@ half of the runs before the thread was stopped and joined at exit.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.harness import _free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -32,12 +33,6 @@ for _ in range(3):
     f(torch.ones(3))
 dist.destroy_process_group()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(240)

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiler_collectives.transport import shm
-from tests.harness import release, run_ranks, stay_until
+from tests.harness import _free_port, release, run_ranks, stay_until
+from tests.rankside import kept_logs
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -192,13 +193,7 @@ def private_dev_shm(rank: int, world: int) -> dict:
             or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None) != 0
         ):
             return {"skip": f"cannot make a private /dev/shm here (errno {ctypes.get_errno()})"}
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("compiler_collectives").addHandler(Keep(level=logging.INFO))
+    records = kept_logs("compiler_collectives", "INFO")
     logging.getLogger("compiler_collectives").setLevel(logging.INFO)
     result = one_sided_miss(rank, world, 1, misser=1)
     return {**result, "logs": records}
@@ -212,13 +207,7 @@ def store_names_a_file(rank: int, world: int, victim: str) -> dict:
     if rank == 1:
         store = dist.PrefixStore("compiler_collectives/0/", dist.distributed_c10d._get_default_store())
         store.set("shm/0/path", victim)  # the key our side channel's store gives the segment's name
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("compiler_collectives").addHandler(Keep(level=logging.INFO))
+    records = kept_logs("compiler_collectives", "INFO")
     logging.getLogger("compiler_collectives").setLevel(logging.INFO)
     pattern = _random_pattern(5, world, 20)
     result = agree_pattern(rank, world, 1, pattern)
@@ -546,13 +535,10 @@ dist.destroy_process_group()
 @pytest.mark.timeout(200)
 def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_second_recompiles_all(tmp_path):
     import json
-    import socket
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TWO_AGENTS_SCRIPT))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
     env.update(
         TORCH_COMPILER_COLLECTIVES="1",

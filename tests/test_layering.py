@@ -817,3 +817,85 @@ def test_docs_design_lists_every_row_of_the_seam_table():
         assert cells[2] == ("yes" if row.required else f"no ({row.level})"), line
         for read in row.reads:
             assert read.what in cells[3], f"{row.name}: the read {read.what!r} is not in docs/design.md"
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.add((alias.asname or alias.name).split(".")[0])
+    return names
+
+
+def test_no_module_but_the_package_root_registers_anything_when_imported():
+    """Module-level code only defines: wiring is ``dynamo/wiring.py``'s, run by install."""
+    offences = []
+    for module, source in TREE.items():
+        if module == TOP:
+            continue  # installs at import, by design (and registers the fork handler)
+        tree = _parse(source.text)
+        imported = _imported_names(tree)
+        for node in tree.body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                offences.append(f"{source.shown}:{node.lineno} calls {ast.unparse(node.value)[:60]}")
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign)
+                else []
+            )
+            for target in targets:
+                base = target
+                while isinstance(base, (ast.Attribute, ast.Subscript)):
+                    base = base.value
+                if base is not target and isinstance(base, ast.Name) and base.id in imported:
+                    offences.append(f"{source.shown}:{node.lineno} sets {ast.unparse(target)}")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_seam_modules_read_torch_internals_only_through_bound_and_only_rows_of_the_table():
+    from compiler_collectives.dynamo import table
+
+    names = {row.name for row in table.SEAMS}
+    keyed = re.compile(r"\b(?:originals|torch_of|pgo)(?:\[|\.get\()\s*\"([^\"]+)\"")
+    called = re.compile(r"\b(?:current|set_current|config_patch|named|holds|original)\(\s*\"([^\"]+)\"")
+    offences = []
+    for module, source in TREE.items():
+        if not module.startswith(f"{TOP}.dynamo.") or module.endswith(".table"):
+            continue
+        text = source.text
+        for pattern in (keyed, called):
+            offences += [
+                f"{source.shown}: {m.group(1)!r} is no row" for m in pattern.finditer(text) if m.group(1) not in names
+            ]
+        for node in ast.walk(_parse(text)):
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, source.is_package, node.level, node.module)
+                targets = [(base, [alias.name for alias in node.names])]
+            else:
+                continue
+            for target, imported in targets:
+                if _torch_private(target) or (target.split(".")[0] == "torch" and any(_private(n) for n in imported)):
+                    offences.append(f"{source.shown}:{node.lineno} imports {target} {imported} (read it through bound)")
+        for node in ast.walk(_parse(text)):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                value = node.value
+                while isinstance(value, ast.Attribute):
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id == "torch":
+                    offences.append(f"{source.shown}:{node.lineno} reads {ast.unparse(node)} (read it through bound)")
+    assert not offences, "\n".join(offences)
+
+
+def test_every_namespace_the_audit_counts_as_communication_has_a_row():
+    from compiler_collectives.agreements.fingerprint import COMM_NAMESPACES
+    from compiler_collectives.dynamo import table
+
+    checked = {
+        row.path.split(".")[1] for row in table.SEAMS if row.module == "torch._ops" and row.path.startswith("ops.")
+    }
+    assert checked == COMM_NAMESPACES - {"c10d_functional"}  # legacy: registers no op in the supported releases

@@ -17,6 +17,7 @@ from compiler_collectives.agreements.compiler import restart_decision
 from compiler_collectives.instrument import artifacts
 from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
 from tests.harness import run_ranks
+from tests.rankside import kept_logs
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -141,20 +142,12 @@ def test_the_rank_that_hit_records_the_rank_that_missed_and_its_reason():
 
 def _reasons_logged(rank: int, world: int) -> dict:
     """Dynamo's own recompile log (TORCH_LOGS=recompiles), captured on each rank."""
-    import logging
-
     import torch._logging
 
     import compiler_collectives as cc
 
     torch._logging.set_logs(recompiles=True)
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Keep())
+    lines = kept_logs("torch._dynamo.guards.__recompiles", "NOTSET")
     cc.enable(guards=True)
     f = torch.compile(_step, backend="eager")
     f(torch.ones(8, 4))

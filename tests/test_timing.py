@@ -11,6 +11,7 @@ import torch
 
 from compiler_collectives.tools import report
 from tests.harness import run_ranks
+from tests.rankside import kept_logs
 
 CALLS = 6
 LATE_S = 0.5
@@ -165,17 +166,9 @@ def test_with_the_variables_unset_nothing_is_recorded_and_no_file_is_written(tmp
 
 
 def unwritable_job(rank: int, world: int) -> dict:
-    import logging
-
     import compiler_collectives as cc
 
-    warnings = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warnings.append(record.getMessage())
-
-    logging.getLogger("compiler_collectives.timing").addHandler(Catch(level=logging.WARNING))
+    warnings = kept_logs("compiler_collectives.timing", "WARNING")
     cc.enable(guards=True)
     f = torch.compile(_fn, backend="eager")
     for _ in range(4):

@@ -17,7 +17,7 @@
   through ``wire.codec``'s bounded reader;
 * ``lifecycle``: reset, a destroyed default group, a forked child.
 
-Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in.
+Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in,
+and connects them at install (``dynamo/wiring.py``): no module here registers
+anything when imported.
 """
-
-from . import scope  # noqa: F401  (registers the setup check as transport's first rendezvous)

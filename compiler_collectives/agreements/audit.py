@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import health
-from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, ProgramDivergenceError, describe, ranks_text
+from ..errors import CollectiveError, ProgramDivergenceError, describe, program_divergence, ranks_text
 from ..state import FrameId
 from ..stats import counters
 from ..transport import groups
@@ -78,11 +77,9 @@ _reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 _artifact_sink: Callable[[str, Callable[[], str]], None] | None = None
 
 
-def _progress() -> dict[str, Any]:
+def progress() -> dict[str, Any]:
+    """What the heartbeat tells of the audit (a progress source, wired at install)."""
     return {"audit_seq": _seq}
-
-
-groups.progress_sources.append(_progress)
 
 
 def set_artifact_sink(sink: Callable[[str, Callable[[], str]], None] | None) -> None:
@@ -290,10 +287,6 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
 # ------------------------------------------------------------------ the exchange
 
 
-def _frame_key(frame: FrameId) -> tuple[str, str, int]:
-    return (frame.name, os.path.basename(frame.filename), frame.line)
-
-
 def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: bool = False) -> list[int]:
     """Exchange ``record`` with every rank and act on the comparison (identically on every rank).
 
@@ -397,41 +390,22 @@ def _exchange(
         frame=str(frame),
         where=where,
         decode=wire.decode_audit,
-        check=lambda envelopes, me: _check_agreement(envelopes, rank=me),
+        check=_same_graph,
     ).envelopes
 
 
-def _check_agreement(envelopes: Sequence[wire.AuditEnvelope], *, rank: int) -> None:
-    first = envelopes[0]
-
-    def same(e: wire.AuditEnvelope) -> bool:
-        return (
-            _frame_key(e.frame) == _frame_key(first.frame)
-            and e.seq == first.seq
-            and e.body.phase == first.body.phase
-            and type(e.body) is type(first.body)
-        )
-
-    if all(same(e) for e in envelopes):
-        return
-    lines = "\n".join(
-        f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}" for e in envelopes
-    )
-    mine = next(e for e in envelopes if e.rank == rank)
-    raise CollectiveDesyncError(
-        f"{describe('audit', rank, mine.seq, str(mine.frame))}: ranks are auditing different "
-        f"compiled graphs:\n{lines}\nThe ranks compiled different graphs or a different number of "
+# Every rank audits the same graph of the same frame at the same step, in the same exchange.
+_same_graph: Callable[[Sequence[wire.AuditEnvelope], int], None] = exchange_frame.same_exchange(
+    "audit",
+    key=lambda e: (e.frame.key(), e.seq, e.body.phase, type(e.body)),
+    line=lambda e: f"  rank {e.rank}: audit #{e.seq} of a {e.body.phase} graph of frame {e.frame}",
+    problem="ranks are auditing different compiled graphs",
+    advice=(
+        "The ranks compiled different graphs or a different number of "
         "them (e.g. a graph break on one rank only, or a backward run on some ranks only). "
         "Compiler collectives need every rank to compile and run the same code (SPMD)."
-        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
-        ranks=tuple(
-            e.rank
-            for e in envelopes
-            if not (
-                _frame_key(e.frame) == _frame_key(mine.frame) and e.seq == mine.seq and e.body.phase == mine.body.phase
-            )
-        ),
-    )
+    ),
+)
 
 
 def _divergence(
@@ -453,7 +427,7 @@ def _divergence(
     for i, c in enumerate(lists):
         versions[named[i]] = c[index].render() if index < len(c) else None
         groups_of.setdefault(c[index].key() if index < len(c) else None, []).append(named[i])
-    lines = []
+    shown = []
     for key, ranks in groups_of.items():
         c = lists[named.index(ranks[0])]
         text = (
@@ -461,10 +435,7 @@ def _divergence(
             if key is not None
             else f"no collective #{index + 1} (its graph has {len(c)} collective(s) in all)"
         )
-        lines.append(f"  {ranks_text(ranks)}: {text}")
-    # The odd ones out: every rank outside the largest group (rank 0's group on a tie).
-    largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
-    implicated = tuple(r for r in named if r not in largest)
+        shown.append((ranks, text))
     causes = (
         "a branch on a size (`if x.shape[0] > 32:`) traced with each rank's own size hint, Python "
         "code that depends on the rank, or a compiler decision taken from size hints"
@@ -476,23 +447,22 @@ def _divergence(
         )
     # A backward is lowered with its forward, in the forward's exchange.
     what = "graph's backward" if level.endswith("backward") else f"{record.phase} graph"
-    message = (
-        f"{describe('audit', rank, seq, str(record.frame))}: the ranks compiled different "
-        f"collectives for the same {what}; no rank has run it.\n"
-        f"First difference: collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}:\n" + "\n".join(lines) + "\n"
-        f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
-        "Make the decision the same on every rank (branch on something every rank shares, such "
-        "as a setting or a size agreed before the call, and keep rank-dependent code out of "
-        "compiled regions), then rerun. "
-        "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
-    )
-    return ProgramDivergenceError(
-        message,
+    return program_divergence(
         kind="audit",
         rank=rank,
         seq=seq,
         frame=str(record.frame),
-        ranks=implicated,
+        problem=f"the ranks compiled different collectives for the same {what}; no rank has run it.",
+        where=f"collective #{index + 1} of {_LEVEL_NAMES.get(level, level)}",
+        shown=shown,
+        ranks=named,  # the odd ones out: every rank outside the largest group
+        advice=(
+            f"Run as is, these graphs would hang, crash, or pair the wrong messages. Usual causes: {causes}. "
+            "Make the decision the same on every rank (branch on something every rank shares, such "
+            "as a setting or a size agreed before the call, and keep rank-dependent code out of "
+            "compiled regions), then rerun. "
+            "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
+        ),
         level=level,
         index=index,
         versions=versions,

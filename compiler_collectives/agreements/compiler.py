@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import config, health
-from ..errors import SCOPE_HINT, CollectiveDesyncError, describe
+from ..errors import describe
 from ..instrument import timing
 from ..state import DistributedState, FrameId, LocalState
 from ..stats import counters
@@ -29,27 +28,17 @@ log = logging.getLogger("compiler_collectives.compiler")
 
 _seq = 0
 _last_frame: str | None = None
-_frame_seqs: dict[tuple[str, str, int], int] = {}
 
 
-def _progress() -> dict[str, Any]:
+def progress() -> dict[str, Any]:
+    """What the heartbeat tells of the compiler collective (a progress source, wired at install)."""
     return {"compiler_seq": _seq, "frame": _last_frame}
-
-
-groups.progress_sources.append(_progress)
-
-
-def _frame_key(frame: FrameId) -> tuple[str, str, int]:
-    # Compare base names: the same script may live under different paths on
-    # different hosts, which is not a desync.
-    return (frame.name, os.path.basename(frame.filename), frame.line)
 
 
 def reset_sequence() -> None:
     global _seq, _last_frame
     _seq = 0
     _last_frame = None
-    _frame_seqs.clear()
 
 
 @dataclasses.dataclass
@@ -90,8 +79,6 @@ def exchange(
     _seq += 1
     seq = _seq
     _last_frame = str(frame)
-    key = _frame_key(frame)
-    _frame_seqs[key] = _frame_seqs.get(key, 0) + 1
     ds.frame, ds.seq = frame, seq
 
     def where() -> str:
@@ -116,7 +103,7 @@ def exchange(
         frame=str(frame),
         where=where,
         decode=wire.decode,
-        check=lambda envelopes, me: check_agreement(envelopes, rank=me),
+        check=_same_frame,
         phase=PHASE_TRACE if state is None else PHASE_INPUTS,
         profile_as="compiler_collectives.compiler_collective",
     )
@@ -190,23 +177,19 @@ def set_compile_id_source(source: Callable[[], str | None]) -> None:
     _compile_id = source
 
 
-def check_agreement(envelopes: Sequence[wire.Envelope], *, rank: int) -> None:
-    """Raise ``CollectiveDesyncError`` unless every rank compiled the same frame at the same step."""
-    first = envelopes[0]
-    if all(_frame_key(e.frame) == _frame_key(first.frame) and e.seq == first.seq for e in envelopes):
-        return
-    lines = "\n".join(f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}" for e in envelopes)
-    mine = next(e for e in envelopes if e.rank == rank)
-    raise CollectiveDesyncError(
-        f"{describe('compiler', rank, mine.seq, str(mine.frame))}: ranks are compiling "
-        f"different frames or are at different compile counts:\n{lines}\n"
+# Every rank compiled the same frame at the same step.
+_same_frame: Callable[[Sequence[wire.Envelope], int], None] = exchange_frame.same_exchange(
+    "compiler",
+    key=lambda e: (e.frame.key(), e.seq),
+    line=lambda e: f"  rank {e.rank}: compiler collective #{e.seq} for frame {e.frame}",
+    problem="ranks are compiling different frames or are at different compile counts",
+    advice=(
         "No automatic-dynamic decision was applied. Compiler collectives need every rank "
         "to run the same compiled code in the same order (SPMD); look for rank-dependent "
         "control flow around torch.compile'd calls, or turn on guard collectives "
         "(COMPILER_COLLECTIVES_GUARDS=1) if one rank recompiles alone."
-        + ("" if groups.scope() is not None else " " + SCOPE_HINT),
-        ranks=tuple(e.rank for e in envelopes if e.seq != mine.seq or _frame_key(e.frame) != _frame_key(mine.frame)),
-    )
+    ),
+)
 
 
 def restart_decision(

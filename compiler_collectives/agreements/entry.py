@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import health
-from ..errors import CollectiveError, ProgramDivergenceError, describe, ranks_text
+from ..errors import CollectiveError, ProgramDivergenceError, describe, program_divergence, ranks_text
 from ..state import FrameId
 from ..stats import counters
 from ..transport import groups
@@ -436,21 +436,22 @@ def _divergence(
         by_entry.setdefault(i, []).append(r)
     known = [e for e in (hit[ranks[0]] for ranks in by_entry.values()) if e is not None]
     phase, index = _first_difference(known)
-    lines = []
+    shown = []
     versions: dict[int, str | None] = {}
-    level = ""
     for i, ranks in by_entry.items():
         e = hit[ranks[0]]
         if e is None:
             text: str | None = None
-            lines.append(
-                f"  {ranks_text(ranks)}: cache entry #{i} (older than the {len(registry.entries)} "
-                "entries this rank keeps for the frame; its program is not known here)"
+            shown.append(
+                (
+                    ranks,
+                    f"cache entry #{i} (older than the {len(registry.entries)} "
+                    "entries this rank keeps for the frame; its program is not known here)",
+                )
             )
         else:
             if phase:
                 cs = e.collectives(phase)
-                level = level or ", ".join(e.levels(phase))
                 text = (
                     cs[index].render()
                     if index < len(cs)
@@ -459,31 +460,30 @@ def _divergence(
             else:
                 text = f"program {e.key.hex()}"
             graph = "" if e.has_graph else " (no graph)"
-            lines.append(f"  {ranks_text(ranks)}: cache entry #{i}, compile {e.compile_id}{graph}: {text}")
+            shown.append((ranks, f"cache entry #{i}, compile {e.compile_id}{graph}: {text}"))
         for r in ranks:
             versions[r] = text
-    largest = max(by_entry.values(), key=lambda rs: (len(rs), -rs[0]))
-    implicated = tuple(r for r in sorted(indices) if r not in largest)
-    where = f"collective #{index + 1} of the {phase} program" if phase else "the programs"
-    message = (
-        f"{describe('entry', rank, seq, str(registry.frame))}: the ranks hit different cache entries "
-        f"of this frame, and those entries run different collectives; no rank has run its entry.\n"
-        f"First difference: {where}:\n" + "\n".join(lines) + "\n"
-        "The guard collective made every rank hit the cache, but each rank's own guards chose the "
-        "entry: a guard on a size (e.g. `x.size(0) <= 20` of a dynamic dim beside a static entry) "
-        "or the cache's LRU order let ranks with different inputs pick different entries. Make the "
-        "program independent of the inputs that differ across ranks (branch on something every "
-        "rank shares), or give every rank the same sizes at this call; mark the dim dynamic from "
-        "the start (torch._dynamo.mark_dynamic) so one entry serves every size. "
-        "COMPILER_COLLECTIVES_ENTRY_CHECK=0 on every rank turns this check off."
-    )
-    return ProgramDivergenceError(
-        message,
+    return program_divergence(
         kind="entry",
         rank=rank,
         seq=seq,
         frame=str(registry.frame),
-        ranks=implicated,
+        problem=(
+            "the ranks hit different cache entries of this frame, and those entries run different "
+            "collectives; no rank has run its entry."
+        ),
+        where=f"collective #{index + 1} of the {phase} program" if phase else "the programs",
+        shown=shown,
+        ranks=sorted(indices),
+        advice=(
+            "The guard collective made every rank hit the cache, but each rank's own guards chose the "
+            "entry: a guard on a size (e.g. `x.size(0) <= 20` of a dynamic dim beside a static entry) "
+            "or the cache's LRU order let ranks with different inputs pick different entries. Make the "
+            "program independent of the inputs that differ across ranks (branch on something every "
+            "rank shares), or give every rank the same sizes at this call; mark the dim dynamic from "
+            "the start (torch._dynamo.mark_dynamic) so one entry serves every size. "
+            "COMPILER_COLLECTIVES_ENTRY_CHECK=0 on every rank turns this check off."
+        ),
         level=phase or None,
         index=index,
         versions=versions,

@@ -5,20 +5,22 @@ the same five things: encode this rank's payload, all-gather every rank's
 bytes on a gloo group of ours, decode each rank's payload (naming the sender
 if it is bad), check that every rank is in the same exchange, and, if any of
 that fails, turn the failure into our error through the failure procedure.
-``gather`` is that frame; each agreement passes its decoder and its check.
+``gather`` is that frame; each agreement passes its decoder and its check
+(``same_exchange`` builds the usual one: the same frame at the same step).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from .. import config, health
-from ..errors import CollectiveError
+from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
+from ..state import FrameId
 from ..stats import counters
 from ..transport import all_gather_bytes, groups
 from . import failure
@@ -93,3 +95,43 @@ def gather(
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
     return Gathered(envelopes, payloads, rounds, time.perf_counter() - started)
+
+
+class Sent(Protocol):
+    """What every decoded envelope says of the exchange it was sent in."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def frame(self) -> FrameId: ...
+
+
+S = TypeVar("S", bound=Sent)
+
+
+def same_exchange(
+    kind: str, key: Callable[[S], Hashable], line: Callable[[S], str], problem: str, advice: str
+) -> Callable[[Sequence[S], int], None]:
+    """A ``check`` for ``gather``: ``CollectiveDesyncError`` unless every envelope has the same ``key``.
+
+    The message lists every rank's ``line`` under ``problem`` and ends with
+    ``advice``; the error names the ranks whose key differs from this rank's.
+    """
+
+    def check(envelopes: Sequence[S], rank: int) -> None:
+        first = key(envelopes[0])
+        if all(key(e) == first for e in envelopes):
+            return
+        mine = next(e for e in envelopes if e.rank == rank)
+        lines = "\n".join(line(e) for e in envelopes)
+        raise CollectiveDesyncError(
+            f"{describe(kind, rank, mine.seq, str(mine.frame))}: {problem}:\n{lines}\n{advice}"
+            + ("" if groups.scope() is not None else " " + SCOPE_HINT),
+            ranks=tuple(e.rank for e in envelopes if key(e) != key(mine)),
+        )
+
+    return check

@@ -21,9 +21,10 @@ carry their ranks instead), size hints (only symbolic sizes are seen), and
 object identities. For ops with per-rank split sizes (``all_to_all_single``)
 only the number of splits and the non-leading dims are compared.
 
-Plain ``torch.fx``: nothing here reads ``torch._dynamo``. Resolving a group
-name to its ranks needs a torch internal, so the seams module installs it
-with ``set_group_resolver``.
+Plain ``torch.fx``: nothing here reads torch's internals. What it needs of
+them (the operator types, ``normalize_function``, resolving a group name to
+its ranks) are rows of the seam table, handed over at install
+(``set_operators``, ``set_group_resolver``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.operator_schemas import normalize_function
 
-# Namespaces whose ops move data between ranks.
+# Namespaces whose ops move data between ranks. Each has a row in the seam table
+# (``ops.<namespace>``) but ``c10d_functional``, which registers no op in the
+# supported releases and is kept so a graph naming it still counts.
 COMM_NAMESPACES = frozenset(
     {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor", "symm_mem"}
 )
@@ -60,6 +62,20 @@ def set_group_resolver(resolver: Callable[[Any], str] | None) -> None:
     """How a ``group_name`` argument is shown and compared (default: the name itself)."""
     global _resolve_group
     _resolve_group = resolver or _default_group
+
+
+# The operator types (``torch.ops.aten.add.Tensor``'s and ``torch.ops.aten.add``'s) and
+# torch.fx's ``normalize_function``, from the seam table; until then nothing is an operator.
+_op_overload: type | tuple[type, ...] = ()
+_op_overload_packet: type | tuple[type, ...] = ()
+_normalize: Callable[..., Any] | None = None
+
+
+def set_operators(overload: type, packet: type, normalize: Callable[..., Any] | None) -> None:
+    """Called at install: torch's operator types, and how to bind an op's arguments to its
+    schema's names (None: compare them by position)."""
+    global _op_overload, _op_overload_packet, _normalize
+    _op_overload, _op_overload_packet, _normalize = overload, packet, normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,18 +199,14 @@ def user_line(stack_trace: str | None) -> str:
 # ------------------------------------------------------------------ targets
 
 
-# The operator types, through the public torch.ops namespace.
-_OP_OVERLOAD = type(torch.ops.aten.add.Tensor)
-_OP_OVERLOAD_PACKET = type(torch.ops.aten.add)
-
-
 def _op_name(target: Any) -> str | None:
     """'namespace.op.overload' for an operator, None for anything else."""
-    if isinstance(target, _OP_OVERLOAD):
+    if isinstance(target, _op_overload):
         return str(target)
-    if isinstance(target, _OP_OVERLOAD_PACKET):
-        name = str(target)
-        return f"{name}.default" if "default" in target.overloads() else name
+    if isinstance(target, _op_overload_packet):
+        packet: Any = target
+        name = str(packet)
+        return f"{name}.default" if "default" in packet.overloads() else name
     return None
 
 
@@ -261,10 +273,10 @@ class _Walk:
 
     def collective(self, node: torch.fx.Node, op: str) -> Collective:
         bound = None
+        normalize = _normalize
         try:
-            bound = normalize_function(
-                node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
-            )
+            if normalize is not None:
+                bound = normalize(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
         except Exception:  # noqa: BLE001 - an unusual schema: fall back to positions
             bound = None
         if bound is not None:

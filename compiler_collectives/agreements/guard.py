@@ -190,7 +190,9 @@ def frame_identity(frame: Any) -> int:
     return 0
 
 
-groups.progress_sources.append(lambda: {"guard_seq": _state.seq})
+def progress() -> dict[str, Any]:
+    """What the heartbeat tells of the guard collective (a progress source, wired at install)."""
+    return {"guard_seq": _state.seq}
 
 
 def reset_sequence() -> None:

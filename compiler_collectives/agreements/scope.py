@@ -20,7 +20,7 @@ scope wait for another (``agree``):
 
 Nothing here waits for a rank outside the caller's scope. Without a scope the
 whole-world check of ``setup`` runs, and stops at once if rank 0 is scoped.
-``first_rendezvous`` is what transport runs before a generation's first group.
+``first_rendezvous`` is what transport runs before a generation's first group (wired at install).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import health
 from ..errors import CollectiveTimeoutError, PeerFailureError, ScopeError, SetupMismatchError
-from ..transport import PROTOCOL_VERSION, SHM_LAYOUT_VERSION, Scope, set_first_rendezvous
+from ..transport import PROTOCOL_VERSION, SHM_LAYOUT_VERSION, Scope
 from . import setup as setup_agreement
 from . import wire
 
@@ -284,6 +284,3 @@ def first_rendezvous(chosen: Scope | None) -> Callable[[Any, float], None]:
             raise
 
     return rendezvous
-
-
-set_first_rendezvous(first_rendezvous)

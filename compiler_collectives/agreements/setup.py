@@ -15,8 +15,8 @@ What is compared (``local_record``):
 * every setting whose row in ``config.SETTINGS_TABLE`` says ``must_match``,
   by its environment variable's name;
 * switches only known at run time, from functions registered with
-  ``register_source`` (the seams register the guard-collective hook, the
-  compiler-collective flag and Dynamo's ``automatic_dynamic_shapes``); they
+  ``register_source`` (install wires the seams' source: the guard-collective
+  hook, the compiler-collective flag and Dynamo's ``automatic_dynamic_shapes``); they
   override a setting of the same name (the guard switch's effective state
   wins over ``COMPILER_COLLECTIVES_GUARDS``).
 

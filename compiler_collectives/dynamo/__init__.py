@@ -6,7 +6,10 @@ install. One module per concern:
 
 * ``table``: the seam table and its checks;
 * ``install``: check, patch, unpatch (transactional);
-* ``bound``: torch's internals as bound at install;
+* ``bound``: torch's internals as the seam modules read them, each resolved
+  from its row (and the generic patch of a row, optional levels included);
+* ``wiring``: the one place every setter and registry of the layers below
+  is connected, at install;
 * ``convert``: our ``SizeEntry`` <-> Dynamo's ``FrameStateSizeEntry``;
 * ``compiler_seam``: the compiler collective inside Dynamo's first trace;
 * ``guard_seam``: torch's guard switch and the C++ guard-hook slot;

@@ -12,18 +12,19 @@
   set around an audited AOTAutograd compile, so that its backward is lowered
   with its forward.
 
-The optional levels are patched when an audited compile first finds their
-modules imported (importing them at install would add about a second to
-``import compiler_collectives`` for users of the eager backend). Their rows
-in the seam table, reads included, are checked then; on a torch without them
-the audit covers fewer levels and logs so once.
+The optional levels are patched through the seam table (``bound.bind_level``)
+when an audited compile first finds their modules imported (importing them at
+install would add about a second to ``import compiler_collectives`` for users
+of the eager backend). Their rows, reads included, are checked then; on a
+torch without them the audit covers fewer levels and logs so once. The same
+holds for ``_resolve_process_group`` ("audit-groups"), which names a
+functional collective's group by its ranks (``group_text``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,13 +32,12 @@ from typing import Any
 import torch
 
 from .. import config
-from ..agreements import audit, compiler, entry, fingerprint
-from . import bound, guard_seam, table, tooling
+from ..agreements import audit, compiler, entry
+from . import bound, guard_seam, table
 from .compiler_seam import frame_of
 
 log = logging.getLogger("compiler_collectives.dynamo")
 
-_backends: dict[str, bool] = {}  # "aot"/"inductor" -> patched (False: seam missing)
 _post_grad = threading.local()  # depth: post-grad passes recurse into subgraphs through our wrapper
 
 
@@ -47,15 +47,13 @@ def missing_backend_seams() -> list[str]:
 
 
 def _applies(output_graph: Any) -> bool:
-    if not (config.settings.audit and torch._dynamo.config.enable_compiler_collectives):
+    if not (config.settings.audit and bound.current("enable_compiler_collectives")):
         return False
     if getattr(output_graph, "export", False) or not compiler.distributed():
         return False
-    from torch._guards import CompileContext
-
     # A backend call outside a frame compile (a specialization compiled at run
     # time) happens on whichever ranks take that path: no exchange there.
-    if CompileContext.try_get() is None:
+    if bound.originals["CompileContext"].try_get() is None:
         return False
     return torch.distributed.get_world_size() > 1
 
@@ -74,19 +72,17 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
         return compiled
     # Entry agreement: the program of the cache entry this graph belongs to,
     # checked before the entry runs (agreements/entry.py).
-    from torch._guards import CompileContext
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
+    lazy_graph_module = bound.originals["LazyGraphModule"]
     # Dynamo compiles a lazy GraphModule's code right after this returns, which it
     # recognises only on the unwrapped object: do it here, as it would.
-    lazy = compiled if isinstance(compiled, _LazyGraphModule) else getattr(compiled, "__self__", None)
-    if isinstance(lazy, _LazyGraphModule) and (
+    lazy = compiled if isinstance(compiled, lazy_graph_module) else getattr(compiled, "__self__", None)
+    if isinstance(lazy, lazy_graph_module) and (
         lazy is compiled or getattr(compiled, "__name__", "") == "_lazy_forward"
     ):
-        _LazyGraphModule.force_recompile(lazy)
+        bound.originals["LazyGraphModule.force_recompile"](lazy)
         if lazy is not compiled:
             compiled = lazy.forward
-    ctx = CompileContext.try_get()
+    ctx = bound.originals["CompileContext"].try_get()
     return entry.wrap(
         compiled,
         code,
@@ -119,41 +115,26 @@ def frame_of_unknown() -> Any:
     return FrameId("<unknown>", "<unknown>", 0)
 
 
-def _patch_backend(level: str, module_name: str) -> Any:
-    """The module if every row of ``level`` resolves and reads as expected, else None (logged once)."""
-    module = sys.modules.get(module_name)
-    if module is None:
-        return None
-    problems = table.problems(table.optional_rows(level))
+# The optional levels (rows of the seam table), and what the audit loses on a torch without one.
+_LEVELS = {
+    "aot": "the aot graphs are not audited",
+    "inductor": "the inductor graphs are not audited",
+    "audit-groups": "functional collectives' groups are compared by name",
+}
+
+
+def _bind(level: str) -> None:
+    problems = bound.bind_level(level)
     if problems:
-        _backends[level] = False
-        log.warning(
-            "program audit: torch %s lacks %s; the %s graphs are not audited",
-            torch.__version__,
-            "; ".join(problems),
-            level,
-        )
-        return None
-    _backends[level] = True
-    return module
+        log.warning("program audit: torch %s lacks %s; %s", torch.__version__, "; ".join(problems), _LEVELS[level])
 
 
 def ensure_backend_seams() -> None:
-    if len(_backends) == 2:
-        return
-    if "aot" not in _backends:
-        common = _patch_backend("aot", "torch._dynamo.backends.common")
-        if common is not None:
-            from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
-
-            bound.originals["aot_module_simplified"] = common.aot_module_simplified
-            bound.originals["SerializableAOTDispatchCompiler"] = SerializableAOTDispatchCompiler
-            common.aot_module_simplified = aot_module_simplified
-    if "inductor" not in _backends:
-        compile_fx = _patch_backend("inductor", "torch._inductor.compile_fx")
-        if compile_fx is not None:
-            bound.originals["recursive_post_grad_passes"] = compile_fx._recursive_post_grad_passes
-            compile_fx._recursive_post_grad_passes = post_grad_passes
+    """Bind (and patch) each optional level once its modules are imported; a level torch lacks is
+    dropped with one warning."""
+    if len(bound.levels) < len(_LEVELS):
+        for level in _LEVELS:
+            _bind(level)
 
 
 def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -169,7 +150,7 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
     # compile's one exchange, on every rank, and of the cache entry's program
     # (agreements/entry.py). Lowered lazily, it would compile at its first
     # backward only on the ranks that run it, maybe in another entry.
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with bound.config_patch("force_non_lazy_backward_lowering", True):
         return original(mod, args, **kwargs)
 
 
@@ -202,28 +183,12 @@ def post_grad_passes(gm: Any, *args: Any, **kwargs: Any) -> Any:
 
 def group_text(group_name: Any) -> str:
     """A functional collective's group as its member ranks (names are per-process bookkeeping)."""
+    if "audit-groups" not in bound.levels:
+        _bind("audit-groups")
+    if not bound.levels["audit-groups"]:
+        return f"group {group_name!r}"
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
-
-        return f"ranks {list(get_process_group_ranks(_resolve_process_group(group_name)))}"
+        group = bound.originals["resolve_process_group"](group_name)
+        return f"ranks {list(torch.distributed.get_process_group_ranks(group))}"
     except Exception:  # noqa: BLE001 - an unknown name still compares by name
         return f"group {group_name!r}"
-
-
-def install() -> None:
-    fingerprint.set_group_resolver(group_text)
-    audit.set_artifact_sink(tooling.emit_artifact)
-
-
-def uninstall() -> None:
-    if _backends.get("aot"):
-        import torch._dynamo.backends.common as common
-
-        common.aot_module_simplified = bound.originals["aot_module_simplified"]
-    if _backends.get("inductor"):
-        import torch._inductor.compile_fx as compile_fx
-
-        compile_fx._recursive_post_grad_passes = bound.originals["recursive_post_grad_passes"]
-    _backends.clear()
-    fingerprint.set_group_resolver(None)
-    audit.set_artifact_sink(None)

@@ -44,11 +44,11 @@ _pending = threading.local()  # the frame _compile is about to compile
 
 
 def compiler_collectives_flag() -> bool:
-    return bool(torch._dynamo.config.enable_compiler_collectives)
+    return bool(bound.current("enable_compiler_collectives"))
 
 
 def set_compiler_collectives_flag(value: bool) -> None:
-    torch._dynamo.config.enable_compiler_collectives = value
+    bound.set_current("enable_compiler_collectives", value)
 
 
 def frame_of(code: Any) -> FrameId:
@@ -56,7 +56,7 @@ def frame_of(code: Any) -> FrameId:
 
 
 def get_compile_pg() -> Any:
-    if torch._dynamo.config.enable_compiler_collectives and compiler.distributed():
+    if compiler_collectives_flag() and compiler.distributed():
         return compiler.group_for_compile()
     return None
 
@@ -68,7 +68,7 @@ def process_automatic_dynamic(tx: Any, name: str, entry: Any, *, is_unspecialize
         return bound.originals["process_automatic_dynamic"](
             tx, name, entry, is_unspecialized_nn_module=is_unspecialized_nn_module
         )
-    update = bound.pgo.update_automatic_dynamic
+    update = bound.originals["update_automatic_dynamic"]
     if st.all_states is None:
         # First trace: record what Dynamo observed. A frame argument whose
         # entries every rank exchanged before the trace is decided now, from
@@ -94,10 +94,10 @@ def process_automatic_dynamic(tx: Any, name: str, entry: Any, *, is_unspecialize
 
 
 def _prior_entry(tx: Any, name: str) -> Any:
-    pgo = bound.pgo
-    code_state = pgo.get_code_state().get(pgo.CodeId.make(tx.f_code, tx.closure))
+    torch_of = bound.originals
+    code_state = torch_of["get_code_state"]().get(torch_of["CodeId.make"](tx.f_code, tx.closure))
     prior = None if code_state is None else code_state.automatic_dynamic.get(name)
-    return pgo.FrameStateSizeEntry() if prior is None else prior
+    return torch_of["FrameStateSizeEntry"]() if prior is None else prior
 
 
 def _joined_early_entry(ds: DistributedState, tx: Any, name: str) -> Any:
@@ -144,7 +144,7 @@ def new_distributed_state(compile_pg: Any, local_state: LocalState) -> Distribut
         pending is None
         or not settings.exchange_inputs_first
         or not settings.skip_needless_restart
-        or not torch._dynamo.config.automatic_dynamic_shapes
+        or not bound.current("automatic_dynamic_shapes")
     ):
         return ds
     code, frame_locals = pending
@@ -168,7 +168,7 @@ def new_distributed_state(compile_pg: Any, local_state: LocalState) -> Distribut
 
 def _frame_state_fresh(ds: DistributedState) -> bool:
     """True if this rank's frame state cannot change any preflight decision."""
-    if not torch._dynamo.config.automatic_dynamic_shapes:
+    if not bound.current("automatic_dynamic_shapes"):
         return True  # update_automatic_dynamic overwrites: the entry itself wins
     for name, observed in ds.local_state.automatic_dynamic.items():
         if name in ds.early_names:
@@ -190,7 +190,7 @@ def _frame_state_fresh(ds: DistributedState) -> bool:
 
 def _apply_without_restart(ds: DistributedState) -> None:
     """Do what the restarted trace's process_automatic_dynamic calls would have done."""
-    update = bound.pgo.update_automatic_dynamic
+    update = bound.originals["update_automatic_dynamic"]
     assert ds.all_states is not None
     for name in ds.local_state.automatic_dynamic:
         tx = ds.origins[name]
@@ -208,14 +208,14 @@ def run_compiler_collective(self: Any) -> None:
     if not isinstance(ds, DistributedState):
         return bound.originals["run_compiler_collective"](self)
     ds.local_state.frame_state_fresh = _frame_state_fresh(ds)
-    with bound.dynamo_timed("compiler_collective", log_pt2_compile_event=True):
+    with bound.originals["dynamo_timed"]("compiler_collective", log_pt2_compile_event=True):
         result = compiler.exchange(ds, frame_of(tx.f_code))
     ds.all_states = result.states
     tooling.trace_exchange(result, ds)
     if result.restart:
         counters.restarts += 1
         tx.speculation_log.clear()
-        raise bound.exc.CompileCollectiveRestartAnalysis
+        raise bound.originals["CompileCollectiveRestartAnalysis"]
     counters.restarts_skipped += 1
     ds.restart_skipped = True
     _apply_without_restart(ds)
@@ -244,7 +244,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             result = original(*args, **kwargs)
             kept = getattr(result, "guarded_code", None) is not None
             return result
-        except bound.exc.InternalTorchDynamoError as e:
+        except bound.originals["InternalTorchDynamoError"] as e:
             # Dynamo rewraps unknown exceptions "from None"; the original is
             # still the context. Give the user our type back.
             inner = e.__context__
@@ -259,7 +259,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
                     frame_of(code),
                     building,
                     kept,
-                    limit=int(torch._dynamo.config.accumulated_recompile_limit),
+                    limit=int(bound.current("accumulated_recompile_limit")),
                     resumes=resume_calls(result) if kept else (),
                 )
 
@@ -308,9 +308,7 @@ def forget_entries() -> None:
 def current_compile_id() -> str | None:
     """The id of the compile in progress on this thread ("0/1"), None outside one."""
     try:
-        from torch._guards import CompileContext
-
-        compile_id = CompileContext.current_compile_id()
+        compile_id = bound.originals["CompileContext"].current_compile_id()
     except Exception:  # noqa: BLE001 - outside Dynamo there is no compile id
         return None
     return None if compile_id is None else str(compile_id)

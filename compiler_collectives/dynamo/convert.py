@@ -15,12 +15,12 @@ from . import bound
 
 
 def _atom_from_torch(a: Any) -> Any:
-    pgo = bound.pgo
-    if a is pgo.auto_dynamic:
+    pgo = bound.originals
+    if a is pgo["auto_dynamic"]:
         return DYNAMIC
-    if a is pgo.auto_unset:
+    if a is pgo["auto_unset"]:
         return UNSET
-    if isinstance(a, pgo.InferStride):
+    if isinstance(a, pgo["InferStride"]):
         return InferStride(a.dim)
     return int(a)
 
@@ -42,13 +42,13 @@ def entry_from_torch(e: Any) -> SizeEntry:
 
 
 def _atom_to_torch(a: Any) -> Any:
-    pgo = bound.pgo
+    pgo = bound.originals
     if a is DYNAMIC:
-        return pgo.auto_dynamic
+        return pgo["auto_dynamic"]
     if a is UNSET:
-        return pgo.auto_unset
+        return pgo["auto_unset"]
     if isinstance(a, InferStride):
-        return pgo.InferStride(a.dim)
+        return pgo["InferStride"](a.dim)
     return a
 
 
@@ -59,7 +59,7 @@ def _part_to_torch(p: Any) -> Any:
 
 
 def entry_to_torch(e: SizeEntry) -> Any:
-    return bound.pgo.FrameStateSizeEntry(
+    return bound.originals["FrameStateSizeEntry"](
         scalar=_atom_to_torch(e.scalar),
         size=_part_to_torch(e.size),
         stride=_part_to_torch(e.stride),

@@ -10,10 +10,9 @@
   through ``set_guard_complete_hook`` here, which remembers what it wrote:
   reading the slot is then a plain attribute read.
 
-It also tells the guard collective how to name the frame being entered
-(torch's wrapper frames, ``frame_sources``) and how to see whether torch's
-profiler is on, and registers the switches every rank must hold alike with
-the setup agreement.
+It also finds torch's wrapper frames the guard collective names the frame
+being entered by (``wrapper_locals``), and the switches every rank must hold
+alike for the setup agreement (``setup_items``); ``wiring`` hands both over.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
-from ..agreements import compiler, guard, setup
-from . import bound
+from ..agreements import compiler, guard
+from . import bound, table
 
 log = logging.getLogger("compiler_collectives.dynamo")
 
@@ -52,7 +49,7 @@ def slot() -> Any:
 
 def set_guard_hook(enabled: bool) -> bool:
     """Turn our guard collective on or off; returns whether a hook was set before."""
-    return bool(torch.compiler.set_enable_guard_collectives(enabled))
+    return bool(bound.current("set_enable_guard_collectives")(enabled))
 
 
 def wrapper_locals() -> dict[Any, str]:
@@ -62,35 +59,15 @@ def wrapper_locals() -> dict[Any, str]:
     eval_frame); a compiled module's forward is called from
     ``Module._call_impl`` as ``forward_call``. Missing ones only make the
     guard collective's frame identity coarser (it falls back to the caller);
-    the seam table's reads say so at install.
+    the seam table's reads say so at install, and here they are only skipped.
     """
-    import torch._dynamo.eval_frame as eval_frame
-
-    found: dict[Any, str] = {}
-    # The seam table's reads warn at install when these are gone; here a
-    # missing one is only skipped.
-    call = getattr(eval_frame._TorchDynamoContext.__call__, "__code__", None)
-    pending = [] if call is None else [call]
-    while pending:
-        code = pending.pop()
-        for const in code.co_consts:
-            if isinstance(const, type(code)):
-                if const.co_name == "compile_wrapper" and "fn" in const.co_freevars:
-                    found[const] = "fn"
-                pending.append(const)
-    call_impl = torch.nn.Module._call_impl.__code__
-    if "forward_call" in call_impl.co_varnames + call_impl.co_cellvars:
-        found[call_impl] = "forward_call"
+    wrapper, callee = table.COMPILE_WRAPPER
+    call = bound.originals.get("TorchDynamoContext.__call__")
+    found: dict[Any, str] = dict.fromkeys(table.nested_code(call, wrapper, callee), callee)
+    call_impl = bound.originals.get("Module._call_impl")
+    if call_impl is not None and table.has_local(call_impl, table.FORWARD_CALL):
+        found[call_impl.__code__] = table.FORWARD_CALL
     return found
-
-
-def connect(orig_code_map: Any) -> None:
-    """At install: tell the guard collective how to name frames and see the profiler."""
-    import torch.autograd.profiler as profiler
-
-    guard.set_frame_sources(wrapper_locals(), lambda code: code in orig_code_map)
-    if isinstance(getattr(profiler, "_is_profiler_enabled", None), bool):
-        guard.set_profiler_probe(lambda: profiler._is_profiler_enabled)
 
 
 def hook_active() -> bool:
@@ -104,15 +81,11 @@ def setup_items() -> dict[str, Any]:
     The guard switch's entry replaces the ``COMPILER_COLLECTIVES_GUARDS``
     setting's: what counts is whether our hook is in the slot, however it got there.
     """
-    dynamo_config = torch._dynamo.config
     return {
         "COMPILER_COLLECTIVES_GUARDS": hook_active(),
-        "TORCH_COMPILER_COLLECTIVES": bool(dynamo_config.enable_compiler_collectives),
-        "torch._dynamo.config.automatic_dynamic_shapes": bool(dynamo_config.automatic_dynamic_shapes),
+        "TORCH_COMPILER_COLLECTIVES": bool(bound.current("enable_compiler_collectives")),
+        "torch._dynamo.config.automatic_dynamic_shapes": bool(bound.current("automatic_dynamic_shapes")),
     }
-
-
-setup.register_source(setup_items)
 
 
 # The hook torch.compiler.set_enable_guard_collectives(True) installs: ours.

@@ -2,14 +2,14 @@
 
 ``install()`` is transactional: every required row is resolved and its
 fragile reads checked first (``check_seams``), and every problem is reported
-in one ``UnsupportedTorchError``; only then is torch patched, and a failure
-while patching puts back what was already replaced. ``uninstall()`` puts
-torch's originals back (tests, and autoload's clean-up after a failure).
+in one ``UnsupportedTorchError``; only then is torch patched and the layers
+wired together (``wiring.wire``), and a failure on the way puts back what was
+already replaced. ``uninstall()`` puts torch's originals back (tests, and
+autoload's clean-up after a failure).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from typing import Any
@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from .. import config
-from ..agreements import compiler, guard
+from ..agreements import guard
 from ..errors import UnsupportedTorchError
-from ..health import watchdog
-from . import audit_seam, bound, compiler_seam, guard_seam, table
+from . import bound, guard_seam, table, wiring
 
 log = logging.getLogger("compiler_collectives.dynamo")
 
@@ -69,34 +68,26 @@ def check_seams() -> list[str]:
     return degraded
 
 
-def _replacement(row: table.Seam, original: Any) -> Any:
-    assert row.replace is not None
-    module_name, name = row.replace.split(":")
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    fn = getattr(module, name)
-    return fn(original) if row.factory else fn
-
-
-def _owner_and_name(row: table.Seam) -> tuple[Any, str]:
-    owner: Any = importlib.import_module(row.module)
-    *parents, name = row.path.split(".")
-    for part in parents:
-        owner = getattr(owner, part)
-    return owner, name
+def _resolve_required() -> dict[str, Any]:
+    """Torch's object of every required row; a missing one whose reads all only degrade is left out."""
+    found: dict[str, Any] = {}
+    for row in table.required_rows():
+        try:
+            found[row.name] = table.resolve(row)
+        except (ImportError, AttributeError):
+            if not (row.reads and all(read.degrades for read in row.reads)):
+                raise
+    return found
 
 
 def install() -> None:
-    """Swap our implementation in (idempotent)."""
+    """Swap our implementation in and wire the layers together (idempotent)."""
     if bound.installed:
         return
     degraded = check_seams()
     try:
-        originals = {row.name: table.resolve(row) for row in table.required_rows()}
-        replacements = {row.name: _replacement(row, originals[row.name]) for row in table.patched_rows()}
-        import torch._dynamo.exc as exc
-        import torch._dynamo.guards as guards
-        import torch._dynamo.pgo as pgo
-        import torch._dynamo.utils as dynamo_utils
+        originals = _resolve_required()
+        replacements = {row.name: bound.replacement(row, originals[row.name]) for row in table.patched_rows()}
     except Exception as e:
         raise UnsupportedTorchError(
             f"compiler_collectives cannot hook into torch {torch.__version__}: reading its Dynamo "
@@ -108,16 +99,10 @@ def install() -> None:
     done: list[table.Seam] = []
     try:
         bound.originals.update(originals)
-        bound.pgo, bound.exc, bound.dynamo_timed = pgo, exc, dynamo_utils.dynamo_timed
-        bound.guards, bound.trace_structured = guards, torch._logging.trace_structured
         for row in table.patched_rows():
-            owner, name = _owner_and_name(row)
-            setattr(owner, name, replacements[row.name])
+            bound.patch(row, replacements[row.name])
             done.append(row)
-        audit_seam.install()
-        guard_seam.connect(originals["orig_code_map"])
-        compiler.set_compile_id_source(compiler_seam.current_compile_id)
-        watchdog.set_default_store_source(originals["get_default_store"])
+        wiring.wire()
         # If torch's own guard hook is active (set_enable_guard_collectives was
         # called before we were imported), keep guard collectives on, but ours.
         # The one read of the slot that has to swap it: at install, before any
@@ -128,10 +113,10 @@ def install() -> None:
         else:
             guard_seam.set_guard_complete_hook(previous)
     except BaseException:
-        audit_seam.uninstall()
+        wiring.unwire()
+        bound.unbind_levels()
         for row in reversed(done):
-            owner, name = _owner_and_name(row)
-            setattr(owner, name, originals[row.name])
+            bound.unpatch(row)
         raise
     bound.installed = True
     log.debug("installed into torch %s", torch.__version__)
@@ -142,10 +127,10 @@ def uninstall() -> None:
     if not bound.installed:
         return
     current = guard_seam.slot()
-    audit_seam.uninstall()
+    wiring.unwire()
+    bound.unbind_levels()
     for row in reversed(table.patched_rows()):
-        owner, name = _owner_and_name(row)
-        setattr(owner, name, bound.originals[row.name])
+        bound.unpatch(row)
     if current is guard.hook:
         bound.originals["set_guard_complete_hook"](bound.originals["guard_collectives_hook"])
     bound.installed = False

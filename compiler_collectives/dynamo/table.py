@@ -6,11 +6,15 @@ internal we only read), whether it is required, and the fragile reads the
 seam relies on beyond the attribute's existence: a positional layout, keyword
 names, a tracer attribute, a code object's constants. ``install`` checks every
 required row, reads included, before anything is patched, and reports every
-problem in one ``UnsupportedTorchError``. Optional rows (the audit's
-AOTAutograd and inductor levels) are checked, reads included, when an audited
-compile first finds their modules imported; a problem there drops that level
-with one warning. A read marked ``degrades`` only makes a feature coarser
-when it fails: install logs a warning saying what, and goes on.
+problem in one ``UnsupportedTorchError``; the seam modules then read torch
+only through ``bound`` (``bound.originals[name]``, or ``bound.current(name)``
+for a value such as a config flag), which resolves each row here. Optional
+rows (the audit's AOTAutograd and inductor levels, and its group names) are
+checked, reads included, and patched where they have a replacement, when an
+audited compile first finds their modules imported (``bound.bind_level``); a
+problem there drops that level with one warning. A read marked ``degrades``
+only makes a feature coarser when it fails: install logs a warning saying
+what, and goes on.
 
 Tests check the table against torch (every supported release in CI), against
 the code (every seam module's replacements are rows), and against
@@ -80,27 +84,44 @@ def _sets_attributes(*names: str) -> Callable[[Any], bool]:
     return lambda cls: set(names) <= set(cls.__init__.__code__.co_names)
 
 
-def _has_nested_code(name: str, freevar: str) -> Callable[[Any], bool]:
-    def check(fn: Any) -> bool:
-        pending = [fn.__code__]
-        while pending:
-            code = pending.pop()
-            for const in code.co_consts:
-                if isinstance(const, type(code)):
-                    if const.co_name == name and freevar in const.co_freevars:
-                        return True
-                    pending.append(const)
-        return False
+def nested_code(fn: Any, name: str, freevar: str) -> list[Any]:
+    """The code objects named ``name`` with the free variable ``freevar``, nested at any depth in ``fn``'s code.
 
-    return check
+    Empty when ``fn`` has no code of its own (a C function, a ``functools.partial``).
+    """
+    top = getattr(fn, "__code__", None)
+    found: list[Any] = []
+    pending = [] if top is None else [top]
+    while pending:
+        code = pending.pop()
+        for const in code.co_consts:
+            if isinstance(const, type(code)):
+                if const.co_name == name and freevar in const.co_freevars:
+                    found.append(const)
+                pending.append(const)
+    return found
+
+
+def has_local(fn: Any, name: str) -> bool:
+    """Whether ``fn``'s code has a local (or cell) variable ``name``."""
+    code = fn.__code__
+    return name in code.co_varnames + code.co_cellvars
+
+
+def _has_nested_code(name: str, freevar: str) -> Callable[[Any], bool]:
+    return lambda fn: bool(nested_code(fn, name, freevar))
 
 
 def _has_local(name: str) -> Callable[[Any], bool]:
-    return lambda fn: name in fn.__code__.co_varnames + fn.__code__.co_cellvars
+    return lambda fn: has_local(fn, name)
 
 
 def _is_bool(obj: Any) -> bool:
     return isinstance(obj, bool)
+
+
+def _is_class(obj: Any) -> bool:
+    return isinstance(obj, type)
 
 
 def _hook_slot_returns_previous(setter: Any) -> bool:
@@ -136,6 +157,49 @@ def _has_mapping_contains(obj: Any) -> bool:
     return hasattr(obj, "__contains__")
 
 
+def _is_type_of(sample: Callable[[], Any]) -> Callable[[Any], bool]:
+    return lambda cls: type(sample()) is cls
+
+
+def _aten_add_overload() -> Any:
+    import torch
+
+    return torch.ops.aten.add.Tensor
+
+
+def _aten_add_packet() -> Any:
+    import torch
+
+    return torch.ops.aten.add
+
+
+def _lists_overloads(obj: Any) -> bool:
+    return callable(getattr(obj, "overloads", None))
+
+
+def _communication_ops(namespace: str, op: str) -> Seam:
+    """A namespace whose ops move data between ranks (the audit's ``fingerprint.COMM_NAMESPACES``),
+    by one op it registers."""
+    return Seam(
+        f"ops.{namespace}",
+        "torch._ops",
+        f"ops.{namespace}.{op}",
+        reads=(
+            Read(
+                "is a registered operator",
+                _lists_overloads,
+                degrades=f"the program audit does not see the collectives of torch.ops.{namespace}",
+            ),
+        ),
+    )
+
+
+# torch.compile's wrapper closure, and its free variable holding the compiled function;
+# the local of ``Module._call_impl`` holding the forward it calls (guard collective frame identity).
+COMPILE_WRAPPER = ("compile_wrapper", "fn")
+FORWARD_CALL = "forward_call"
+
+
 # ------------------------------------------------------------ the table
 
 CONVERT_FRAME = "torch._dynamo.convert_frame"
@@ -154,6 +218,12 @@ SEAMS: tuple[Seam, ...] = (
         "torch.compiler",
         "set_enable_guard_collectives",
         reads=(Read("takes one positional flag", _positional("enabled")),),
+    ),
+    Seam(
+        "automatic_dynamic_shapes",
+        "torch._dynamo.config",
+        "automatic_dynamic_shapes",
+        reads=(Read("is a bool flag", _is_bool),),
     ),
     # -- the compiler collective (compiler_seam.py)
     Seam("get_compile_pg", CONVERT_FRAME, "get_compile_pg", replace="compiler_seam:get_compile_pg"),
@@ -291,6 +361,7 @@ SEAMS: tuple[Seam, ...] = (
             ),
         ),
     ),
+    Seam("LazyGraphModule", "torch.fx._lazy_graph_module", "_LazyGraphModule", reads=(Read("is a class", _is_class),)),
     Seam(
         "LazyGraphModule.force_recompile",
         "torch.fx._lazy_graph_module",
@@ -349,7 +420,7 @@ SEAMS: tuple[Seam, ...] = (
         reads=(
             Read(
                 "defines compile_wrapper calling its free variable fn",
-                _has_nested_code("compile_wrapper", "fn"),
+                _has_nested_code(*COMPILE_WRAPPER),
                 degrades="the guard collective names torch.compile'd functions by their caller",
             ),
         ),
@@ -361,7 +432,7 @@ SEAMS: tuple[Seam, ...] = (
         reads=(
             Read(
                 "calls the forward through the local forward_call",
-                _has_local("forward_call"),
+                _has_local(FORWARD_CALL),
                 degrades="the guard collective names compiled modules by their caller",
             ),
         ),
@@ -431,6 +502,7 @@ SEAMS: tuple[Seam, ...] = (
         "aot_module_simplified",
         "torch._dynamo.backends.common",
         "aot_module_simplified",
+        replace="audit_seam:aot_module_simplified",
         required=False,
         level="aot",
         reads=(
@@ -454,10 +526,44 @@ SEAMS: tuple[Seam, ...] = (
         "recursive_post_grad_passes",
         "torch._inductor.compile_fx",
         "_recursive_post_grad_passes",
+        replace="audit_seam:post_grad_passes",
         required=False,
         level="inductor",
         reads=(Read("takes the graph module first", _positional("gm")),),
     ),
+    # -- the program audit's graph walk (agreements/fingerprint.py, handed these at install)
+    Seam(
+        "OpOverload",
+        "torch._ops",
+        "OpOverload",
+        reads=(Read("is the type of torch.ops.aten.add.Tensor", _is_type_of(_aten_add_overload)),),
+    ),
+    Seam(
+        "OpOverloadPacket",
+        "torch._ops",
+        "OpOverloadPacket",
+        reads=(
+            Read("is the type of torch.ops.aten.add", _is_type_of(_aten_add_packet)),
+            Read("lists a packet's overloads()", _lists_overloads),
+        ),
+    ),
+    Seam(
+        "normalize_function",
+        "torch.fx.operator_schemas",
+        "normalize_function",
+        reads=(
+            Read(
+                "takes (target, args, kwargs, ...) and normalize_to_only_use_kwargs=",
+                lambda f: _positional("target", "args", "kwargs")(f) and _keywords("normalize_to_only_use_kwargs")(f),
+                degrades="the program audit compares a collective's arguments by position, not by name",
+            ),
+        ),
+    ),
+    _communication_ops("_c10d_functional", "all_reduce"),
+    _communication_ops("_c10d_functional_autograd", "all_to_all_single"),
+    _communication_ops("c10d", "allreduce_"),
+    _communication_ops("_dtensor", "shard_dim_alltoall"),
+    _communication_ops("symm_mem", "one_shot_all_reduce"),
     # -- process model (c10d_seam.py): a destroyed default group drops our generation
     Seam(
         "destroy_process_group",
@@ -492,11 +598,27 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
+_BY_NAME = {r.name: r for r in SEAMS}
+
+
+def named(name: str) -> Seam:
+    """The row named ``name`` (KeyError for a name that is not in the table)."""
+    return _BY_NAME[name]
+
+
 def resolve(row: Seam) -> Any:
-    obj: Any = importlib.import_module(row.module)
-    for part in row.path.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """Torch's attribute as it is now."""
+    owner, name = place(row)
+    return getattr(owner, name)
+
+
+def place(row: Seam) -> tuple[Any, str]:
+    """The object holding the row's attribute, and the attribute's name (what a patch sets)."""
+    owner: Any = importlib.import_module(row.module)
+    *parents, name = row.path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, name
 
 
 def where(row: Seam) -> str:
@@ -549,3 +671,8 @@ def check(rows: tuple[Seam, ...]) -> tuple[list[str], list[str]]:
 
 def problems(rows: tuple[Seam, ...]) -> list[str]:
     return check(rows)[0]
+
+
+def holds(name: str) -> bool:
+    """Whether row ``name`` resolves and every read of it holds (degrading ones included)."""
+    return check((named(name),)) == ([], [])

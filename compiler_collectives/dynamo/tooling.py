@@ -15,8 +15,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..agreements import guard, reasons
 from ..instrument import artifacts
 from ..state import DistributedState, FrameId
@@ -30,7 +28,7 @@ def structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
 
     Inside a compile, torch files it under that compile's id (and attempt).
     """
-    bound.trace_structured(
+    bound.originals["trace_structured"](
         "artifact",
         metadata_fn=lambda: {"name": name, "encoding": "json"},
         payload_fn=lambda: json.dumps(payload_fn(), indent=1),
@@ -120,24 +118,24 @@ def _record_recompile_reasons(code: Any, reasons_: list[str]) -> None:
         f"Recompiling function {code.co_name} in {code.co_filename}:{code.co_firstlineno} "
         f"with every rank (guard collective); guard failures:\n{listed}"
     )
-    guards = bound.guards
-    if guards.is_recompiles_verbose_enabled():
-        guards.recompiles_verbose_log.debug(message)
-    elif guards.is_recompiles_enabled():
-        guards.recompiles_log.debug(message)
-    bound.trace_structured(
+    torch_of = bound.originals
+    if torch_of["is_recompiles_verbose_enabled"]():
+        torch_of["recompiles_verbose_log"].debug(message)
+    elif torch_of["is_recompiles_enabled"]():
+        torch_of["recompiles_log"].debug(message)
+    torch_of["trace_structured"](
         "artifact",
         metadata_fn=lambda: {"name": "recompile_reasons", "encoding": "json"},
         # the shape Dynamo writes: one reason as a string, several as a list
         payload_fn=lambda: reasons_[0] if len(reasons_) == 1 else reasons_,
     )
-    if torch._dynamo.config.error_on_recompile:
-        raise bound.exc.RecompileError(message)
+    if bound.current("error_on_recompile"):
+        raise torch_of["RecompileError"](message)
 
 
 def emit_artifact(name: str, payload_fn: Callable[[], str]) -> None:
     """An artifact whose payload is already JSON text (the audit's summaries)."""
-    torch._logging.trace_structured(
+    bound.originals["trace_structured"](
         "artifact",
         metadata_fn=lambda: {"name": name, "encoding": "json"},
         payload_fn=payload_fn,

@@ -20,8 +20,9 @@ this rank stopped on a peer's report (an error with ``reported_by``, from the
 shared-memory failure word, say). Refusing then says which rank failed and
 why, as a ``PeerFailureError``, not "an earlier collective failed on this
 rank": this rank's own collectives did nothing wrong. The first refusal of a
-report heard through the store asks ``explainer`` (set by the transport layer)
-to name the failed rank where the report itself names nobody.
+report heard through the store asks ``explainer`` (the transport layer's
+diagnosis, ``set_explainer``, wired at install) to name the failed rank where
+the report itself names nobody. ``clear()`` keeps it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ _parked = threading.local()
 # Whether first_failure is a peer's report (and whether it was explained yet).
 _from_peer = False
 _explained = False
-# peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis); set by groups.
+# peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis); ``set_explainer``.
 explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
+
+
+def set_explainer(explain: Callable[[PeerFailureError], PeerFailureError] | None) -> None:
+    """How the first refusal after a peer's report names the failed rank(s) (wired at install)."""
+    global explainer
+    explainer = explain
 
 
 def poison(error: CollectiveError) -> None:

@@ -8,8 +8,8 @@ One module per mechanism, and one for the groups they run on:
   a guard outcome in microseconds;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
-* ``groups``: lazily created groups (after the first rendezvous the
-  agreements layer registers: the setup agreement), the store side channel,
+* ``groups``: lazily created groups (after the first rendezvous, the
+  agreements layer's setup check, wired at install), the store side channel,
   and the teardown at interpreter exit. What a failure means for the job is
   decided above this layer (``agreements/failure.py``).
 

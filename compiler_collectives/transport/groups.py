@@ -7,8 +7,8 @@ mechanism ``COMPILER_COLLECTIVES_GUARD_TRANSPORT`` selects (see
 ``hierarchy.build_guard_channel``); the compile group carries byte all-gathers.
 
 Before the first group of a generation exists, the ranks run the first
-rendezvous that the agreements layer registered (``set_first_rendezvous``:
-the setup check, where every rank raises ``SetupMismatchError`` if they
+rendezvous wired at install (``set_first_rendezvous``: the agreements layer's
+setup check, where every rank raises ``SetupMismatchError`` if they
 disagree about a version or a setting that must match). What to do when an
 exchange fails is policy, and lives above this layer
 (``agreements/failure.py``); this module only moves bytes and reports.
@@ -101,7 +101,7 @@ class Groups:
         self._inherited_world: object | None = None  # a forked child's parent's default group
         self._told_child = False
         self.side: SideChannel | None = None
-        # Callables returning this rank's progress for the heartbeat.
+        # Callables returning this rank's progress for the heartbeat (``add_progress_source``).
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
 
     def _check_world(self) -> None:
@@ -166,6 +166,11 @@ class Groups:
             self._generation += 1
         if side is not None and not side.stop(join_s=2.0):
             log.debug("the heartbeat thread did not end within 2s of destroy_process_group")
+
+    def add_progress_source(self, source: Callable[[], dict[str, Any]]) -> None:
+        """What the heartbeat tells of this rank's progress, merged from every source (idempotent per function)."""
+        if source not in self.progress_sources:
+            self.progress_sources.append(source)
 
     def _progress(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -491,8 +496,8 @@ def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
 
     ``prepare(scope)`` (the ``scope.Scope`` this rank's groups will span, or
     None for the whole world) runs on the caller's thread and returns
-    ``rendezvous(side, timeout_s)``, which runs bounded by the timeout. The
-    agreements layer registers the setup check here.
+    ``rendezvous(side, timeout_s)``, which runs bounded by the timeout.
+    Install wires the agreements layer's setup check here (``dynamo/wiring.py``).
     """
     global _first_rendezvous
     _first_rendezvous = prepare
@@ -547,4 +552,3 @@ def _at_exit() -> None:
 
 
 groups = Groups()
-health.explainer = groups.explain_report

@@ -1,0 +1,68 @@
+"""The one place the layers are connected: every setter and registry below the seam, filled at install.
+
+The layers below (agreements, transport, health) have no import side effects:
+each offers setters and registries, and ``wire()`` fills every one of them:
+
+* health: ``set_explainer``, how a peer's failure report names the absent
+  ranks (the transport's diagnosis); wired before any heartbeat thread runs,
+  since install runs at import and the heartbeat starts with our first group;
+* transport: ``set_first_rendezvous`` (the setup check, ``agreements.scope``)
+  and ``add_progress_source`` (what the heartbeat says of the compiler
+  collective, the guard collective and the audit);
+* health.watchdog: ``set_default_store_source`` (the c10d store);
+* agreements.setup: ``register_source`` (switches only known at run time);
+* agreements.compiler: ``set_compile_id_source``;
+* agreements.guard: ``set_frame_sources`` and ``set_profiler_probe``;
+* agreements.audit: ``set_artifact_sink`` (torch's structured trace);
+* agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
+  (torch's operator types and ``normalize_function``).
+
+``install`` calls ``wire()`` once torch is patched; it is idempotent (a source
+registered twice is kept once). ``unwire()`` (uninstall) drops what only
+makes sense while we are patched into torch: the audit's artifact sink and
+group resolver. Nothing wired here is dropped by ``compiler_collectives.reset()``,
+a destroyed default group or a fork (``agreements/lifecycle.py`` clears
+failures, groups and sequence numbers only), so none of them wires again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .. import health
+from ..agreements import audit, compiler, fingerprint, guard, scope, setup
+from ..health import watchdog
+from ..transport import groups, set_first_rendezvous
+from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
+
+
+def wire() -> None:
+    """Connect every setter and registry of the layers below (idempotent; after install's patching)."""
+    originals = bound.originals
+    # health and transport: no torch internal involved
+    health.set_explainer(groups.explain_report)
+    set_first_rendezvous(scope.first_rendezvous)
+    for source in (compiler.progress, guard.progress, audit.progress):
+        groups.add_progress_source(source)
+    setup.register_source(guard_seam.setup_items)
+    # what the layers below may only see of torch through the seam table
+    watchdog.set_default_store_source(originals["get_default_store"])
+    compiler.set_compile_id_source(compiler_seam.current_compile_id)
+    orig_code_map = originals["orig_code_map"]
+    guard.set_frame_sources(guard_seam.wrapper_locals(), lambda code: code in orig_code_map)
+    if table.holds("profiler_enabled"):
+        owner, attr = table.place(table.named("profiler_enabled"))
+        guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
+    audit.set_artifact_sink(tooling.emit_artifact)
+    fingerprint.set_group_resolver(audit_seam.group_text)
+    fingerprint.set_operators(
+        originals["OpOverload"],
+        originals["OpOverloadPacket"],
+        originals["normalize_function"] if table.holds("normalize_function") else None,
+    )
+
+
+def unwire() -> None:
+    """Uninstall: drop what only holds while we are patched into torch."""
+    fingerprint.set_group_resolver(None)
+    audit.set_artifact_sink(None)
