@@ -206,7 +206,8 @@ def run_compiler_collective(self: Any) -> None:
     if ds is None or ds.all_states is not None:
         return
     if not isinstance(ds, DistributedState):
-        return bound.originals["run_compiler_collective"](self)
+        bound.originals["run_compiler_collective"](self)
+        return
     ds.local_state.frame_state_fresh = _frame_state_fresh(ds)
     with bound.originals["dynamo_timed"]("compiler_collective", log_pt2_compile_event=True):
         result = compiler.exchange(ds, frame_of(tx.f_code))

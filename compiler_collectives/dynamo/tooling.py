@@ -94,7 +94,8 @@ def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_log
     original = bound.originals["get_and_maybe_log_recompilation_reasons"]
     miss = None if skip_logging else guard.take_agreed_miss()
     if miss is None:
-        return original(cache_entries, frame, backend, skip_logging=skip_logging)
+        reasons: list[str] = original(cache_entries, frame, backend, skip_logging=skip_logging)
+        return reasons
     seq, missed, pg = miss
     code = frame.f_code
     where = str(FrameId(code.co_name, code.co_filename, code.co_firstlineno))
