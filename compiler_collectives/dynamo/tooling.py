@@ -94,8 +94,8 @@ def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_log
     original = bound.originals["get_and_maybe_log_recompilation_reasons"]
     miss = None if skip_logging else guard.take_agreed_miss()
     if miss is None:
-        reasons: list[str] = original(cache_entries, frame, backend, skip_logging=skip_logging)
-        return reasons
+        found: list[str] = original(cache_entries, frame, backend, skip_logging=skip_logging)
+        return found
     seq, missed, pg = miss
     code = frame.f_code
     where = str(FrameId(code.co_name, code.co_filename, code.co_firstlineno))
@@ -105,7 +105,8 @@ def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_log
     shared = reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)
     structured_artifact("guard_collective", lambda: guard_collective(shared, where))
     _record_recompile_reasons(code, shared.reasons)
-    return shared.reasons
+    agreed: list[str] = shared.reasons
+    return agreed
 
 
 def _record_recompile_reasons(code: Any, reasons_: list[str]) -> None:
