@@ -51,17 +51,29 @@ def _train_phases(rank: int, step: object, w: torch.Tensor) -> tuple[list[float]
     return losses, w.detach().tolist()  # plain data: tensors would cross the queue as shared memory
 
 
-def static_and_dynamic_entries(rank: int, world: int) -> dict:
+def _against_eager(rank: int, step: object, backend: str) -> dict:
+    """Train ``step`` eagerly, then compiled: what the compiled run raised, and both runs' results."""
     import compiler_collectives as cc
 
     cc.enable(guards=True)
-    reference = _train_phases(rank, _two_formulas, torch.ones(4, 4, requires_grad=True))
-    compiled = torch.compile(_two_formulas, backend="aot_eager")
+    reference = _train_phases(rank, step, torch.ones(4, 4, requires_grad=True))
+    compiled = torch.compile(step, backend=backend)
     run: dict = {}
     out = caught(lambda: run.update(run=_train_phases(rank, compiled, torch.ones(4, 4, requires_grad=True))))
-    out.update(run, reference=reference)
-    out["stats"] = cc.stats()
+    out.update(run, reference=reference, stats=cc.stats())
     return out
+
+
+def _assert_ran_as_eager(r: dict) -> None:
+    assert r["type"] is None, r
+    losses, w = r["run"]
+    ref_losses, ref_w = r["reference"]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert torch.allclose(torch.tensor(w), torch.tensor(ref_w), rtol=1e-5)
+
+
+def static_and_dynamic_entries(rank: int, world: int) -> dict:
+    return _against_eager(rank, _two_formulas, "aot_eager")
 
 
 @pytest.mark.timeout(180)
@@ -69,11 +81,7 @@ def test_a_static_entry_beside_a_dynamic_one_without_collectives_runs_on_with_no
     # The static entry's backward would be lowered lazily and the dynamic one's eagerly:
     # neither which levels exist nor when they were lowered makes a program.
     for r in run_ranks(static_and_dynamic_entries, 2, env=ENV, timeout=150).results:
-        assert r["type"] is None, r
-        losses, w = r["run"]
-        ref_losses, ref_w = r["reference"]
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        assert torch.allclose(torch.tensor(w), torch.tensor(ref_w), rtol=1e-5)
+        _assert_ran_as_eager(r)
         assert r["stats"]["entry_mixed_frames"] == 0
         assert r["stats"]["entry_checks"] == 0
         assert r["stats"]["audit_lazy_backwards"] == 0
@@ -89,28 +97,14 @@ def _break_when_long(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def graph_break_on_some_ranks(rank: int, world: int) -> dict:
-    import compiler_collectives as cc
-
     warnings = kept_logs("compiler_collectives", "WARNING")
-    cc.enable(guards=True)
-    reference = _train_phases(rank, _break_when_long, torch.ones(4, 4, requires_grad=True))
-    compiled = torch.compile(_break_when_long, backend="eager")
-    run: dict = {}
-    out = caught(lambda: run.update(run=_train_phases(rank, compiled, torch.ones(4, 4, requires_grad=True))))
-    out.update(run, reference=reference)
-    out["stats"] = cc.stats()
-    out["warnings"] = list(warnings)
-    return out
+    return dict(_against_eager(rank, _break_when_long, "eager"), warnings=list(warnings))
 
 
 @pytest.mark.timeout(180)
 def test_a_graph_break_taken_by_some_ranks_beside_an_entry_without_collectives_runs_on():
     for r in run_ranks(graph_break_on_some_ranks, 2, env=ENV, timeout=150).results:
-        assert r["type"] is None, r
-        losses, w = r["run"]
-        ref_losses, ref_w = r["reference"]
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        assert torch.allclose(torch.tensor(w), torch.tensor(ref_w), rtol=1e-5)
+        _assert_ran_as_eager(r)
         assert r["stats"]["entry_divergences"] == 0
         # Three calls picked different entries (one with the break, one without):
         # each rank went on alone into its own entry's frames, and met again after.
