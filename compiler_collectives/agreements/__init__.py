@@ -18,4 +18,7 @@
 Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in.
 """
 
-from . import scope  # noqa: F401  (registers the setup check as transport's first rendezvous)
+# Importing these registers their policy with the layers below: the failure procedure's
+# handler of a peer's report and explainer (failure.connect), the setup check as
+# transport's first rendezvous (scope).
+from . import failure, scope  # noqa: F401

@@ -20,8 +20,9 @@ this rank stopped on a peer's report (an error with ``reported_by``, from the
 shared-memory failure word, say). Refusing then says which rank failed and
 why, as a ``PeerFailureError``, not "an earlier collective failed on this
 rank": this rank's own collectives did nothing wrong. The first refusal of a
-report heard through the store asks ``explainer`` (set by the transport layer)
-to name the failed rank where the report itself names nobody.
+report heard through the store asks ``explainer`` (set by the agreements'
+failure procedure, ``agreements/failure.py``) to name the failed rank where
+the report itself names nobody.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _parked = threading.local()
 # Whether first_failure is a peer's report (and whether it was explained yet).
 _from_peer = False
 _explained = False
-# peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis); set by groups.
+# peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis); set by agreements/failure.py.
 explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
 
 
