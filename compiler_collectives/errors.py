@@ -15,14 +15,24 @@ from collections.abc import Sequence
 class CollectiveError(RuntimeError):
     """Raised when a compiler or guard collective cannot reach agreement.
 
-    Attributes give the context in machine-readable form: ``kind`` ("compiler",
-    "guard" or "audit"), ``rank`` (this rank), ``seq`` (this rank's sequence number for
-    that kind of collective), ``frame`` (``co_name at file:line`` or None) and
-    ``ranks`` (the peers implicated, e.g. the sender of a bad payload) and
-    ``reported_by`` (the peer(s) whose failure report this rank learned of the
-    failure from, through the store or the shared-memory failure word; empty
-    when this rank saw the failure itself).
+    The attributes below give the context in machine-readable form: ``kind``,
+    ``rank``, ``seq``, ``frame``, ``ranks`` and ``reported_by``.
     """
+
+    kind: str | None
+    """The collective: "compiler", "guard", "audit", "setup", "scope", ... (None if unknown)."""
+    rank: int | None
+    """This rank (global), where the error was raised."""
+    seq: int | None
+    """This rank's sequence number for that kind of collective, if it has one."""
+    frame: str | None
+    """The frame being compiled or guarded, ``co_name at file:line``, or None."""
+    ranks: tuple[int, ...]
+    """The peers implicated (the sender of a bad payload, the ranks absent or out of step, the
+    rank that failed or left)."""
+    reported_by: tuple[int, ...]
+    """The peer(s) whose failure report this rank learned of the failure from (through the
+    store, or the shared-memory failure word); empty when this rank saw the failure itself."""
 
     def __init__(
         self,
@@ -60,8 +70,23 @@ class PeerFailureError(CollectiveError):
     (``reported_by``), or it left the job (``left``: its own code raised while
     it waited in a collective). Names that rank and its cause."""
 
-    def __init__(self, message: str, *, left: bool = False, **context: object) -> None:
-        super().__init__(message, **context)  # type: ignore[arg-type]
+    left: bool
+    """Whether the rank named left the job (its own code raised while it waited in a
+    collective) rather than failed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str | None = None,
+        rank: int | None = None,
+        seq: int | None = None,
+        frame: str | None = None,
+        ranks: tuple[int, ...] = (),
+        reported_by: tuple[int, ...] = (),
+        left: bool = False,
+    ) -> None:
+        super().__init__(message, kind=kind, rank=rank, seq=seq, frame=frame, ranks=ranks, reported_by=reported_by)
         self.left = left
 
 

@@ -331,7 +331,7 @@ def _wired() -> dict[str, object]:
     import sys
 
     from compiler_collectives import dynamo, health
-    from compiler_collectives.agreements import audit, compiler, fingerprint, guard, scope, setup
+    from compiler_collectives.agreements import audit, compiler, failure, fingerprint, guard, scope, setup
     from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
     from compiler_collectives.health import watchdog
     from compiler_collectives.transport import groups
@@ -339,7 +339,8 @@ def _wired() -> dict[str, object]:
     transport_groups = sys.modules["compiler_collectives.transport.groups"]  # the module, not the instance
     sources = groups.progress_sources
     return {
-        "explainer": health.explainer == groups.explain_report,
+        "explainer": health.explainer is failure.explain_report,
+        "peer_reports": vars(transport_groups)["_peer_report_handler"] is failure.peer_reported,
         "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
         "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit.progress)],
         "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
@@ -356,6 +357,7 @@ def _wired() -> dict[str, object]:
 
 EVERYTHING_WIRED_ONCE = {
     "explainer": True,
+    "peer_reports": True,
     "first_rendezvous": True,
     "progress": [1, 1, 1],
     "setup": 1,

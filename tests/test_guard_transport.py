@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler_collectives.transport import shm
+from compiler_collectives.transport import futex, segment, shm
 from tests.harness import _free_port, release, run_ranks, stay_until
 from tests.rankside import kept_logs
 
@@ -226,7 +226,7 @@ def test_ranks_of_one_host_agree_through_shared_memory_by_default():
         assert r["outcomes"] == _expected(pattern)
 
 
-needs_futex = pytest.mark.skipif(not shm.Futex.available(), reason="futexes need Linux on x86-64 or AArch64")
+needs_futex = pytest.mark.skipif(not futex.Futex.available(), reason="futexes need Linux on x86-64 or AArch64")
 
 
 @pytest.mark.timeout(150)
@@ -393,10 +393,10 @@ def _segment_file(
     tmp_path, token: int, *, mode: int = 0o600, header: bool = True, owner: int | None = None, local_ranks: int = 2
 ) -> str:
     """A file under our name pattern as someone else might leave it."""
-    path = shm.segment_path(os.getpid(), token)
-    words = [0] * shm.segment_words(local_ranks)
+    path = segment.segment_path(os.getpid(), token)
+    words = [0] * segment.segment_words(local_ranks)
     if header:
-        words[:6] = [shm.MAGIC, shm.LAYOUT_VERSION, local_ranks, 0, token, shm.pid_namespace()]
+        words[:6] = [segment.MAGIC, segment.LAYOUT_VERSION, local_ranks, 0, token, segment.pid_namespace()]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     os.write(fd, b"".join(w.to_bytes(8, "little") for w in words))
     os.fchmod(fd, mode)
@@ -425,7 +425,7 @@ def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and
     if case == "outside-pattern":
         path = str(victim)
     elif case == "symlink":
-        path = shm.segment_path(os.getpid(), token)
+        path = segment.segment_path(os.getpid(), token)
         os.symlink(victim, path)
     elif case == "owner":
         if os.geteuid() != 0:
@@ -435,7 +435,7 @@ def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and
         path = _segment_file(tmp_path, token, mode=0o644 if case == "mode" else 0o600, header=case != "no-header")
     try:
         with pytest.raises(OSError) as info:
-            shm.Segment.open(
+            segment.Segment.open(
                 path, 3 if case == "other-rank-count" else 2, token + 1 if case == "other-token" else token
             )
         assert why in str(info.value)
@@ -449,10 +449,10 @@ def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and
 
 LEAK = """
 import os, sys
-from compiler_collectives.transport import shm
+from compiler_collectives.transport import segment
 token = int(sys.argv[1])
-shm.Segment.create(shm.segment_path(os.getpid(), token), 2, token, 0)
-print(shm.segment_path(os.getpid(), token), flush=True)
+segment.Segment.create(segment.segment_path(os.getpid(), token), 2, token, 0)
+print(segment.segment_path(os.getpid(), token), flush=True)
 os._exit(0)  # as if killed between creating the segment and unlinking its name
 """
 
@@ -466,8 +466,8 @@ def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_
     )
     assert child.returncode == 0, child.stderr
     leaked = child.stdout.strip()
-    live_path = shm.segment_path(os.getpid(), token + 1)  # this test process is its live owner
-    live = shm.Segment.create(live_path, 2, token + 1, 0)
+    live_path = segment.segment_path(os.getpid(), token + 1)  # this test process is its live owner
+    live = segment.Segment.create(live_path, 2, token + 1, 0)
     try:
         assert os.path.exists(leaked) and os.path.exists(live_path)
         outcome = run_ranks(list_segments_after_setup, 2, env=ENV, timeout=60)
@@ -476,7 +476,7 @@ def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_
         assert os.path.exists(live_path)
     finally:
         live.unlink_name()
-        shm.unlink(leaked)
+        segment.unlink(leaked)
 
 
 # ---------------------------------------------------------------- fallback

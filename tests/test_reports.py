@@ -214,14 +214,15 @@ def test_the_failure_word_says_which_rank_published_and_whether_it_left_or_faile
 def test_a_waiting_rank_reads_a_left_word_as_left_and_a_failure_word_as_a_failure():
     """Two local ranks of one segment, both in this process: rank 1 publishes, rank 0 waits."""
     from compiler_collectives.errors import PeerFailureError
+    from compiler_collectives.transport import segment as segments
     from compiler_collectives.transport import shm
 
-    if shm.unavailable_reason() is not None:
-        pytest.skip(shm.unavailable_reason())
+    if segments.unavailable_reason() is not None:
+        pytest.skip(segments.unavailable_reason())
     for left in (True, False):
         token = int.from_bytes(os.urandom(8), "little") >> 1
-        path = shm.segment_path(os.getpid(), token)
-        segment = shm.Segment.create(path, 2, token, 0)
+        path = segments.segment_path(os.getpid(), token)
+        segment = segments.Segment.create(path, 2, token, 0)
         try:
             segment.register(1, 1)
             arrival = shm.Arrival(rank=0, local_ranks=(0, 1))

@@ -313,9 +313,9 @@ def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ(transp
 
 
 def guard_without_desync_check(rank: int, world: int) -> list:
-    from compiler_collectives.transport import GuardChannel, groups
+    from compiler_collectives.transport import GlooGuardChannel, groups
 
-    channel = GuardChannel(groups.guard_pg(), check_desync=False)
+    channel = GlooGuardChannel(groups.guard_pg(), check_desync=False)
     return [channel.agree(True, 1, rank), channel.agree(rank == 0, 2 + rank, 0), channel.agree(True, 9, 9)]
 
 

@@ -24,17 +24,33 @@ name the ranks found elsewhere.
 
 Either way this rank is poisoned (``health``): its later collectives refuse
 until ``compiler_collectives.reset()``.
+
+**A peer's report.** Transport only hands over what it heard: the raw store
+record of a peer's failure (or that it left). This module says what that is
+for this rank:
+
+* ``report_error``: the ``PeerFailureError`` a report becomes (the rank that
+  failed or left, its cause, the ranks it names, ``reported_by``);
+* ``peer_reported``: the heartbeat thread heard a report (registered with
+  ``transport.set_peer_report_handler``): this rank is poisoned by it, so its
+  next collective refuses and a wait in progress in one of ours stops;
+* ``explain_report``: the first refusal of a report that names nobody asks
+  for this rank's own short diagnosis of who is absent (``health.explainer``).
+
+``connect`` registers both with the layers below. It runs when this module
+is imported and is idempotent; ``reset()`` and a fork keep both registered.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .. import config, health
 from ..errors import CollectiveDesyncError, CollectiveError, PeerFailureError, WireFormatError, describe
 from ..health.watchdog import Diagnosis, diagnose_with_deadline
-from ..transport import groups, report_error, translate_failure
+from ..transport import groups, set_peer_report_handler, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")
 
@@ -111,9 +127,10 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
 def as_reported(error: CollectiveError, peer: int, seq: int | None = None) -> CollectiveError:
     """``error``, which stopped on rank ``peer``'s report, as that report says it (the rank
     that failed or left, and its cause); ``error`` itself if the report cannot be read."""
-    report = groups.peer_report(peer, error.rank, wait_s=REPORT_WAIT_S)
-    if report is None:
+    heard = groups.read_peer_report(peer, error.rank, wait_s=REPORT_WAIT_S)
+    if heard is None:
         return error
+    report = report_error(error.rank, *heard)
     seq = error.seq if error.seq is not None else seq
     new = PeerFailureError(
         f"{describe(error.kind, error.rank, seq, error.frame)} stopped: {report}\n"
@@ -140,10 +157,19 @@ def explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveEr
         return error
     base = str(error)
     details = diagnosis.render()
-    common = dict(kind=error.kind, rank=error.rank, seq=error.seq, frame=error.frame, reported_by=error.reported_by)
+    kind, rank, seq, frame, reported_by = error.kind, error.rank, error.seq, error.frame, error.reported_by
     alive = diagnosis.alive_elsewhere
+    new: CollectiveError
     if diagnosis.absent:
-        new = type(error)(f"{base}\nRanks not in this collective:\n{details}", ranks=tuple(diagnosis.absent), **common)
+        new = type(error)(
+            f"{base}\nRanks not in this collective:\n{details}",
+            kind=kind,
+            rank=rank,
+            seq=seq,
+            frame=frame,
+            ranks=tuple(diagnosis.absent),
+            reported_by=reported_by,
+        )
     elif alive and not error.reported_by:
         reported = _unrelated_report(error, diagnosis)
         if reported is not None:
@@ -163,8 +189,12 @@ def explain(error: CollectiveError, diagnosis: Diagnosis | None) -> CollectiveEr
             new = CollectiveDesyncError(
                 f"{base}\nRank(s) {alive} are alive but did not enter this "
                 f"collective: the ranks are out of step (desync).\n{details}",
+                kind=kind,
+                rank=rank,
+                seq=seq,
+                frame=frame,
                 ranks=tuple(alive),
-                **common,
+                reported_by=reported_by,
             )
     else:
         return error
@@ -183,3 +213,67 @@ def _unrelated_report(error: CollectiveError, diagnosis: Diagnosis) -> PeerFailu
         if not alive & set(reported.ranks):
             return reported
     return None
+
+
+# ---------------------------------------------------------------- a peer's report
+
+
+def report_error(own_rank: int | None, peer: int, report: dict[str, Any]) -> PeerFailureError:
+    """A peer's failure report (a ``SideChannel.report_failure`` record), as this rank raises it:
+    which rank failed (or left), its cause, the ranks it names (``ranks``; the peer itself
+    where it names none) and who reported it (``reported_by``)."""
+    message = report.get("message")
+    lines = message.splitlines() if isinstance(message, str) and message else ["no message"]
+    if report.get("left") is True:
+        err = PeerFailureError(
+            f"rank {peer} left the job: {lines[0]}", rank=own_rank, ranks=(peer,), reported_by=(peer,), left=True
+        )
+    else:
+        named = report.get("ranks")
+        culprits = tuple(r for r in named if type(r) is int and 0 <= r < 1 << 20) if isinstance(named, list) else ()
+        # The lines of the report that say what became of each rank it names: the cause.
+        causes = [line for line in lines[1:] if any(line.strip().startswith(f"rank {r}:") for r in culprits)]
+        naming = f" naming rank(s) {list(culprits)}" if culprits else ""
+        err = PeerFailureError(
+            f"rank {peer} reported a collective failure{naming}: {lines[0]}" + "".join(f"\n{line}" for line in causes),
+            rank=own_rank,
+            ranks=culprits or (peer,),
+            reported_by=(peer,),
+        )
+    return err
+
+
+def peer_reported(own_rank: int, peer: int, report: dict[str, Any]) -> None:
+    """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
+    collective, and make a wait in progress in one of our collectives stop."""
+    health.poison_from_peer(report_error(own_rank, peer, report))
+
+
+def explain_report(error: PeerFailureError) -> PeerFailureError:
+    """A peer's report heard through the store, naming the absent rank(s) where it names none
+    (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
+    if error.left or (error.ranks and error.ranks != error.reported_by):
+        return error  # the report names its culprit (a rank that left names itself)
+    diagnosis = diagnose_with_deadline(
+        groups.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0, until_absent=True
+    )
+    if diagnosis is None or not diagnosis.absent:
+        return error
+    absent = [p for p in diagnosis.peers if p.state == "absent"]
+    return PeerFailureError(
+        f"{error}\nRanks not in the job:\n" + "\n".join("  " + p.describe() for p in absent),
+        kind=error.kind,
+        rank=error.rank,
+        seq=error.seq,
+        frame=error.frame,
+        ranks=tuple(p.rank for p in absent),
+        reported_by=error.reported_by,
+    )
+
+
+def connect() -> None:
+    """Register the failure policy with the layers below: the heartbeat's handler of a peer's
+    report (transport) and the explainer of a refusal (health). Idempotent; the wiring
+    (``dynamo/wiring.py``) calls it at install."""
+    set_peer_report_handler(peer_reported)
+    health.set_explainer(explain_report)

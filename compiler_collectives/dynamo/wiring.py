@@ -3,7 +3,9 @@
 The layers below (agreements, transport, health) have no import side effects:
 each offers setters and registries, and ``wire()`` fills every one of them:
 
-* health: ``set_explainer``, how a peer's failure report names the absent
+* agreements.failure: ``connect`` (transport's ``set_peer_report_handler``,
+  what the heartbeat does with a peer's failure report, and health's
+  ``set_explainer``, how a peer's failure report names the absent
   ranks (the transport's diagnosis); wired before any heartbeat thread runs,
   since install runs at import and the heartbeat starts with our first group;
 * transport: ``set_first_rendezvous`` (the setup check, ``agreements.scope``)
@@ -29,8 +31,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import health
-from ..agreements import audit, compiler, fingerprint, guard, scope, setup
+from ..agreements import audit, compiler, failure, fingerprint, guard, scope, setup
 from ..health import watchdog
 from ..transport import groups, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
@@ -40,7 +41,7 @@ def wire() -> None:
     """Connect every setter and registry of the layers below (idempotent; after install's patching)."""
     originals = bound.originals
     # health and transport: no torch internal involved
-    health.set_explainer(groups.explain_report)
+    failure.connect()  # the heartbeat's handler of a peer's report, and the health layer's explainer
     set_first_rendezvous(scope.first_rendezvous)
     for source in (compiler.progress, guard.progress, audit.progress):
         groups.add_progress_source(source)

@@ -20,9 +20,9 @@ this rank stopped on a peer's report (an error with ``reported_by``, from the
 shared-memory failure word, say). Refusing then says which rank failed and
 why, as a ``PeerFailureError``, not "an earlier collective failed on this
 rank": this rank's own collectives did nothing wrong. The first refusal of a
-report heard through the store asks ``explainer`` (the transport layer's
-diagnosis, ``set_explainer``, wired at install) to name the failed rank where
-the report itself names nobody. ``clear()`` keeps it.
+report heard through the store asks ``explainer`` (the agreements' failure
+procedure's diagnosis, ``set_explainer``, wired at install) to name the failed
+rank where the report itself names nobody. ``clear()`` keeps it.
 """
 
 from __future__ import annotations

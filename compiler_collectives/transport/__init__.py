@@ -1,36 +1,45 @@
 """The transport layer: how our collectives move bytes between ranks.
 
-One module per mechanism, and one for the groups they run on:
+One module per concern:
 
 * ``gloo``: dedicated gloo groups; the compiler collective's byte all-gather
   and the guard collective's all-reduce path;
-* ``shm``: one shared-memory segment per host, where a host's ranks agree on
-  a guard outcome in microseconds;
+* ``channel``: ``GuardChannel``, the interface every guard mechanism offers
+  the agreements;
+* ``segment``: one shared-memory segment per host: its layout, creation,
+  checks, registration and removal (leaked segments of dead jobs included);
+* ``shm``: the wait protocol over a segment, where a host's ranks agree on a
+  guard outcome in microseconds (publish, wait, the failure word, sleepers);
+* ``futex``: the kernel sleeps and wake-ups the wait protocol uses;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
 * ``groups``: lazily created groups (after the first rendezvous, the
   agreements layer's setup check, wired at install), the store side channel,
-  and the teardown at interpreter exit. What a failure means for the job is
-  decided above this layer (``agreements/failure.py``).
+  and the teardown at interpreter exit;
+* ``scope``: which ranks our groups span.
+
+Transport reports what it saw; what a failure means for the job is decided
+above this layer (``agreements/failure.py``), whose handler of a peer's
+failure report is wired here at install (``set_peer_report_handler``).
 
 The layer above (the agreements) imports only what this module exports
 (``tests/test_layering.py`` checks it).
 """
 
+from .channel import GuardChannel
 from .gloo import (
     PHASE_INPUTS,
     PHASE_TRACE,
     PROTOCOL_VERSION,
     GlooGuardChannel,
-    GuardChannel,
     all_gather_bytes,
     guard_key,
     translate_failure,
 )
-from .groups import Groups, groups, report_error, set_first_rendezvous
+from .groups import Groups, PeerReportHandler, groups, set_first_rendezvous, set_peer_report_handler
 from .hierarchy import ShmGuardChannel
 from .scope import Scope
-from .shm import LAYOUT_VERSION as SHM_LAYOUT_VERSION
+from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 
 __all__ = [
     "PHASE_INPUTS",
@@ -40,12 +49,13 @@ __all__ = [
     "GlooGuardChannel",
     "Groups",
     "GuardChannel",
+    "PeerReportHandler",
     "Scope",
     "ShmGuardChannel",
     "all_gather_bytes",
     "groups",
     "guard_key",
-    "report_error",
     "set_first_rendezvous",
+    "set_peer_report_handler",
     "translate_failure",
 ]

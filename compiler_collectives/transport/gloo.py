@@ -268,7 +268,7 @@ class GlooGuardChannel:
         self._view = (ctypes.c_int64 * n).from_address(self._tensor.data_ptr())
         self._list = [self._tensor]
         self._opts = dist.AllreduceOptions()
-        self._opts.reduceOp = dist.ReduceOp.MIN
+        self._opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
 
     def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, bool]:
         """Returns (every rank hit, every rank at the same call of the same frame)."""
@@ -301,7 +301,3 @@ class GlooGuardChannel:
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.pg.size())]
         wait(self.pg.allgather([out], [mine]))
         return [(int(t[0]), int(t[1])) for t in out]
-
-
-# The name older code and scripts use.
-GuardChannel = GlooGuardChannel

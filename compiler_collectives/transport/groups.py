@@ -11,7 +11,10 @@ rendezvous wired at install (``set_first_rendezvous``: the agreements layer's
 setup check, where every rank raises ``SetupMismatchError`` if they
 disagree about a version or a setting that must match). What to do when an
 exchange fails is policy, and lives above this layer
-(``agreements/failure.py``); this module only moves bytes and reports.
+(``agreements/failure.py``); this module only moves bytes and reports. When
+the heartbeat thread hears a peer's failure report, it hands the raw report
+to the handler the agreements layer registered (``set_peer_report_handler``);
+``read_peer_report`` reads one from the store on request.
 
 Under a scope (``compiler_collectives.scope``, ``COMPILER_COLLECTIVES_SCOPE``)
 the groups span the scope's ranks only, and are made by those ranks only:
@@ -52,19 +55,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from .. import config, health
 from ..errors import (
     SCOPE_HINT,
     CollectiveError,
     CollectiveTimeoutError,
-    PeerFailureError,
     ScopeError,
     StoreUnresponsive,
 )
 from ..health.watchdog import SideChannel, bounded, diagnose_with_deadline
 from . import scope as scope_mod
-from . import shm
+from . import segment
+from .channel import GuardChannel
 from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
@@ -77,7 +81,7 @@ _inherited: list[Any] = []
 def _identity() -> dict[str, int]:
     """This process as a peer on the same machine and pid namespace can check it in /proc."""
     pid = os.getpid()
-    ident = shm.process_identity(pid)
+    ident = segment.process_identity(pid)
     try:
         pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -95,7 +99,7 @@ class Groups:
         self._generation = 0
         self._compile_pg: dist.ProcessGroup | None = None
         self._guard_pg: dist.ProcessGroup | None = None
-        self._guard_channel: Any = None  # GlooGuardChannel or ShmGuardChannel
+        self._guard_channel: GuardChannel | None = None
         self._agreed = False  # the setup agreement of this generation passed
         self._scope: scope_mod.Scope | None = None  # the ranks our groups of this generation span
         self._inherited_world: object | None = None  # a forked child's parent's default group
@@ -187,11 +191,11 @@ class Groups:
                 self._generation,
                 self._progress,
                 identity=_identity(),
-                probe=shm.process_identity,
+                probe=segment.process_identity,
                 current=lambda: dist.is_initialized() and dist.group.WORLD is world,
             )
             _register_exit()
-            side.start(on_peer_failure=functools.partial(_peer_failed, side.rank))
+            side.start(on_peer_failure=functools.partial(_heard_report, side.rank))
             self.side = side
         return self.side
 
@@ -249,22 +253,22 @@ class Groups:
                 f"while creating the {kind}-collective gloo group",
             )
         except StoreUnresponsive as e:
-            err = CollectiveTimeoutError(
+            unresponsive = CollectiveTimeoutError(
                 f"creating the {kind}-collective process group on rank {rank}: gloo's connection set-up "
                 f"did not finish within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT; {e}). A peer "
                 "stopped, or the ranks use different stores.",
                 kind=kind,
                 rank=rank,
             )
-            health.poison(err)
-            raise err from None
+            health.poison(unresponsive)
+            raise unresponsive from None
 
     def _scoped_group(self, tag: str, ranks: tuple[int, ...] | list[int]) -> Any:
         """A gloo group of ``ranks`` (this rank among them), made by those ranks only."""
         side = self._side_channel()
         assert self._scope is not None
         prefix = f"pg/{self._scope.key}/{tag}/{'_'.join(map(str, ranks)) if len(ranks) <= 64 else len(ranks)}/"
-        store = dist.PrefixStore(prefix, side.store)
+        store = PrefixStore(prefix, side.store)
         return dist.ProcessGroupGloo(
             store, list(ranks).index(side.rank), len(ranks), datetime.timedelta(seconds=config.settings.timeout_s)
         )
@@ -308,7 +312,7 @@ class Groups:
                 self._compile_pg = self._new_group("compiler_collectives_compile", "compiler")
             return self._compile_pg
 
-    def guard_channel(self) -> Any:
+    def guard_channel(self) -> GuardChannel:
         """The guard channel of this generation, built on every rank together at first use."""
         with self._lock:
             self._check_world()
@@ -319,7 +323,7 @@ class Groups:
                     self._guard_channel = build_guard_channel(self._guard_pg, side.store)
                 else:
                     # Store keys of each scope apart: two scopes on one host both have a host 0.
-                    store = dist.PrefixStore(f"scope/{self._scope.key}/", side.store)
+                    store = PrefixStore(f"scope/{self._scope.key}/", side.store)
                     self._guard_channel = build_guard_channel(
                         self._guard_pg,
                         store,
@@ -328,7 +332,7 @@ class Groups:
                     )
             return self._guard_channel
 
-    def built_guard_channel(self) -> Any:
+    def built_guard_channel(self) -> GuardChannel | None:
         """The guard channel if this generation built one already, else None (never builds)."""
         return self._guard_channel
 
@@ -444,32 +448,11 @@ class Groups:
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.warning("rank %d could not tell the other ranks that it left (%s)", side.rank, e)
 
-    def explain_report(self, error: PeerFailureError) -> PeerFailureError:
-        """A peer's report heard through the store, naming the absent rank(s) where it names none
-        (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
-        if error.left or (error.ranks and error.ranks != error.reported_by):
-            return error  # the report names its culprit (a rank that left names itself)
-        diagnosis = diagnose_with_deadline(
-            self.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0, until_absent=True
-        )
-        if diagnosis is None or not diagnosis.absent:
-            return error
-        absent = [p for p in diagnosis.peers if p.state == "absent"]
-        new = PeerFailureError(
-            f"{error}\nRanks not in the job:\n" + "\n".join("  " + p.describe() for p in absent),
-            kind=error.kind,
-            rank=error.rank,
-            seq=error.seq,
-            frame=error.frame,
-            ranks=tuple(p.rank for p in absent),
-            reported_by=error.reported_by,
-        )
-        return new
-
-    def peer_report(self, peer: int, own_rank: int | None, wait_s: float) -> PeerFailureError | None:
-        """Rank ``peer``'s failure report as this rank raises it (``report_error``), waiting up to
-        ``wait_s`` for it; where ``peer`` only relayed another rank's report, that rank's.
-        None if there is none (or the store does not answer)."""
+    def read_peer_report(self, peer: int, own_rank: int | None, wait_s: float) -> tuple[int, dict[str, Any]] | None:
+        """Rank ``peer``'s failure report as it wrote it (a ``SideChannel.report_failure`` record),
+        waiting up to ``wait_s`` for it: (the rank whose report it is, the report). Where ``peer``
+        only relayed another rank's report, that rank's. None if there is none (or the store
+        does not answer). What the report means is the reader's to decide."""
         side = self.side
         if side is None:
             return None
@@ -483,7 +466,7 @@ class Groups:
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.debug("reading rank %d's failure report: %s", peer, e)
             return None
-        return None if report is None else report_error(own_rank, peer, report)
+        return None if report is None else (peer, report)
 
 
 # rendezvous(side, timeout_s): raises to stop group creation on every rank.
@@ -503,35 +486,27 @@ def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     _first_rendezvous = prepare
 
 
-def report_error(own_rank: int | None, peer: int, report: dict[str, Any]) -> PeerFailureError:
-    """A peer's failure report (a ``SideChannel.report_failure`` record), as this rank raises it:
-    which rank failed (or left), its cause, the ranks it names (``ranks``; the peer itself
-    where it names none) and who reported it (``reported_by``)."""
-    message = report.get("message")
-    lines = message.splitlines() if isinstance(message, str) and message else ["no message"]
-    if report.get("left") is True:
-        err = PeerFailureError(
-            f"rank {peer} left the job: {lines[0]}", rank=own_rank, ranks=(peer,), reported_by=(peer,), left=True
-        )
-    else:
-        named = report.get("ranks")
-        culprits = tuple(r for r in named if type(r) is int and 0 <= r < 1 << 20) if isinstance(named, list) else ()
-        # The lines of the report that say what became of each rank it names: the cause.
-        causes = [line for line in lines[1:] if any(line.strip().startswith(f"rank {r}:") for r in culprits)]
-        naming = f" naming rank(s) {list(culprits)}" if culprits else ""
-        err = PeerFailureError(
-            f"rank {peer} reported a collective failure{naming}: {lines[0]}" + "".join(f"\n{line}" for line in causes),
-            rank=own_rank,
-            ranks=culprits or (peer,),
-            reported_by=(peer,),
-        )
-    return err
+# handler(own_rank, peer, report): what this rank makes of a peer's raw failure report.
+PeerReportHandler = Callable[[int, int, dict[str, Any]], None]
+_peer_report_handler: PeerReportHandler | None = None
 
 
-def _peer_failed(own_rank: int, peer: int, report: dict[str, Any]) -> None:
-    """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
-    collective, and make a wait in progress in one of our collectives stop."""
-    health.poison_from_peer(report_error(own_rank, peer, report))
+def set_peer_report_handler(handler: PeerReportHandler | None) -> None:
+    """Who hears a peer's failure report: the heartbeat thread calls ``handler(own_rank, peer,
+    report)`` with the raw ``SideChannel.report_failure`` record of rank ``peer`` (a failure,
+    or that it left). The agreements layer registers its failure policy here; registering
+    again replaces it. Kept across ``reset`` and into a forked child, as the module is."""
+    global _peer_report_handler
+    _peer_report_handler = handler
+
+
+def _heard_report(own_rank: int, peer: int, report: dict[str, Any]) -> None:
+    """Heartbeat thread: rank ``peer`` reported; pass it on as heard."""
+    handler = _peer_report_handler
+    if handler is None:
+        log.warning("rank %d heard rank %d's failure report, but no handler is registered", own_rank, peer)
+        return
+    handler(own_rank, peer, report)
 
 
 _exit_registered = False

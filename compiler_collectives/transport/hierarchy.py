@@ -10,10 +10,10 @@ together, and picks the guard mechanism (``COMPILER_COLLECTIVES_GUARD_TRANSPORT`
    The same all-gather carries each rank's pid and a random token, from
    which every rank computes the name of its leader's segment.
 2. Each host's lowest rank (its leader) first removes segments that dead
-   jobs left behind (``shm.remove_leaked_segments``), then creates its segment
+   jobs left behind (``segment.remove_leaked_segments``), then creates its segment
    under that name and publishes the name on the c10d store; the others map
    it only if the store names exactly the segment they computed and the file
-   passes ``shm.Segment.open``'s checks, and register in their slots. The
+   passes ``segment.Segment.open``'s checks, and register in their slots. The
    store is reachable by any client that can reach its port, so a name read
    from it is never opened as given, and never unlinked. Once every local
    rank has reported, each checks that it sees every peer's slot and process
@@ -52,7 +52,8 @@ import torch.distributed as dist
 from .. import config
 from ..errors import CollectiveError, StoreUnresponsive
 from ..health.watchdog import bounded
-from . import shm
+from . import segment, shm
+from .channel import GuardChannel
 from .gloo import GlooGuardChannel, wait
 
 log = logging.getLogger("compiler_collectives.transport.hierarchy")
@@ -146,9 +147,9 @@ class LeaderExchange:
 class ShmGuardChannel:
     """The guard collective on shared memory, with leaders between hosts.
 
-    Same interface as ``GlooGuardChannel``: ``agree`` for the fast path,
-    ``describe_all`` for the slow path (over ``pg``, the gloo guard group of
-    every rank), ``publish_failure`` for the failure procedure.
+    A ``GuardChannel`` (``channel``), as ``GlooGuardChannel`` is: ``agree`` for
+    the fast path, ``describe_all`` for the slow path (over ``pg``, the gloo
+    guard group of every rank), ``publish_failure`` for the failure procedure.
     """
 
     __slots__ = (
@@ -222,7 +223,9 @@ class ShmGuardChannel:
         if not self._multi_host:
             in_step = (lo >> 1) == (hi >> 1)
             return in_step and bool(lo & 1), in_step
-        a, b = self._leaders.min2(lo & _MASK63, -(hi & _MASK63))
+        # Multi-host, not returned above: this rank leads its host, so _leaders is set. Read as
+        # is (no local, no assert): the single-host path above must not pay for the narrowing.
+        a, b = self._leaders.min2(lo & _MASK63, -(hi & _MASK63))  # type: ignore[union-attr]
         local = self._local
         if a < 0:  # a leader elsewhere reported a failure in place of its host's words
             local.publish_failed_result(n, -a - 1)
@@ -241,8 +244,9 @@ class ShmGuardChannel:
         try:
             return self._local.wait(index, want, n)
         except CollectiveError as e:
-            if self._leaders is not None:
-                self._tell_other_hosts(e)
+            leaders = self._leaders
+            if leaders is not None:
+                _tell_other_hosts(leaders, e, self._local.ranks.rank)
             raise
 
     def describe_all(self, seq: int, site: int) -> list[tuple[int, int]]:
@@ -252,17 +256,18 @@ class ShmGuardChannel:
     def publish_failure(self, rank: int, left: bool = False) -> None:
         self._local.publish_failure(rank, left)
 
-    def _tell_other_hosts(self, error: CollectiveError) -> None:
-        """This host failed: still take part in the leaders' exchange, carrying a negative
-        marker that MIN spreads, so other hosts raise now instead of at their timeout."""
-        culprit = error.ranks[0] if error.ranks else self._local.ranks.rank
-        try:
-            self._leaders.min2(-(culprit + 1), 0)
-        except Exception as e:  # noqa: BLE001 - another host is gone too; our error stands
-            log.debug("could not tell the other hosts of the failure: %s", e)
+
+def _tell_other_hosts(leaders: LeaderExchange, error: CollectiveError, rank: int) -> None:
+    """This host failed: still take part in the leaders' exchange, carrying a negative
+    marker that MIN spreads, so other hosts raise now instead of at their timeout."""
+    culprit = error.ranks[0] if error.ranks else rank
+    try:
+        leaders.min2(-(culprit + 1), 0)
+    except Exception as e:  # noqa: BLE001 - another host is gone too; our error stands
+        log.debug("could not tell the other hosts of the failure: %s", e)
 
 
-def _describe_guard(rank: int):
+def _describe_guard(rank: int) -> Callable[[int], str]:
     from ..errors import describe
 
     return lambda n: describe("guard", rank, None, None) + f" (shared-memory call #{n})"
@@ -281,7 +286,7 @@ def _wait_count(store: Any, key: str, target: int, timeout_s: float) -> bool:
 
 def _map_segment(
     store: Any, host: int, local_ranks: list[int], rank: int, timeout_s: float, leader: tuple[int, int]
-) -> tuple[shm.Segment | None, str | None]:
+) -> tuple[segment.Segment | None, str | None]:
     """Create or map this host's segment and run the probe; (segment, None) or (None, why not).
 
     ``leader`` is the (pid, token) the host's leader all-gathered: its segment's name."""
@@ -289,14 +294,14 @@ def _map_segment(
     n = len(local_ranks)
     prefix = f"shm/{host}/"
     key = prefix + "path"
-    path = shm.segment_path(*leader)
-    segment: shm.Segment | None = None
+    path = segment.segment_path(*leader)
+    mapped: segment.Segment | None = None
     why: str | None = None
     try:
         if index == 0:
-            for leaked in shm.remove_leaked_segments():
+            for leaked in segment.remove_leaked_segments():
                 log.info("removed %s, a shared-memory segment left by a job whose ranks are all gone", leaked)
-            segment = shm.Segment.create(path, n, leader[1], rank)
+            mapped = segment.Segment.create(path, n, leader[1], rank)
             # compare_set: a value someone else put there first is never overwritten, and is refused.
             published = store.compare_set(key, "", path).decode(errors="replace")
             if published != path:
@@ -313,8 +318,8 @@ def _map_segment(
                     f"segment rank {local_ranks[0]} created: another client of the store wrote "
                     "it; nothing was opened or deleted"
                 )
-            segment = shm.Segment.open(path, n, leader[1])
-        segment.register(index, rank)
+            mapped = segment.Segment.open(path, n, leader[1])
+        mapped.register(index, rank)
     except Exception as e:  # noqa: BLE001 - any reason means: not here, use gloo
         why = f"{type(e).__name__}: {e}"
     finally:
@@ -322,18 +327,18 @@ def _map_segment(
         store.add(prefix + "reported", 1)
     if not _wait_count(store, prefix + "reported", n, timeout_s):
         why = why or f"not every rank of this host reported on its segment within {timeout_s:.0f}s"
-    if segment is not None:
+    if mapped is not None:
         # Every local rank has mapped it or given up: the name can go. Only a rank that
         # created or verified this very file removes it.
-        segment.unlink_name()
-    if why is None and segment is not None:
-        why = segment.probe(local_ranks)
-    return (segment, None) if why is None else (None, why)
+        mapped.unlink_name()
+    if why is None and mapped is not None:
+        why = mapped.probe(local_ranks)
+    return (mapped, None) if why is None else (None, why)
 
 
 def build_guard_channel(
     pg: Any, store: Any, members: Sequence[int] | None = None, subgroup: Callable[[list[int]], Any] | None = None
-) -> Any:
+) -> GuardChannel:
     """Every rank of ``pg`` together: the guard channel the settings ask for and this job can run.
 
     ``members``: the global rank of each of ``pg``'s ranks (a scope's; default: ``pg`` is the
@@ -346,7 +351,7 @@ def build_guard_channel(
     rank = ranks[index]
     if settings.guard_transport == "gloo":
         return GlooGuardChannel(pg, settings.guard_desync_check, rank=rank)
-    reason = shm.unavailable_reason()
+    reason = segment.unavailable_reason()
     keys = _all_gather_ints(pg, [host_key(), 0 if reason else 1, os.getpid(), secrets.randbits(63)])
     hosts_of: dict[int, list[int]] = {}  # host key -> its global ranks, hosts in order of their lowest rank
     for i, (key, *_) in enumerate(keys):
@@ -356,19 +361,20 @@ def build_guard_channel(
     local_ranks = hosts_of[keys[index][0]]
     # Every rank sees the same lists, so every rank takes the same branch and runs the same collectives.
     unable = [ranks[i] for i, (_, ok, _, _) in enumerate(keys) if not ok]
-    leader = tuple(keys[ranks.index(local_ranks[0])][2:])  # (pid, token): the name of this host's segment
-    segment = None
+    first = keys[ranks.index(local_ranks[0])]
+    leader = (first[2], first[3])  # (pid, token): the name of this host's segment
+    mapped: segment.Segment | None = None
     if not unable:
         try:
             # Store calls only: bounded, since the store's own timeout bounds none of them.
-            segment, reason = bounded(
+            mapped, reason = bounded(
                 lambda: _map_segment(store, host, local_ranks, rank, settings.timeout_s, leader),
                 settings.timeout_s + 5.0,
                 "while mapping the shared-memory segment",
             )
         except StoreUnresponsive as e:
-            segment, reason = None, str(e)
-        results = _all_gather_ints(pg, [0 if segment is None else 1])
+            mapped, reason = None, str(e)
+        results = _all_gather_ints(pg, [0 if mapped is None else 1])
         unable = [ranks[i] for i, (ok,) in enumerate(results) if not ok]
     if unable:
         if reason:
@@ -381,11 +387,11 @@ def build_guard_channel(
                 f" ({reason})" if reason else "; their logs say why",
             )
         return GlooGuardChannel(pg, settings.guard_desync_check, rank=rank)
-    assert segment is not None
+    assert mapped is not None
     hosts = len(hosts_order)
     leader_ranks = [hosts_of[key][0] for key in hosts_order]
     leaders = None
-    leaders_pg = None
+    leaders_pg: Any = None
     if hosts > 1:
         if subgroup is None:
             # Every rank takes part in creating the group; only its members get one.
@@ -402,7 +408,7 @@ def build_guard_channel(
         else:
             leaders_pg = None  # not a member: torch's placeholder, not a group
     arrival = shm.Arrival(rank=rank, local_ranks=tuple(local_ranks), leader_index=0)
-    exchange = shm.LocalExchange(segment, local_ranks.index(rank), arrival, settings.timeout_s, _describe_guard(rank))
+    exchange = shm.LocalExchange(mapped, local_ranks.index(rank), arrival, settings.timeout_s, _describe_guard(rank))
     if index == 0:
         log.info("guard collective on shared memory: %d host(s), %d rank(s) on this host", hosts, len(local_ranks))
     return ShmGuardChannel(pg, len(local_ranks), exchange, hosts, leaders, leaders_pg)
