@@ -133,7 +133,7 @@ class ProgramDivergenceError(CollectiveError):
         versions: dict[int, str | None] | None = None,
         **context: object,
     ) -> None:
-        super().__init__(message, **context)  # type: ignore[arg-type]
+        super().__init__(message, **context)  # type: ignore[arg-type]  # the context keywords, as CollectiveError types them
         self.level = level
         self.index = index
         self.versions = dict(versions or {})

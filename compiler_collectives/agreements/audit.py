@@ -277,7 +277,8 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
             again = GraphAudit(record.frame, record.phase, record.graph_break)
             again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
             counters.audit_cache_recompiles += 1
-            with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]  # config module's patch is added at run time
+            # torch's config modules gain patch() at run time, outside what their types declare.
+            with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]
                 result = _run(again, compile, stage)
             record = again
         settle(record)
@@ -306,6 +307,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     try:
         envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
         counters.audit_exchanges += 1
+        # Every body is a summary: the exchange's check refused any other kind of body.
         summaries: list[wire.AuditSummary] = [e.body for e in envelopes]  # type: ignore[misc]
         failed = [e.rank for e, s in zip(envelopes, summaries) if s.failure is not None]
         if failed:
@@ -327,7 +329,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
             details = _exchange(
                 pg, wire.AuditDetails(record.phase, level, record.collectives(level)), record.frame, seq, rank, world
             )
-            lists = [e.body.collectives for e in details]  # type: ignore[union-attr]
+            lists = [e.body.collectives for e in details]  # type: ignore[union-attr]  # details bodies, checked
             err = _divergence(record, level, lists, rank, seq, members)
             counters.audit_divergences += 1
             counters.errors += 1

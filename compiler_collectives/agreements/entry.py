@@ -353,7 +353,7 @@ def _checked(compiled: Callable[..., Any], registry: Frame, entry: Entry) -> Cal
             check_entry(registry, entry)
         return compiled(*args, **kwargs)
 
-    entry_checked.__wrapped__ = compiled  # type: ignore[attr-defined]
+    entry_checked.__wrapped__ = compiled  # type: ignore[attr-defined]  # a function attribute, as functools.wraps sets
     return entry_checked
 
 

@@ -264,7 +264,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
                     resumes=resume_calls(result) if kept else (),
                 )
 
-    _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]
+    _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]  # marks our wrapper for install
     return _compile
 
 
