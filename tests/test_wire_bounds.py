@@ -19,6 +19,8 @@ import time
 import msgpack
 import pytest
 
+from compiler_collectives.agreements.wire import FORMAT_VERSION
+
 # Every test here decodes in a child process under a memory limit: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +33,7 @@ MAX_BYTES = 16 * 1024 * 1024  # the default COMPILER_COLLECTIVES_MAX_PAYLOAD_BYT
 FRAME = ["forward", "/srv/job/model.py", 12]
 
 
-def _header(version: int = 1) -> list:
+def _header(version: int = FORMAT_VERSION) -> list:
     return [version, "0.1.0", SENDER, WORLD, FRAME, 3, 1.5]
 
 
@@ -159,7 +161,7 @@ def _empty_arrays(where: str) -> bytes:
     if where == "entries":
         template = _header() + [["BOMB", True, {}]]
     elif where == "frame":
-        template = [1, "0.1.0", SENDER, WORLD, "BOMB", 3, 1.5, [[], True, {}]]
+        template = [FORMAT_VERSION, "0.1.0", SENDER, WORLD, "BOMB", 3, 1.5, [[], True, {}]]
     elif where == "audit-body":
         template = _header() + ["audit", "BOMB"]
     elif where == "setup-items":
@@ -233,7 +235,7 @@ def _fuzz(examples: int) -> None:
     envelopes = st.sampled_from(
         [
             _header() + [[[], True, {}]],
-            _header() + ["audit", ["summary", "forward", None, [], []]],
+            _header() + ["audit", ["summary", "forward", None, [], None]],
             [1, "recompile_reasons", SENDER, WORLD, 5, True, ["why"]],
             [1, SENDER, [["torch version", "2.13.0"], ["COMPILER_COLLECTIVES_GUARDS", True], ["n", 4096]]],
             ["setup", [0, SENDER]],
