@@ -30,10 +30,9 @@ import dataclasses
 from typing import Any
 
 from ...state import FrameId
-from ...version import __version__
 from ..fingerprint import Collective
 from .codec import expect, failure, int_in, pack, reading, reject, show
-from .envelope import AUDIT, FORMAT_VERSION, VERSIONS, envelope_head, header_in, out_of_step, peer_position
+from .envelope import AUDIT, VERSIONS, envelope_head, header_in, header_out, out_of_step, peer_position
 
 AUDIT_PHASES = ("forward", "backward")
 _MAX_LEVELS = 32
@@ -118,18 +117,7 @@ def encode_audit(
                 for c in body.collectives
             ],
         ]
-    envelope = [
-        FORMAT_VERSION,
-        __version__,
-        rank,
-        world_size,
-        [frame.name, frame.filename, frame.line],
-        seq,
-        float(sent_at),
-        AUDIT,
-        out,
-    ]
-    return pack(envelope)
+    return pack(header_out(rank=rank, world_size=world_size, frame=frame, seq=seq, sent_at=sent_at) + [AUDIT, out])
 
 
 def _text(v: Any, what: str) -> str:

@@ -39,9 +39,8 @@ from ...state import (
     SizeEntry,
     registered_fields,
 )
-from ...version import __version__
 from .codec import INT64_MIN, Reader, expect, failure, int_in, is_native, pack, reading, reject, show
-from .envelope import AUDIT, FORMAT_VERSION, VERSIONS, envelope_head, header_in, out_of_step, peer_position
+from .envelope import AUDIT, VERSIONS, envelope_head, header_in, header_out, out_of_step, peer_position
 
 # A rank is never going to record more dims than this; larger is corruption.
 _MAX_DIMS = 64
@@ -132,17 +131,7 @@ def encode(
         bool(state.frame_state_fresh),
         extras,
     ]
-    envelope = [
-        FORMAT_VERSION,
-        __version__,
-        rank,
-        world_size,
-        [frame.name, frame.filename, frame.line],
-        seq,
-        float(sent_at),
-        body,
-    ]
-    return pack(envelope)
+    return pack(header_out(rank=rank, world_size=world_size, frame=frame, seq=seq, sent_at=sent_at) + [body])
 
 
 # ---------------------------------------------------------------- decoding

@@ -24,6 +24,7 @@ from typing import Any
 
 from ...errors import CollectiveDesyncError
 from ...state import FrameId
+from ...version import __version__
 from .codec import Reader, expect, int_in, reject, show, version_in
 
 FORMAT_VERSION = 2
@@ -31,6 +32,19 @@ AUDIT = "audit"
 """The tag at position 7 of a program-audit envelope."""
 VERSIONS = "compiler_collectives and torch versions"
 """What every rank must run alike for these payloads to agree (for messages)."""
+
+
+def header_out(*, rank: int, world_size: int, frame: FrameId, seq: int, sent_at: float) -> list[Any]:
+    """The envelope's first seven items, as every sender writes them."""
+    return [
+        FORMAT_VERSION,
+        __version__,
+        rank,
+        world_size,
+        [frame.name, frame.filename, frame.line],
+        seq,
+        float(sent_at),
+    ]
 
 
 def envelope_head(r: Reader) -> tuple[int, list[Any]]:
