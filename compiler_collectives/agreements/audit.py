@@ -486,31 +486,30 @@ def _paths_differ(
         site = _break_site(graph_break)
         groups_of.setdefault(site, []).append(members[i])
         texts.setdefault(site, graph_break)
-    lines = [
-        f"  {ranks_text(ranks)}: "
-        + (f"the graph ends at a graph break at {texts[site]}" if site is not None else "no graph break there")
+    shown = [
+        (ranks, f"the graph ends at a graph break at {texts[site]}" if site is not None else "no graph break there")
         for site, ranks in groups_of.items()
     ]
-    largest = max(groups_of.values(), key=lambda rs: (len(rs), -rs[0]))
-    message = (
-        f"{describe('audit', rank, seq, str(record.frame))}: the ranks traced different paths through "
-        "this frame in the same compile; no rank has run it.\n" + "\n".join(lines) + "\n"
-        "The ranks that break the graph would go on to compile and run a resume function the others "
-        "never enter, and wait there for them. Usual cause: a branch on a size traced with each rank's "
-        "own size hint (`if x.size(1) > 48: print(...)` with that dim dynamic), or Python code that "
-        "depends on the rank. Make the branch the same on every rank (branch on something every rank "
-        "shares), or move what breaks the graph (a print, .item(), an unsupported call) out of the "
-        "branch or out of the compiled region. "
-        "COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this check off."
-    )
-    return ProgramDivergenceError(
-        message,
+    return program_divergence(
         kind="audit",
         rank=rank,
         seq=seq,
         frame=str(record.frame),
-        ranks=tuple(r for r in members if r not in largest),
+        problem="the ranks traced different paths through this frame in the same compile; no rank has run it.",
+        where="where each rank's trace ends this graph",
+        shown=shown,
+        ranks=members,
+        advice=(
+            "The ranks that break the graph would go on to compile and run a resume function the others "
+            "never enter, and wait there for them. Usual cause: a branch on a size traced with each rank's "
+            "own size hint (`if x.size(1) > 48: print(...)` with that dim dynamic), or Python code that "
+            "depends on the rank. Make the branch the same on every rank (branch on something every rank "
+            "shares), or move what breaks the graph (a print, .item(), an unsupported call) out of the "
+            "branch or out of the compiled region. COMPILER_COLLECTIVES_AUDIT=0 on every rank turns this "
+            "check off."
+        ),
         level="graph_break",
+        index=0,
         versions={members[i]: b for i, b in enumerate(breaks)},
     )
 

@@ -553,8 +553,8 @@ def _apart_call(caller: Any) -> bool:
 
 def at_compile(caller: Any) -> None:
     """A frame compile starts: one called from the user's own code ends going apart (all ranks meet there)."""
-    if _state.apart and not in_compiled_code(caller):
-        _state.apart = False
+    if _state.apart:
+        _apart_call(caller)
 
 
 def _describe_mismatch(channel: GuardChannel, seq: int, site: int, caller: Any) -> list[tuple[int, int]]:
