@@ -226,6 +226,38 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         must_match=True,
     ),
     Setting(
+        "compile_once",
+        "COMPILER_COLLECTIVES_COMPILE_ONCE",
+        True,
+        _parse_bool,
+        "While compiler collectives are on, compile each cacheable graph (inductor with "
+        "AOTAutograd's cache) once per job: at AOTAutograd's cache lookup the ranks exchange "
+        "their cache keys; among the ranks whose keys match, a rank that holds the entry serves "
+        "it, or one rank compiles, and the others wait for it inside the backend, check the "
+        "artifact against its SHA-256 digests and load it. Graphs that are not cacheable, keys "
+        "that differ, and graphs whose compile runs torch's own compile-time collectives compile "
+        "on every rank, as without it. 0: every rank compiles every graph.",
+        must_match=True,
+    ),
+    Setting(
+        "compile_timeout_s",
+        "COMPILER_COLLECTIVES_COMPILE_TIMEOUT",
+        3600.0,
+        _parse_positive_float,
+        "Seconds a rank waits for the rank that compiles a graph for it (compile once) while "
+        "that rank is alive, before raising CompileOnceError. Waiting ranks log every 30 s; a "
+        "compiling rank that dies, or whose compile raises, ends the wait at once.",
+    ),
+    Setting(
+        "max_artifact_bytes",
+        "COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES",
+        1024 * 1024 * 1024,
+        _parse_positive_int,
+        "Largest compiled artifact (cache entries and kernel binaries of one graph) a rank "
+        "accepts from the rank that compiled it; larger ones are refused before any buffer "
+        "is allocated, and that rank compiles the graph itself.",
+    ),
+    Setting(
         "heartbeat_s",
         "COMPILER_COLLECTIVES_HEARTBEAT_S",
         1.0,
