@@ -139,6 +139,14 @@ class ProgramDivergenceError(CollectiveError):
         self.versions = dict(versions or {})
 
 
+class CompileOnceError(CollectiveError):
+    """Raised on a rank that waited for another rank to compile a graph for it (compile once,
+    ``COMPILER_COLLECTIVES_COMPILE_ONCE``) when that compile raised (quoting its error and rank),
+    when the wait passed ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT`` while the compiling rank was
+    alive, or when the ranks' compile-once messages do not fit one plan. A compiling rank that
+    died is a ``PeerFailureError`` naming it."""
+
+
 class ScopeError(CollectiveError):
     """Raised by ``compiler_collectives.scope(...)`` (or where our groups are
     first created under ``COMPILER_COLLECTIVES_SCOPE``) when the scope cannot be

@@ -54,6 +54,8 @@ class Counters:
     # backward graphs lowered lazily at run time, outside an audited compile
     # (not audited; audited compiles lower backwards eagerly)
     audit_lazy_backwards: int = 0
+    # graph levels taken from an artifact another rank compiled (compile once)
+    audit_imported_graphs: int = 0
     # entry agreement (agreements/entry.py): frames whose cache entries came to
     # run different collectives, entry checks run on calls of such frames
     # (their time included), divergences raised
@@ -65,6 +67,25 @@ class Counters:
     # compiled frame (entries that communicate nothing): each went on alone
     # until its next call from its own code (agreements/guard.py, paths_diverged)
     diverged_paths: int = 0
+    # compile once (agreements/once.py): key exchanges run (one per cacheable
+    # graph lookup); graphs this rank compiled for others, served from its
+    # cache, loaded from another rank, compiled locally (no match, not
+    # cacheable, torch's compile-time collectives); loads whose entry missed
+    # this rank's guards and artifacts refused (digest, layout, size): both
+    # then compiled here; peers that compiled locally after a miss or refusal;
+    # files whose SHA-256 did not match; bytes moved; time spent waiting
+    once_exchanges: int = 0
+    once_compiled: int = 0
+    once_served: int = 0
+    once_loaded: int = 0
+    once_local: int = 0
+    once_load_misses: int = 0
+    once_refused: int = 0
+    once_peer_local_compiles: int = 0
+    once_digest_mismatches: int = 0
+    once_bytes_sent: int = 0
+    once_bytes_received: int = 0
+    once_wait_s: float = 0.0
     # slow path: recompile reasons exchanged after an agreed miss
     guard_reason_exchanges: int = 0
     # failures

@@ -229,6 +229,15 @@ def aot_compile(scope: AotScope, stage: str, gm: torch.fx.GraphModule, compile: 
     return compile()
 
 
+def import_graphs(graphs: Sequence[GraphFingerprint]) -> None:
+    """Levels this rank did not compile but loaded, as the rank that compiled them fingerprinted
+    them (compile once): the same code runs here, so they are compared as this rank's own."""
+    record = current()
+    if record is not None:
+        record.graphs.extend(graphs)
+        counters.audit_imported_graphs += len(graphs)
+
+
 def inductor_graph(gm: torch.fx.GraphModule) -> None:
     """Inductor finished its post-grad passes on ``gm``: the order it will run."""
     record = current()

@@ -33,7 +33,7 @@ import torch
 
 from .. import config
 from ..agreements import audit, compiler, entry
-from . import bound, guard_seam, table
+from . import bound, guard_seam, once_seam, table
 from .compiler_seam import frame_of
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -47,7 +47,7 @@ def missing_backend_seams() -> list[str]:
 
 
 def _applies(output_graph: Any) -> bool:
-    if not (config.settings.audit and bound.current("enable_compiler_collectives")):
+    if not ((config.settings.audit or config.settings.compile_once) and bound.current("enable_compiler_collectives")):
         return False
     if getattr(output_graph, "export", False) or not compiler.distributed():
         return False
@@ -65,9 +65,15 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     ensure_backend_seams()
     code = getattr(getattr(self, "root_tx", None), "f_code", None)
     frame = frame_of(code) if code is not None else frame_of_unknown()
-    compiled, program = audit.audit_graph_program(
-        frame, gm, lambda: original(self, gm, example_inputs), graph_break=graph_break_site(self)
-    )
+    once_seam.set_frame(frame)
+    try:
+        if not config.settings.audit:
+            return original(self, gm, example_inputs)  # compile once only: it brackets the aot compiles
+        compiled, program = audit.audit_graph_program(
+            frame, gm, lambda: original(self, gm, example_inputs), graph_break=graph_break_site(self)
+        )
+    finally:
+        once_seam.set_frame(None)
     if code is None:
         return compiled
     # Entry agreement: the program of the cache entry this graph belongs to,
@@ -120,6 +126,7 @@ _LEVELS = {
     "aot": "the aot graphs are not audited",
     "inductor": "the inductor graphs are not audited",
     "audit-groups": "functional collectives' groups are compared by name",
+    "once": "every rank compiles every graph (compile once is off)",
 }
 
 
@@ -139,18 +146,30 @@ def ensure_backend_seams() -> None:
 
 def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
     original = bound.originals["aot_module_simplified"]
-    scope = audit.aot_scope() if not rest else None
-    if scope is None:
+    if rest:
         return original(mod, args, *rest, **kwargs)
     ensure_backend_seams()  # inductor's backend imports compile_fx only once called
-    for key, stage in (("fw_compiler", "forward"), ("inference_compiler", "inference"), ("bw_compiler", "backward")):
-        if kwargs.get(key) is not None:
-            kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
+    scope = audit.aot_scope()
+    sharing = once_seam.applies()
+    if scope is None and not sharing:
+        return original(mod, args, **kwargs)
+    if scope is not None:
+        for key, stage in (
+            ("fw_compiler", "forward"),
+            ("inference_compiler", "inference"),
+            ("bw_compiler", "backward"),
+        ):
+            if kwargs.get(key) is not None:
+                kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
     # Lower the backward with the forward: its program is then part of this
     # compile's one exchange, on every rank, and of the cache entry's program
     # (agreements/entry.py). Lowered lazily, it would compile at its first
-    # backward only on the ranks that run it, maybe in another entry.
+    # backward only on the ranks that run it, maybe in another entry. Compile
+    # once needs it too: AOTAutograd saves a training graph's cache entry only
+    # once its backward is compiled, and the loading ranks wait for that entry.
     with bound.config_patch("force_non_lazy_backward_lowering", True):
+        if sharing:
+            return once_seam.around_aot(lambda: original(mod, args, **kwargs))
         return original(mod, args, **kwargs)
 
 

@@ -531,6 +531,119 @@ SEAMS: tuple[Seam, ...] = (
         level="inductor",
         reads=(Read("takes the graph module first", _positional("gm")),),
     ),
+    # -- compile once (once_seam.py): AOTAutograd's cache lookup and what a compile reads and writes
+    Seam(
+        "autograd_cache_key",
+        "torch._functorch._aot_autograd.autograd_cache",
+        "autograd_cache_key",
+        replace="once_seam:cache_key",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "takes (mod, example_inputs, config, ...) and returns (key, debug lines)",
+                _positional("mod", "example_inputs", "config"),
+            ),
+        ),
+    ),
+    Seam(
+        "AOTAutogradCache.try_load",
+        "torch._functorch._aot_autograd.autograd_cache",
+        "AOTAutogradCache.try_load",
+        replace="once_seam:try_load",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "takes (mod, args, aot_config, compiler_config_extra, local, remote, ...) and computes its key "
+                "with autograd_cache_key before reading the cache",
+                lambda f: (
+                    _positional("mod", "args", "aot_config", "compiler_config_extra", "local", "remote")(f)
+                    and "autograd_cache_key" in f.__code__.co_names
+                ),
+            ),
+        ),
+    ),
+    Seam(
+        "AOTAutogradCache",
+        "torch._functorch._aot_autograd.autograd_cache",
+        "AOTAutogradCache",
+        required=False,
+        level="once",
+        reads=(Read("has _get_tmp_dir_for_key(key)", lambda c: callable(getattr(c, "_get_tmp_dir_for_key", None))),),
+    ),
+    Seam(
+        "BypassAOTAutogradCache",
+        "torch._functorch._aot_autograd.autograd_cache",
+        "BypassAOTAutogradCache",
+        required=False,
+        level="once",
+        reads=(Read("is an exception type", lambda c: isinstance(c, type) and issubclass(c, Exception)),),
+    ),
+    Seam(
+        "FxGraphCache",
+        "torch._inductor.codecache",
+        "FxGraphCache",
+        required=False,
+        level="once",
+        reads=(Read("has _get_tmp_dir_for_key(key)", lambda c: callable(getattr(c, "_get_tmp_dir_for_key", None))),),
+    ),
+    Seam(
+        "FxGraphCache._lookup_graph",
+        "torch._inductor.codecache",
+        "FxGraphCache._lookup_graph",
+        replace="once_seam:lookup_graph",
+        required=False,
+        level="once",
+        reads=(Read("takes the cache key first", _positional("key")),),
+    ),
+    Seam(
+        "codecache.write",
+        "torch._inductor.codecache",
+        "write",
+        replace="once_seam:write_source",
+        required=False,
+        level="once",
+        reads=(
+            Read("takes (content, extension, ...) and returns (basename, path)", _positional("content", "extension")),
+        ),
+    ),
+    Seam(
+        "inductor_cache_dir",
+        "torch._inductor.runtime.cache_dir_utils",
+        "cache_dir",
+        required=False,
+        level="once",
+    ),
+    Seam(
+        "functorch_config",
+        "torch._functorch",
+        "config",
+        required=False,
+        level="once",
+        reads=(Read("has _sync_decision_cross_ranks", lambda m: hasattr(m, "_sync_decision_cross_ranks")),),
+    ),
+    Seam(
+        "inductor_config",
+        "torch._inductor",
+        "config",
+        required=False,
+        level="once",
+        reads=(Read("has distributed_max_autotune_gemm", lambda m: hasattr(m, "distributed_max_autotune_gemm")),),
+    ),
+    Seam(
+        "inductor_config_comms",
+        "torch._inductor",
+        "config_comms",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "has runtime_estimations_align_across_all_distributed_ranks",
+                lambda m: hasattr(m, "runtime_estimations_align_across_all_distributed_ranks"),
+            ),
+        ),
+    ),
     # -- the program audit's graph walk (agreements/fingerprint.py, handed these at install)
     Seam(
         "OpOverload",

@@ -378,6 +378,52 @@ class SideChannel:
             record = None
         return failed, record if isinstance(record, dict) else None
 
+    # ------------------------------------------------------------ notices
+
+    def post(self, name: str, value: bytes) -> None:
+        """Leave ``value`` under ``name`` for the peers (bounded like every store call of ours)."""
+        # c10d stores take bytes at run time; their stubs declare str only.
+        bounded(lambda: self.store.set(f"post/{name}", value), config.settings.timeout_s, "posting a notice")  # type: ignore[arg-type]
+
+    def read_post(self, name: str) -> bytes | None:
+        """The value posted under ``name``, or None if nothing is posted yet (never waits)."""
+
+        def read() -> bytes | None:
+            key = f"post/{name}"
+            if not self.store.check([key]):
+                return None
+            value: bytes = self.store.get(key)
+            return value
+
+        return bounded(read, config.settings.timeout_s, "reading a notice")
+
+    def watch(self, rank: int) -> Callable[[], str | None]:
+        """A probe of peer ``rank``: each call returns why it is absent (crashed, killed, stopped,
+        silent for ``2.5 x heartbeat + 0.5`` s of this rank's clock), or None while it looks alive."""
+        seen: list[Any] = [None, time.monotonic()]  # its beat counter, when it last moved here
+        stale_after = 2.5 * config.settings.heartbeat_s + 0.5
+
+        def absent() -> str | None:
+            if config.settings.heartbeat_s <= 0:
+                return None
+            failed, record = bounded(lambda: self._read_peer(rank), config.settings.timeout_s, "reading a heartbeat")
+            now = time.monotonic()
+            if failed:
+                return "it reported a failure"
+            if record is None:
+                return "it never sent a heartbeat" if now - seen[1] >= stale_after else None
+            why = self._process_gone_or_stopped(record)
+            if why is not None:
+                return why
+            if record.get("n") != seen[0]:
+                seen[0], seen[1] = record.get("n"), now
+                return None
+            if now - seen[1] >= stale_after:
+                return f"no heartbeat for {now - seen[1]:.1f}s (crashed, killed, stopped or cut off from the store)"
+            return None
+
+        return absent
+
     def _process_gone_or_stopped(self, record: dict[str, Any]) -> str | None:
         """Why a same-host peer's process shows it absent, or None (or not on this host)."""
         host, pid, start = (_as_int(record.get(k)) for k in ("host", "pid", "start"))

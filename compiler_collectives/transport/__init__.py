@@ -29,12 +29,18 @@ The layer above (the agreements) imports only what this module exports
 from .channel import GuardChannel
 from .gloo import (
     PHASE_INPUTS,
+    PHASE_ONCE_KEYS,
+    PHASE_ONCE_LOADED,
+    PHASE_ONCE_RESULT,
     PHASE_TRACE,
     PROTOCOL_VERSION,
     GlooGuardChannel,
     all_gather_bytes,
     guard_key,
+    recv_bytes,
+    send_bytes,
     translate_failure,
+    wait,
 )
 from .groups import Groups, PeerReportHandler, groups, set_first_rendezvous, set_peer_report_handler
 from .hierarchy import ShmGuardChannel
@@ -43,6 +49,9 @@ from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 
 __all__ = [
     "PHASE_INPUTS",
+    "PHASE_ONCE_KEYS",
+    "PHASE_ONCE_LOADED",
+    "PHASE_ONCE_RESULT",
     "PHASE_TRACE",
     "PROTOCOL_VERSION",
     "SHM_LAYOUT_VERSION",
@@ -55,7 +64,10 @@ __all__ = [
     "all_gather_bytes",
     "groups",
     "guard_key",
+    "recv_bytes",
+    "send_bytes",
     "set_first_rendezvous",
     "set_peer_report_handler",
     "translate_failure",
+    "wait",
 ]

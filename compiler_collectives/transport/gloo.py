@@ -61,10 +61,16 @@ HEADER_BYTES = _LEN.size + _PHASE.size
 PHASE_UNSPECIFIED = 0
 PHASE_INPUTS = 1
 PHASE_TRACE = 2
+PHASE_ONCE_KEYS = 3
+PHASE_ONCE_RESULT = 4
+PHASE_ONCE_LOADED = 5
 PHASE_NAMES = {
     PHASE_UNSPECIFIED: "a byte all-gather",
     PHASE_INPUTS: "the input exchange (before the first trace)",
     PHASE_TRACE: "the end-of-trace exchange",
+    PHASE_ONCE_KEYS: "compile once's key exchange (at AOTAutograd's cache lookup)",
+    PHASE_ONCE_RESULT: "compile once's result exchange (after the graph compiled)",
+    PHASE_ONCE_LOADED: "compile once's load report",
 }
 
 WAIT_SLICE = datetime.timedelta(milliseconds=200)
@@ -228,6 +234,22 @@ def all_gather_bytes(
     recv2 = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     wait(pg.allgather([recv2], [send2]), describe)
     return [_tensor_to_bytes(t, length) for t, length in zip(recv2, lengths)], 2
+
+
+def send_bytes(pg: dist.ProcessGroup, data: bytes, dst: int, tag: int, describe: Callable[[], str]) -> Any:
+    """Start sending ``data`` to group rank ``dst``; returns the work (``wait`` it). The receiver
+    knows the length already (it came in an all-gather), so only the bytes travel."""
+    send = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return pg.send([send], dst, tag)
+
+
+def recv_bytes(pg: dist.ProcessGroup, n: int, src: int, tag: int, describe: Callable[[], str]) -> bytes:
+    """Receive exactly ``n`` bytes from group rank ``src`` (``n`` agreed beforehand and bounded by the caller)."""
+    if n == 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    wait(pg.recv([buf], src, tag), describe)
+    return _tensor_to_bytes(buf, n)
 
 
 _KEY_MASK = (1 << 61) - 1

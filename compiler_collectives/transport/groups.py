@@ -448,6 +448,22 @@ class Groups:
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.warning("rank %d could not tell the other ranks that it left (%s)", side.rank, e)
 
+    def post(self, name: str, value: bytes) -> None:
+        """Leave a notice for the peers on the store side channel (names are this generation's;
+        under a scope they are the scope's own)."""
+        self._side_channel().post(self._notice(name), value)
+
+    def read_post(self, name: str) -> bytes | None:
+        """A notice a peer posted (``post``), or None if there is none yet."""
+        return self._side_channel().read_post(self._notice(name))
+
+    def watch_peer(self, rank: int) -> Callable[[], str | None]:
+        """A probe that says why global rank ``rank`` is absent, or None while it looks alive."""
+        return self._side_channel().watch(rank)
+
+    def _notice(self, name: str) -> str:
+        return name if self._scope is None else f"scope/{self._scope.key}/{name}"
+
     def read_peer_report(self, peer: int, own_rank: int | None, wait_s: float) -> tuple[int, dict[str, Any]] | None:
         """Rank ``peer``'s failure report as it wrote it (a ``SideChannel.report_failure`` record),
         waiting up to ``wait_s`` for it: (the rank whose report it is, the report). Where ``peer``

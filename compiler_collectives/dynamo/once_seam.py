@@ -1,0 +1,191 @@
+"""Compile once's seams: AOTAutograd's cache lookup, and what a compile reads and writes in torch's caches.
+
+Rows of the seam table's optional level "once", bound with the audit's levels when a compile
+first finds inductor imported (``audit_seam.ensure_backend_seams``):
+
+* ``autograd_cache_key`` (replaced): AOTAutograd computes the cache key first thing in its
+  lookup (``AOTAutogradCache.try_load``); right after, and before the lookup reads the cache,
+  the ranks exchange keys (``agreements.once.offer``), and a loading rank waits for the rank
+  that compiles and installs its artifact, so the lookup that follows finds it. Our errors
+  raised there are kept on the ticket and re-raised after the lookup (which would otherwise
+  take any exception for a cache bypass).
+* ``AOTAutogradCache.try_load`` (replaced): marks the lookup, and after it has a loading rank
+  report whether it hit.
+* ``FxGraphCache._lookup_graph`` and ``codecache.write`` (replaced, pass-through): the FX graph
+  cache keys and the kernel sources a compile (or a load) used, the parts of the artifact.
+* ``AOTAutogradCache``, ``FxGraphCache`` and ``cache_dir`` (read): where those files live.
+* torch's compile-time collective switches (read through the config module rows; a switch a
+  release lacks is off there): ``_sync_decision_cross_ranks``, ``_sync_cache_decision_cross_ranks``
+  (functorch), ``distributed_max_autotune_gemm`` (inductor) and
+  ``runtime_estimations_align_across_all_distributed_ranks`` (inductor comms).
+
+The AOTAutograd compile itself is bracketed by ``audit_seam.aot_module_simplified`` calling
+``around_aot``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .. import config
+from ..agreements import compiler, once
+from ..errors import CollectiveError
+from ..state import FrameId
+from . import bound
+
+log = logging.getLogger("compiler_collectives.dynamo")
+
+T = TypeVar("T")
+
+# (config module row, flag): torch's collectives that run inside a compile.
+SWITCHES = (
+    ("functorch_config", "_sync_decision_cross_ranks"),
+    ("functorch_config", "_sync_cache_decision_cross_ranks"),
+    ("inductor_config", "distributed_max_autotune_gemm"),
+    ("inductor_config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
+)
+
+_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; error
+
+
+class _Cache:
+    """Torch's compile caches, through the seam table's rows."""
+
+    def root(self) -> str:
+        path: str = bound.originals["inductor_cache_dir"]()
+        return path
+
+    def aot_dir(self, key: str) -> str:
+        path: str = bound.originals["AOTAutogradCache"]._get_tmp_dir_for_key(key)
+        return path
+
+    def fx_dir(self, key: str) -> str:
+        path: str = bound.originals["FxGraphCache"]._get_tmp_dir_for_key(key)
+        return path
+
+
+CACHE = _Cache()
+
+
+def set_frame(frame: FrameId | None) -> None:
+    """The frame whose graph the backend compiles on this thread now (for messages)."""
+    _state.frame = frame
+
+
+def applies() -> bool:
+    """Whether this AOTAutograd compile takes part in compile once."""
+    if not (config.settings.compile_once and bound.levels.get("once")):
+        return False
+    if not bound.current("enable_compiler_collectives") or not compiler.distributed():
+        return False
+    # A compile outside a frame compile (a backward compiled lazily at its first run) happens on
+    # whichever ranks run it first: no exchange can pair up there.
+    if bound.originals["CompileContext"].try_get() is None:
+        return False
+    return torch.distributed.get_world_size() > 1
+
+
+def switches_on() -> list[str]:
+    """The names of torch's compile-time collectives switched on in this process."""
+    on = []
+    for row, flag in SWITCHES:
+        module = bound.originals.get(row)
+        if module is not None and bool(getattr(module, flag, False)):
+            on.append(flag)
+    return on
+
+
+def around_aot(compile: Callable[[], T]) -> T:
+    """One AOTAutograd compile under compile once (called by the aot seam)."""
+    frame = getattr(_state, "frame", None) or FrameId("<unknown>", "<unknown>", 0)
+    ticket = once.begin(frame, CACHE)
+    try:
+        result = compile()
+    except CollectiveError:
+        once.abandon()  # our exchanges failed: no further one can be trusted
+        raise
+    except BaseException as e:
+        once.finish(ticket, e, _failure_text(e))
+        raise
+    once.finish(ticket, None)
+    return result
+
+
+def _failure_text(error: BaseException) -> str:
+    inner = error
+    for _ in range(16):
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def try_load(*args: Any, **kwargs: Any) -> Any:
+    original = bound.originals["AOTAutogradCache.try_load"]
+    ticket = once.current()
+    if ticket is None or ticket.plan is not None:
+        return original(*args, **kwargs)
+    _state.lookup, _state.error = True, None
+    try:
+        result = original(*args, **kwargs)
+    finally:
+        _state.lookup = False
+    error = getattr(_state, "error", None)
+    if error is not None:
+        _state.error = None
+        raise error
+    if ticket.plan is None:
+        # The lookup ended before computing a key: take the exchange anyway, as not cacheable.
+        once.offer(ticket, None, "AOTAutograd's lookup computed no key", switches_on())
+    plan = ticket.plan
+    if plan is not None and plan.role == once.LOAD and not ticket.finished:
+        once.loaded(ticket, None if ticket.outcome == "refused" else result[0] is not None)
+    return result
+
+
+def cache_key(*args: Any, **kwargs: Any) -> Any:
+    original = bound.originals["autograd_cache_key"]
+    ticket = once.current()
+    if ticket is None or ticket.plan is not None or not getattr(_state, "lookup", False):
+        return original(*args, **kwargs)
+    switches = switches_on()
+    try:
+        key_and_lines = original(*args, **kwargs)
+    except Exception as e:
+        try:
+            once.offer(ticket, None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches)
+        except CollectiveError as ours:
+            _state.error = ours
+        raise
+    try:
+        plan = once.offer(ticket, key_and_lines[0], None, switches)
+        if plan.role == once.LOAD and not once.fetch(ticket):
+            raise bound.originals["BypassAOTAutogradCache"](
+                "compiler_collectives compile once: this rank refused the artifact another rank compiled; "
+                "it compiles the graph itself"
+            )
+    except CollectiveError as ours:
+        # AOTAutograd's lookup takes any exception for a bypass: ours goes past it (try_load).
+        _state.error = ours
+        raise bound.originals["BypassAOTAutogradCache"](str(ours)) from ours
+    return key_and_lines
+
+
+def lookup_graph(key: Any, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(key, str):
+        once.note_fx_key(key)
+    return bound.originals["FxGraphCache._lookup_graph"](key, *args, **kwargs)
+
+
+def write_source(*args: Any, **kwargs: Any) -> Any:
+    result = bound.originals["codecache.write"](*args, **kwargs)
+    if once.current() is not None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str):
+        once.note_source(result[1])
+    return result
