@@ -29,6 +29,7 @@ from .errors import (
     CollectiveError,
     CollectivePoisonedError,
     CollectiveTimeoutError,
+    CompileOnceError,
     ConcurrentThreadsError,
     PeerFailureError,
     ProgramDivergenceError,
@@ -84,6 +85,7 @@ __all__ = [
     "CollectiveError",
     "CollectivePoisonedError",
     "CollectiveTimeoutError",
+    "CompileOnceError",
     "ConcurrentThreadsError",
     "DistributedState",
     "LocalState",
@@ -197,10 +199,13 @@ def stats() -> dict[str, Any]:
     With timing on (COMPILER_COLLECTIVES_TIMING / _TRACE_DIR), ``"timing"``
     holds per kind the count, total, p50/p90/p99/max (seconds) and bytes.
     """
+    from .agreements.once import records as once_records
     from .instrument import timing
     from .transport import groups
 
     out = _counters.snapshot()
+    # Compile once, per graph: compiled, served, loaded or compiled locally, and why.
+    out["compile_once"] = once_records()
     # Which mechanism the guard collective runs on ("shm", "shm+leaders", "gloo"),
     # None before the first guard collective of this generation.
     out["guard_transport"] = groups.guard_transport()
@@ -210,7 +215,10 @@ def stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
+    from .agreements.once import clear_records
+
     _reset_counters()
+    clear_records()
 
 
 def reset() -> None:

@@ -18,13 +18,14 @@ import gc
 
 from .. import health
 from ..transport import groups
-from . import audit, compiler, guard
+from . import audit, compiler, guard, once
 
 
 def _restart_sequences() -> None:
     compiler.reset_sequence()
     guard.reset_sequence()
     audit.reset_sequence()
+    once.reset_sequence()
 
 
 def reset() -> None:
@@ -48,3 +49,4 @@ def after_fork_in_child() -> None:
     compiler.reset_sequence()
     guard.after_fork_in_child()
     audit.reset_sequence()
+    once.reset_sequence()

@@ -325,8 +325,12 @@ def records() -> list[dict[str, Any]]:
 
 
 def reset_sequence() -> None:
+    """A new generation of our groups numbers its graphs from 1 again (every rank together)."""
     global _seq
     _seq = 0
+
+
+def clear_records() -> None:
     _records.clear()
 
 
@@ -528,7 +532,7 @@ def _load_report(ticket: Ticket) -> None:
         assert isinstance(body, Loaded)
         if body.outcome in ("miss", "refused"):
             plan = ticket.plans.get(e.rank)
-            log.info(
+            log.warning(
                 "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",
                 ticket.seq,
                 ticket.frame,

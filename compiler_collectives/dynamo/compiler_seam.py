@@ -252,6 +252,12 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(inner, CollectiveError):
                 raise inner from inner.__cause__
             raise
+        except bound.originals["BackendCompilerFailed"] as e:
+            # Ours raised inside the backend (compile once's wait, say): the user gets our type.
+            inner = ours_within(e)
+            if inner is not None:
+                raise inner from inner.__cause__
+            raise
         finally:
             _pending.frame = previous
             if code is not None:
@@ -266,6 +272,18 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]  # marks our wrapper for install
     return _compile
+
+
+def ours_within(error: BaseException) -> CollectiveError | None:
+    """The first of our errors in ``error``'s chain of causes and contexts (a few links deep)."""
+    inner: BaseException | None = error
+    for _ in range(8):
+        if inner is None:
+            return None
+        if isinstance(inner, CollectiveError):
+            return inner
+        inner = inner.__cause__ or inner.__context__
+    return None
 
 
 def resume_calls(result: Any) -> tuple[str, ...]:

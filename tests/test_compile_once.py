@@ -1,0 +1,321 @@
+"""Compile once (issue 24): among ranks whose graphs share an AOTAutograd cache key, one rank
+compiles and the others load its artifact; everything else compiles locally, as before.
+
+Real ranks, real inductor compiles on CPU (gloo), one small training step each: a graph with a
+forward and a backward. Faults are injected on one rank by patching that rank's own process
+(a compile that raises or dies, a lookup that misses, a file changed after its digest was sent).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.rankside import kept_logs
+
+pytestmark = pytest.mark.multiprocess
+
+ENV = {
+    "COMPILER_COLLECTIVES_TIMEOUT": "60",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w).sum()
+
+
+VARIANT = 0  # set per rank: Dynamo guards on it, so ranks with different values trace different graphs
+
+
+def _step_by_variant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if VARIANT == 1:
+        return torch.tanh(x @ w).sum()
+    return torch.relu(x @ w).sum()
+
+
+def _inject(rank: int, fault: str | None, on_rank: int) -> None:
+    """Make this rank's own process misbehave at one point of its compile."""
+    if fault is None or rank != on_rank:
+        return
+    if fault in ("raise", "kill"):
+        import torch._inductor.compile_fx as cfx
+
+        def broken(*args: object, **kwargs: object) -> None:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected: inductor broke on this rank")
+
+        cfx._recursive_post_grad_passes = broken
+    elif fault == "miss":
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+        # What a guard miss looks like to AOTAutograd: the lookup finds no entry that fits.
+        AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)
+    elif fault == "tamper":
+        from compiler_collectives.agreements import once
+
+        collect = once._collect
+
+        def collect_then_change(ticket: object) -> object:
+            manifest, bundle = collect(ticket)  # type: ignore[arg-type]
+            root = ticket.cache.root()  # type: ignore[attr-defined]
+            entry = next(f for f in manifest if f.relpath.startswith("aotautograd"))
+            with open(os.path.join(root, entry.relpath), "ab") as fh:
+                fh.write(b"changed after its digest was taken")
+            return manifest, bundle
+
+        once._collect = collect_then_change
+
+
+def caught(call) -> dict:
+    """Run ``call``; what it raised, as plain data: the type, the message, every type in its chain."""
+    try:
+        call()
+    except Exception as e:
+        chain, inner = [], e
+        while inner is not None and len(chain) < 8:
+            chain.append(type(inner).__name__)
+            inner = inner.__cause__ or inner.__context__
+        return {"type": type(e).__name__, "message": str(e), "chain": chain}
+    return {"type": None}
+
+
+def job(rank: int, world: int, case: dict) -> dict:
+    """One compiled training step (forward and backward) and, for reference, the same step eagerly."""
+    import compiler_collectives as cc
+
+    cc.enable()
+    logs = kept_logs("compiler_collectives.once")
+    _inject(rank, case.get("fault"), case.get("fault_rank", 1))
+    global VARIANT
+    VARIANT = rank
+    step = _step_by_variant if case.get("rank_dependent") else _step
+    x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1 + rank
+    w0 = torch.linspace(-1, 1, 16).reshape(4, 4)
+    w_ref = w0.clone().requires_grad_(True)
+    step(x, w_ref).backward()
+    w = w0.clone().requires_grad_(True)
+    out: dict = {}
+
+    def train() -> None:
+        torch.compile(step, backend="inductor")(x, w).backward()
+        out["grad"] = w.grad.flatten().tolist()
+
+    out.update(caught(train))
+    out["ref_grad"] = w_ref.grad.flatten().tolist()
+    out["stats"] = {k: v for k, v in cc.stats().items() if k.startswith(("once_", "audit_cache"))}
+    out["records"] = cc.stats()["compile_once"]
+    out["logs"] = list(logs)
+    out["cache_files"] = sorted(
+        os.path.relpath(os.path.join(d, f), os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        for d, _, files in os.walk(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        for f in files
+        if "aotautograd" in d
+    )
+    return out
+
+
+def _run(tmp_path, case: dict | None = None, *, separate: bool = False, env: dict | None = None, **kw):
+    shared = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"rank{r}")} for r in range(2)} if separate else None
+    return run_ranks(
+        job, 2, args=(case or {},), env={**ENV, **shared, **(env or {})}, rank_env=rank_env, timeout=240, **kw
+    )
+
+
+def _states(results: list) -> list[str]:
+    return [r["records"][-1]["state"] for r in results]
+
+
+def _assert_trained_right(results: list) -> None:
+    for r in results:
+        assert r["type"] is None, r
+        assert r["grad"] == pytest.approx(r["ref_grad"], rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------- sharing
+
+
+@pytest.mark.timeout(300)
+def test_ranks_sharing_a_cache_dir_compile_each_graph_once_and_load_it_elsewhere(tmp_path):
+    results = _run(tmp_path).results
+    _assert_trained_right(results)
+    assert sorted(_states(results)) == ["compiled", "loaded"]
+    loader = next(r for r in results if r["records"][-1]["state"] == "loaded")
+    assert loader["stats"]["once_loaded"] == 1 and loader["stats"]["once_bytes_received"] == 0  # read in place
+    # The loader's audit compared the compiler's levels as its own: nothing compiled again.
+    assert all(r["stats"]["audit_cache_recompiles"] == 0 for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_a_cache_dir_each_receive_the_artifact_over_gloo_and_load_it(tmp_path):
+    results = _run(tmp_path, separate=True).results
+    _assert_trained_right(results)
+    assert sorted(_states(results)) == ["compiled", "loaded"]
+    loader = next(r for r in results if r["records"][-1]["state"] == "loaded")
+    compiler = next(r for r in results if r["records"][-1]["state"] == "compiled")
+    assert loader["stats"]["once_bytes_received"] == compiler["stats"]["once_bytes_sent"] > 0
+    assert loader["cache_files"] == compiler["cache_files"] != []  # the same entry, now in both dirs
+    assert all(r["stats"]["audit_cache_recompiles"] == 0 for r in results)
+
+
+@pytest.mark.timeout(420)
+def test_a_rank_whose_cache_holds_the_entry_serves_it_to_a_cold_rank(tmp_path):
+    # Warm rank 0's dir: a first job over the dir that rank 0 uses next.
+    run_ranks(job, 2, args=({},), env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "rank0")}, timeout=240)
+    results = _run(tmp_path, separate=True).results
+    _assert_trained_right(results)
+    assert _states(results) == ["served", "loaded"]
+    # The warm rank kept the audit's fingerprints with its entry: the cold rank compared them.
+    assert all(r["stats"]["audit_cache_recompiles"] == 0 for r in results)
+    assert results[1]["stats"]["once_bytes_received"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_ranks_whose_graphs_differ_compile_them_locally_with_correct_results(tmp_path):
+    results = _run(tmp_path, {"rank_dependent": True}).results
+    _assert_trained_right(results)
+    assert _states(results) == ["compiled locally", "compiled locally"]
+    assert all("no other rank has this graph's cache key" in r["records"][-1]["why"] for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_with_compile_once_off_every_rank_compiles_as_before(tmp_path):
+    results = _run(tmp_path, env={"COMPILER_COLLECTIVES_COMPILE_ONCE": "0"}).results
+    _assert_trained_right(results)
+    assert all(r["records"] == [] and r["stats"]["once_exchanges"] == 0 for r in results)
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.mark.timeout(300)
+def test_a_load_that_misses_compiles_locally_there_and_every_rank_learns_it(tmp_path):
+    # Rank 1 compiles the first graph; rank 0's lookup then finds no entry that fits.
+    results = _run(tmp_path, {"fault": "miss", "fault_rank": 0}).results
+    _assert_trained_right(results)
+    assert _states(results) == ["compiled locally", "compiled"]
+    assert results[0]["stats"]["once_load_misses"] == 1
+    assert results[1]["stats"]["once_peer_local_compiles"] == 1
+    assert any("rank 0 did not load rank 1's artifact (miss" in line for line in results[1]["logs"])
+
+
+@pytest.mark.timeout(300)
+def test_a_file_that_does_not_match_its_digest_is_refused_and_nothing_is_loaded(tmp_path):
+    results = _run(tmp_path, {"fault": "tamper", "fault_rank": 1}).results
+    _assert_trained_right(results)  # rank 0 compiled it itself
+    assert _states(results) == ["compiled locally", "compiled"]
+    assert results[0]["stats"]["once_refused"] == 1 and results[0]["stats"]["once_digest_mismatches"] == 1
+    assert results[0]["stats"]["once_loaded"] == 0
+    refusal = next(line for line in results[0]["logs"] if "refused the artifact of rank 1" in line)
+    assert "aotautograd" in refusal and "SHA-256" in refusal
+
+
+@pytest.mark.timeout(300)
+def test_a_compile_that_raises_on_the_compiling_rank_is_named_on_the_waiting_rank(tmp_path):
+    outcome = _run(tmp_path, {"fault": "raise", "fault_rank": 1}, check=False)
+    waiting, compiling = outcome.results
+    assert "injected: inductor broke on this rank" in compiling["message"]
+    assert waiting["type"] is not None
+    assert waiting["type"] == "CompileOnceError"
+    assert "rank 1 compiled graph #1" in waiting["message"] and "injected: inductor broke" in waiting["message"]
+
+
+@pytest.mark.timeout(300)
+def test_a_compiling_rank_killed_mid_compile_is_named_and_nobody_hangs(tmp_path):
+    outcome = _run(
+        tmp_path,
+        {"fault": "kill", "fault_rank": 1},
+        env={"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"},
+        check=False,
+        expect_signals={1: signal.SIGKILL},
+    )
+    waiting = outcome.results[0]
+    assert waiting is not None and waiting["type"] is not None, outcome
+    assert waiting["type"] == "PeerFailureError"
+    assert "rank 1" in waiting["message"]
+    assert outcome.elapsed_s < 200
+
+
+def collective_in_graph(rank: int, world: int, sync: bool) -> dict:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import compiler_collectives as cc
+
+    cc.enable()
+    torch._functorch.config._sync_decision_cross_ranks = sync
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = funcol.all_reduce(torch.relu(x @ w), "sum", dist.group.WORLD)
+        return y.sum()
+
+    w = torch.ones(4, 4, requires_grad=True)
+    out: dict = {}
+    out.update(caught(lambda: torch.compile(step, backend="inductor")(torch.ones(8, 4), w).backward()))
+    out["records"] = cc.stats()["compile_once"]
+    out["grad"] = None if w.grad is None else w.grad.tolist()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_time_collectives_make_every_rank_compile_and_nothing_hangs(tmp_path):
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    results = run_ranks(collective_in_graph, 2, args=(True,), env=env, timeout=240).results
+    for r in results:
+        assert r["type"] is None, r
+        assert r["records"][-1]["state"] == "compiled locally"
+        assert "_sync_decision_cross_ranks" in r["records"][-1]["why"]
+    assert results[0]["grad"] == results[1]["grad"] is not None
+
+
+# ---------------------------------------------------------------- torchrun, two agents
+
+_TORCHRUN_JOB = """
+import os, torch, torch.distributed as dist
+import compiler_collectives as cc
+dist.init_process_group("gloo")
+w = torch.ones(4, 4, requires_grad=True)
+torch.compile(lambda x, w: torch.relu(x @ w).sum(), backend="inductor")(torch.ones(8, 4), w).backward()
+states = [r["state"] for r in cc.stats()["compile_once"]]
+print(f"RANK {dist.get_rank()} STATES {states} GRAD {w.grad.sum().item():.4f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_two_torchrun_agents_with_a_cache_dir_each_compile_once_with_env_vars_only(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_JOB)
+    port = str(29500 + os.getpid() % 2000)
+    env = dict(os.environ, **ENV, TORCH_COMPILER_COLLECTIVES="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    agents = []
+    for node in range(2):
+        agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
+        cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
+        agents.append(subprocess.Popen(cmd, env=agent_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [a.communicate(timeout=240)[0].decode() for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RANK "))
+    assert len(lines) == 2, outputs
+    states = sorted(line.split("STATES ")[1].split(" GRAD")[0] for line in lines)
+    assert states == ["['compiled']", "['loaded']"], lines
+    assert len({line.split("GRAD ")[1] for line in lines}) == 1
