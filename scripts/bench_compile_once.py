@@ -1,0 +1,766 @@
+"""First training step of an inductor-compiled DDP model on N ranks: COMPILER_COLLECTIVES_COMPILE_ONCE=0 vs default.
+
+With compiler collectives on, COMPILER_COLLECTIVES_COMPILE_ONCE (default on,
+0 = off, must match across ranks) makes one rank compile each inductor graph
+and the others load its artifact. This benchmark measures what that saves on
+the first step, as a user would run it: torchrun (``python -m
+torch.distributed.run``), environment variables only, cold caches.
+
+Workload: torch CPU, gloo, ``torch.compile(DDP(model), backend="inductor")``,
+one thread per rank (OMP_NUM_THREADS=1, torch.set_num_threads(1),
+TORCHINDUCTOR_COMPILE_THREADS=1); the model is ``--blocks`` (6) residual MLP
+blocks of width ``--width`` (256): x + Linear(GELU(Linear(LayerNorm(x)))),
+hidden 4 x width; SGD with momentum, ``--steps`` (3) steps. The service is on
+through TORCH_COMPILER_COLLECTIVES=1 and COMPILER_COLLECTIVES_GUARDS=1 (the
+README's zero-code form). Every run gets a fresh TORCHINDUCTOR_CACHE_DIR (and
+TRITON_CACHE_DIR inside it); inherited TORCHINDUCTOR_*, TRITON_*, TORCHDYNAMO_*,
+TORCH_COMPILE_* and COMPILER_COLLECTIVES_* variables are dropped.
+
+Per rank, after a barrier so that all ranks start together: the first step's
+wall time (just before the first compiled call to after its backward and
+optimizer step) and its CPU seconds, this process and its waited-for children
+(gcc), from getrusage(RUSAGE_SELF) + getrusage(RUSAGE_CHILDREN) deltas. A run
+reports its slowest rank's wall and the CPU summed over its ranks; ratios are
+to the 1-rank case of the same setting (always run: it is the baseline). After
+the last step the ranks all-gather a SHA-256 of their flat parameters
+(identical on every rank?) and rank 0 saves them; the driver checks that each
+run's parameters equal those of the same case with COMPILE_ONCE=0.
+
+Cases (``--cases``, comma-separated; default all):
+  1rank        1 rank: a 1-rank compile, the baseline
+  4shared      4 ranks, one cache dir
+  4per-rank    4 ranks, a cache dir each (BENCH_CACHE_PER_RANK=<base>: the rank
+               itself sets TORCHINDUCTOR_CACHE_DIR=<base>/rank<RANK> before
+               importing torch, since torchrun cannot set per-rank variables)
+  warm-cold    2 ranks, a cache dir each, rank 0's warmed first by an untimed
+               1-rank run of the same job; each rank's CPU / the 1-rank compile's
+  2agents      2 torchrun agents x 2 ranks on 127.0.0.1 (--nnodes 2, static
+               rendezvous), a cache dir per agent
+
+Settings, side by side in one run: "off" (COMPILER_COLLECTIVES_COMPILE_ONCE=0)
+and "default" (the variable unset). If the installed compiler_collectives does
+not know the variable (the feature is absent: setting it would fail the import
+with ConfigError), neither setting sets it and both measure the same thing; the
+header says so. An untimed 1-rank run comes first (``--no-prime`` skips it), so
+that reading inductor's modules, gcc and its headers from disk is not charged
+to whichever run is first. ``--repeat N`` runs every case and setting N times, interleaved,
+and reports medians. Every run has a hard ``--timeout``; a failed run is
+reported in the table with the tail of its log, and every process the script
+started is ended when it exits.
+
+Run:  scripts/dev bench-compile-once [--cases 1rank,4shared] [--repeat 1] [--json]
+      [--blocks 6] [--width 256] [--timeout 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+COMPILE_ONCE_ENV = "COMPILER_COLLECTIVES_COMPILE_ONCE"
+SETTINGS = ("off", "default")
+SETTING_LABEL = {"off": "COMPILE_ONCE=0", "default": "default"}
+SCRUBBED_PREFIXES = ("COMPILER_COLLECTIVES_", "TORCHINDUCTOR_", "TRITON_", "TORCHDYNAMO_", "TORCH_COMPILE_", "BENCH_")
+SCRUBBED_NAMES = ("TORCH_COMPILER_COLLECTIVES", "OMP_NUM_THREADS")
+CACHE_COUNTERS = (
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+    ("inductor", "fxgraph_cache_bypass"),
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("aot_autograd", "autograd_cache_bypass"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    what: str
+    agents: tuple[int, ...]  # ranks per torchrun agent
+    cache: str  # "shared", "per-rank" or "per-agent"
+    warm_rank0: bool = False
+
+    @property
+    def world(self) -> int:
+        return sum(self.agents)
+
+
+CASES = {
+    c.name: c
+    for c in (
+        Case("1rank", "1 rank (baseline)", (1,), "shared"),
+        Case("4shared", "4 ranks, one cache dir", (4,), "shared"),
+        Case("4per-rank", "4 ranks, a cache dir each", (4,), "per-rank"),
+        Case("warm-cold", "2 ranks, rank 0's cache warm, rank 1's cold", (2,), "per-rank", warm_rank0=True),
+        Case("2agents", "2 agents x 2 ranks, a cache dir per agent", (2, 2), "per-agent"),
+    )
+}
+BASELINE = "1rank"
+
+
+# ------------------------------------------------------------------ the rank
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank, started by torchrun. Environment first: nothing of torch is imported yet."""
+    rank_env = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    per_rank_base = os.environ.get("BENCH_CACHE_PER_RANK")
+    if per_rank_base:
+        cache_dir = os.path.join(per_rank_base, f"rank{rank_env}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+    import datetime
+    import faulthandler
+    import resource
+    import struct
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    # A rank still running shortly before the driver's timeout shows where it is in the log.
+    margin = min(20.0, args.timeout / 10)
+    faulthandler.dump_traceback_later(max(1.0, args.deadline - time.time() - margin))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.fc1 = torch.nn.Linear(width, 4 * width)
+            self.fc2 = torch.nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    class Net(torch.nn.Module):
+        def __init__(self, blocks: int, width: int) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    net = Net(args.blocks, args.width)
+    ddp = DDP(net)
+    model = torch.compile(ddp, backend="inductor")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    xs = [torch.randn(args.batch, args.width, generator=gen) for _ in range(args.steps)]
+    ys = [torch.randn(args.batch, args.width, generator=gen) for _ in range(args.steps)]
+
+    def cpu_now() -> tuple[float, float]:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    walls: list[float] = []
+    cpus: list[tuple[float, float]] = []
+    dist.barrier()
+    for i in range(args.steps):
+        opt.zero_grad(set_to_none=True)
+        own0, kids0 = cpu_now()
+        t0 = time.perf_counter()
+        loss = F.mse_loss(model(xs[i]), ys[i])
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        own1, kids1 = cpu_now()
+        walls.append(t1 - t0)
+        cpus.append((own1 - own0, kids1 - kids0))
+
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]).contiguous()
+    try:
+        raw = flat.numpy().tobytes()
+    except (ImportError, RuntimeError):  # a torch without numpy: slower, same within one venv
+        raw = repr(flat.tolist()).encode()
+    digest = hashlib.sha256(raw).digest()
+    mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    identical = all(torch.equal(g, gathered[0]) for g in gathered)
+    if rank == 0:
+        torch.save(flat, os.path.join(args.out, "params.pt"))
+
+    from torch._dynamo.utils import counters
+
+    cache_counters = {f"{group}.{key}": int(counters[group][key]) for group, key in CACHE_COUNTERS}
+    cc_stats: Any = None
+    if "compiler_collectives" in sys.modules:
+        cc_stats = sys.modules["compiler_collectives"].stats()
+    result = {
+        "rank": rank,
+        "world": world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "compiler_collectives_on": bool(torch._dynamo.config.enable_compiler_collectives),
+        "compile_once_env": os.environ.get(COMPILE_ONCE_ENV),
+        "wall_s": walls[0],
+        "cpu_s": sum(cpus[0]),
+        "cpu_self_s": cpus[0][0],
+        "cpu_children_s": cpus[0][1],
+        "step_walls_s": walls,
+        "step_cpus_s": [sum(c) for c in cpus],
+        "params_sha256": digest.hex(),
+        "params_identical_across_ranks": identical,
+        "cache_counters": cache_counters,
+        "cc_stats": cc_stats,
+    }
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, default=str)
+    faulthandler.cancel_dump_traceback_later()
+    print(
+        f"[rank {rank}] first step: wall {walls[0]:.2f}s, CPU {cpus[0][0]:.2f}s + children {cpus[0][1]:.2f}s; "
+        f"later steps {', '.join(f'{w:.3f}s' for w in walls[1:])}; params identical across ranks: {identical}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------- processes, reaping
+
+
+ACTIVE: list[subprocess.Popen[bytes]] = []
+ENDING_MARK = "[bench] ending the job"
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) for every process /proc shows; {} where there is no /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """The processes descending from ``root`` (itself included), each with its start time."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in found:
+            found[pid] = table[pid][1]
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _signal_tree(tree: dict[int, str], sig: int) -> None:
+    table = _process_table()
+    for pid, start in tree.items():
+        if pid in table and table[pid][1] == start:  # the same process, not a reused pid
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """End a torchrun agent and everything under it (its ranks run in sessions of their own)."""
+    tree = _tree(proc.pid)
+    _signal_tree(tree, signal.SIGTERM)
+    if proc.poll() is None and proc.pid not in tree:  # no /proc: the agent alone
+        proc.terminate()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and proc.poll() is None:
+        tree.update(_tree(proc.pid))
+        time.sleep(0.1)
+    tree.update(_tree(proc.pid))
+    _signal_tree(tree, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(
+    agents: list[tuple[list[str], dict[str, str]]], log_path: str, timeout: float
+) -> tuple[list[int], bool, float]:
+    """Start every agent (command, env), output to ``log_path``; wait for all within ``timeout``.
+
+    Returns each agent's exit status (negative: ended by that signal), whether the
+    timeout struck, and the seconds taken. When one agent fails, the others
+    get 30 s to end on their own (a peer waiting on a dead rank would wait out
+    its collective timeout) before they are ended too."""
+    procs: list[subprocess.Popen[bytes]] = []
+    started = time.monotonic()
+    timed_out = False
+    with open(log_path, "ab") as log:
+        try:
+            for i, (cmd, env) in enumerate(agents):
+                log.write(f"[bench] agent {i}: {' '.join(cmd)}\n".encode())
+                log.flush()
+                proc = subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                procs.append(proc)
+                ACTIVE.append(proc)
+            deadline = started + timeout
+            failed_at: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + 30):
+                    timed_out = now > deadline
+                    why = f"timed out after {timeout:.0f}s" if timed_out else "an agent failed 30s ago"
+                    log.write(f"{ENDING_MARK}: {why}\n".encode())
+                    log.flush()
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    kill_tree(p)
+                ACTIVE.remove(p)
+    rcs = [p.returncode for p in procs]
+    return rcs, timed_out, time.monotonic() - started
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    """The log's last lines before the script ended the job (after that: torchrun's own unwinding)."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.readlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    ends = [i for i, line in enumerate(text) if line.startswith(ENDING_MARK)]
+    if ends:
+        text = text[: ends[-1] + 1]
+    return "".join(text[-lines:])
+
+
+# ------------------------------------------------------------------ a run
+
+
+def _base_env(args: argparse.Namespace, setting: str, set_var: bool) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_NAMES and not k.startswith("PET_")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        TORCH_COMPILER_COLLECTIVES="1",
+        COMPILER_COLLECTIVES_GUARDS="1",
+        # Ranks that load a peer's artifact wait for its compile: the service's
+        # collectives must allow for that, like the run itself.
+        COMPILER_COLLECTIVES_TIMEOUT=str(float(args.timeout)),
+        PYTHONUNBUFFERED="1",
+    )
+    if setting == "off" and set_var:
+        env[COMPILE_ONCE_ENV] = "0"
+    return env
+
+
+def _agent_cmd(args: argparse.Namespace, nnodes: int, node_rank: int, nproc: int, port: int, out: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "static",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--max-restarts",
+        "0",
+        os.path.abspath(__file__),
+        "--worker",
+        "--out",
+        out,
+        "--blocks",
+        str(args.blocks),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--timeout",
+        str(args.timeout),
+        "--deadline",  # when the driver ends this job, as a time.time()
+        f"{time.time() + args.timeout:.1f}",
+    ]
+
+
+def _read_ranks(out: str, world: int) -> tuple[list[dict[str, Any]], str | None]:
+    ranks = []
+    for r in range(world):
+        try:
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+        except (OSError, ValueError) as e:
+            return [], f"rank {r} wrote no result ({e})"
+    return ranks, None
+
+
+def run_once(case: Case, setting: str, rep: int, args: argparse.Namespace, root: str, set_var: bool) -> dict[str, Any]:
+    rundir = os.path.join(root, case.name, setting, f"rep{rep}")
+    cache = os.path.join(rundir, "cache")
+    out = os.path.join(rundir, "out")
+    log_path = os.path.join(rundir, "log.txt")
+    os.makedirs(out, exist_ok=True)
+    base = _base_env(args, setting, set_var)
+    result: dict[str, Any] = {"case": case.name, "setting": setting, "rep": rep, "ok": False, "log": log_path}
+
+    if case.warm_rank0:
+        # Untimed: the same job on one rank fills <cache>/rank0, the dir rank 0 uses below.
+        warm_out = os.path.join(rundir, "warmup")
+        os.makedirs(warm_out, exist_ok=True)
+        env = dict(base, BENCH_CACHE_PER_RANK=cache)
+        rcs, timed_out, secs = _launch(
+            [(_agent_cmd(args, 1, 0, 1, _free_port(), warm_out), env)], log_path, args.timeout
+        )
+        result["warmup_s"] = secs
+        if rcs != [0]:
+            result["error"] = "warm-up run " + ("timed out" if timed_out else f"failed (exit {rcs[0]})")
+            result["log_tail"] = _tail(log_path)
+            return result
+
+    port = _free_port()
+    agents = []
+    for node_rank, nproc in enumerate(case.agents):
+        env = dict(base)
+        if case.cache == "shared":
+            env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        elif case.cache == "per-rank":
+            env["BENCH_CACHE_PER_RANK"] = cache
+        else:
+            agent_cache = os.path.join(cache, f"agent{node_rank}")
+            env.update(TORCHINDUCTOR_CACHE_DIR=agent_cache, TRITON_CACHE_DIR=os.path.join(agent_cache, "triton"))
+        agents.append((_agent_cmd(args, len(case.agents), node_rank, nproc, port, out), env))
+    rcs, timed_out, secs = _launch(agents, log_path, args.timeout)
+    result["run_s"] = secs
+    if timed_out or any(rc != 0 for rc in rcs):
+        why = f"timed out after {args.timeout:.0f}s" if timed_out else f"exit status {rcs}"
+        result["error"] = f"failed: {why}"
+        result["log_tail"] = _tail(log_path)
+        return result
+    ranks, error = _read_ranks(out, case.world)
+    if error:
+        result["error"] = error
+        result["log_tail"] = _tail(log_path)
+        return result
+    result.update(
+        ok=True,
+        ranks=ranks,
+        wall_s=max(r["wall_s"] for r in ranks),
+        cpu_s=sum(r["cpu_s"] for r in ranks),
+        params_sha256=ranks[0]["params_sha256"],
+        params_path=os.path.join(out, "params.pt"),
+        ranks_identical=all(r["params_identical_across_ranks"] for r in ranks),
+        service_on=all(r["compiler_collectives_on"] for r in ranks),
+    )
+    if not args.keep:
+        shutil.rmtree(cache, ignore_errors=True)
+    return result
+
+
+# ------------------------------------------------------------- the report
+
+
+def _max_abs_diff(path_a: str, path_b: str) -> str:
+    try:
+        import torch
+
+        a, b = torch.load(path_a), torch.load(path_b)
+        if a.shape != b.shape:
+            return f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+        return f"max |diff| {(a - b).abs().max().item():.3g}"
+    except Exception as e:  # noqa: BLE001 (a report detail; never fail the report for it)
+        return f"not compared: {e}"
+
+
+def summarize(runs: list[dict[str, Any]], cases: list[Case]) -> list[dict[str, Any]]:
+    rows = []
+    baseline: dict[str, tuple[float, float]] = {}
+    for setting in SETTINGS:
+        ok = [r for r in runs if r["case"] == BASELINE and r["setting"] == setting and r["ok"]]
+        if ok:
+            baseline[setting] = (statistics.median(r["wall_s"] for r in ok), statistics.median(r["cpu_s"] for r in ok))
+    for case in cases:
+        reference = next((r for r in runs if r["case"] == case.name and r["setting"] == "off" and r["ok"]), None)
+        for setting in SETTINGS:
+            mine = [r for r in runs if r["case"] == case.name and r["setting"] == setting]
+            ok = [r for r in mine if r["ok"]]
+            row: dict[str, Any] = {
+                "case": case.name,
+                "what": case.what,
+                "setting": setting,
+                "ranks": case.world,
+                "runs": len(mine),
+                "failed": len(mine) - len(ok),
+                "errors": [
+                    {"rep": r["rep"], "error": r["error"], "log_tail": r["log_tail"]} for r in mine if not r["ok"]
+                ],
+            }
+            rows.append(row)
+            if not ok:
+                continue
+            row["wall_s"] = statistics.median(r["wall_s"] for r in ok)
+            row["cpu_s"] = statistics.median(r["cpu_s"] for r in ok)
+            row["rank_cpu_s"] = [statistics.median(r["ranks"][i]["cpu_s"] for r in ok) for i in range(case.world)]
+            row["rank_wall_s"] = [statistics.median(r["ranks"][i]["wall_s"] for r in ok) for i in range(case.world)]
+            if setting in baseline:
+                b_wall, b_cpu = baseline[setting]
+                row["wall_ratio"] = row["wall_s"] / b_wall
+                row["cpu_ratio"] = row["cpu_s"] / b_cpu
+                row["rank_cpu_ratio"] = [c / b_cpu for c in row["rank_cpu_s"]]
+            last = ok[-1]["ranks"]
+            row["cache_counters"] = {k: sum(r["cache_counters"][k] for r in last) for k in last[0]["cache_counters"]}
+            row["service_on"] = all(r["service_on"] for r in ok)
+            problems = []
+            if not all(r["ranks_identical"] for r in ok):
+                problems.append("ranks differ")
+            if reference is None:
+                problems.append("no COMPILE_ONCE=0 run to compare")
+            else:
+                for r in ok:
+                    if r["params_sha256"] != reference["params_sha256"]:
+                        diff = _max_abs_diff(r["params_path"], reference["params_path"])
+                        problems.append(f"rep {r['rep']} differs from COMPILE_ONCE=0 ({diff})")
+            row["params_identical"] = not problems
+            row["params_problems"] = problems
+            row["ranks_detail"] = [r["ranks"] for r in ok]
+    return rows
+
+
+def _fmt(row: dict[str, Any], key: str, spec: str, suffix: str = "") -> str:
+    return f"{row[key]:{spec}}{suffix}" if key in row else "-"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| case | setting | ranks | wall, slowest rank (s) | wall / 1-rank | CPU, summed (s) | CPU / 1-rank "
+        "| CPU per rank / 1-rank | cache hit/miss (fx; aot) | params identical |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        label = SETTING_LABEL[row["setting"]]
+        if "wall_s" not in row:
+            print(f"| {row['case']} | {label} | {row['ranks']} | FAILED ({row['errors'][0]['error']}) | | | | | | |")
+            continue
+        per_rank = "-"
+        if row["case"] == "warm-cold" and "rank_cpu_ratio" in row:
+            per_rank = ", ".join(f"r{i} {x:.2f}x" for i, x in enumerate(row["rank_cpu_ratio"]))
+        c = row["cache_counters"]
+        cache = (
+            f"{c['inductor.fxgraph_cache_hit']}/{c['inductor.fxgraph_cache_miss']}; "
+            f"{c['aot_autograd.autograd_cache_hit']}/{c['aot_autograd.autograd_cache_miss']}"
+        )
+        params = "yes" if row["params_identical"] else "no"
+        if row["failed"]:
+            params += f" ({row['failed']} of {row['runs']} runs failed)"
+        print(
+            f"| {row['case']} | {label} | {row['ranks']} | {_fmt(row, 'wall_s', '.2f')} | "
+            f"{_fmt(row, 'wall_ratio', '.2f', 'x')} | {_fmt(row, 'cpu_s', '.2f')} | "
+            f"{_fmt(row, 'cpu_ratio', '.2f', 'x')} | {per_rank} | {cache} | {params} |"
+        )
+    for row in rows:
+        for problem in row.get("params_problems", []):
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: parameters: {problem}")
+        if not row.get("service_on", True):
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: compiler collectives were OFF on some rank")
+        for err in row["errors"]:
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]} rep {err['rep']}: {err['error']}; log tail:")
+            print("    " + err["log_tail"].rstrip().replace("\n", "\n    "))
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        try:
+            with open("/proc/loadavg") as f:
+                return "load average " + " ".join(f.read().split()[:3])
+        except OSError:
+            return "(load unknown)"
+
+
+def _feature_known(args: argparse.Namespace) -> tuple[bool, str]:
+    """Whether the installed compiler_collectives accepts COMPILER_COLLECTIVES_COMPILE_ONCE.
+
+    Asked in a child with none of our variables set (an unknown one would fail the import)."""
+    env = _base_env(args, "default", False)
+    for k in ("TORCH_COMPILER_COLLECTIVES", "COMPILER_COLLECTIVES_GUARDS", "COMPILER_COLLECTIVES_TIMEOUT"):
+        env.pop(k)
+    code = f"from compiler_collectives import config; print({COMPILE_ONCE_ENV!r} in config.known_variables())"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"could not ask compiler_collectives ({e}); the variable is not set"
+    answer = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+    if answer == ["True"]:
+        return True, f"{COMPILE_ONCE_ENV} is known: COMPILE_ONCE=0 sets it to 0, default leaves it unset"
+    if answer == ["False"]:
+        return False, (
+            f"{COMPILE_ONCE_ENV} is not known to the installed compiler_collectives (feature absent): "
+            "neither setting sets it, both should measure the same"
+        )
+    return False, f"could not ask compiler_collectives (exit {done.returncode}): {done.stderr.strip()[-300:]}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case and setting, interleaved; medians")
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as JSON on stdout (the table goes to stderr)"
+    )
+    parser.add_argument("--blocks", type=int, default=6, help="residual MLP blocks")
+    parser.add_argument("--width", type=int, default=256, help="model width (hidden: 4 x width)")
+    parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (the first is measured)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds one torchrun job may take (the warm-cold warm-up gets its own)",
+    )
+    parser.add_argument("--workdir", default=None, help="where runs write caches, logs, results (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir and every run's cache")
+    parser.add_argument("--no-prime", action="store_true", help="skip the untimed 1-rank run made first")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown or not names or args.repeat < 1 or args.steps < 1:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}" if unknown else "nothing to run")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)  # every ratio is to it
+    cases = [CASES[n] for n in CASES if n in names]
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    root = args.workdir or tempfile.mkdtemp(prefix="bench_compile_once_")
+    os.makedirs(root, exist_ok=True)
+    load_start = _uptime()
+    log(f"work dir {root}; {load_start}")
+    set_var, feature_note = _feature_known(args)
+    log(feature_note)
+    runs: list[dict[str, Any]] = []
+    try:
+        if not args.no_prime:
+            # The first compile of a session also reads torch's inductor modules, gcc and
+            # its headers from disk: pay that untimed, not in whichever run comes first.
+            log("priming: an untimed 1-rank run")
+            prime = run_once(CASES[BASELINE], "default", -1, args, os.path.join(root, "prime"), set_var)
+            log("  ok" if prime["ok"] else f"  {prime['error']} (log: {prime['log']}); going on")
+        for rep in range(args.repeat):
+            for case in cases:
+                # Alternate which setting goes first, so neither always runs after the other.
+                for setting in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
+                    log(f"rep {rep + 1}/{args.repeat} {case.name} {SETTING_LABEL[setting]}: running")
+                    r = run_once(case, setting, rep, args, root, set_var)
+                    runs.append(r)
+                    if r["ok"]:
+                        log(f"  ok: wall {r['wall_s']:.2f}s (slowest rank), CPU {r['cpu_s']:.2f}s (summed)")
+                    else:
+                        log(f"  {r['error']} (log: {r['log']})")
+    finally:
+        for proc in list(ACTIVE):
+            kill_tree(proc)
+    load_end = _uptime()
+    rows = summarize(runs, cases)
+    header = {
+        "model": f"{args.blocks} residual MLP blocks, width {args.width}, batch {args.batch}/rank, {args.steps} steps",
+        "compile_once_variable": feature_note,
+        "compile_once_variable_set": set_var,
+        "load_start": load_start,
+        "load_end": load_end,
+        "repeat": args.repeat,
+        "python": sys.executable,
+    }
+    # With --json the table still comes, on stderr with the progress lines.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        print(f"bench_compile_once: {header['model']}; median of {args.repeat} run(s) per row")
+        print(
+            "torch CPU, gloo, inductor, 1 thread per rank, TORCH_COMPILER_COLLECTIVES=1 COMPILER_COLLECTIVES_GUARDS=1"
+        )
+        print(feature_note)
+        print(f"load at start: {load_start}")
+        print()
+        print_table(rows)
+        print()
+        print(f"load at end: {load_end}")
+    if args.json:
+        print(json.dumps({**header, "rows": rows}, indent=1, default=str))
+    all_ok = all(r["ok"] for r in runs)
+    if all_ok and not args.keep and args.workdir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        log(f"kept {root} (logs: <case>/<setting>/rep<N>/log.txt)")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
