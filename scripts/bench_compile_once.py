@@ -33,7 +33,8 @@ Cases (``--cases``, comma-separated; default all):
                itself sets TORCHINDUCTOR_CACHE_DIR=<base>/rank<RANK> before
                importing torch, since torchrun cannot set per-rank variables)
   warm-cold    2 ranks, a cache dir each, rank 0's warmed first by an untimed
-               1-rank run of the same job; each rank's CPU / the 1-rank compile's
+               2-rank run of the same job over that one dir; each rank's CPU /
+               the 1-rank compile's
   2agents      2 torchrun agents x 2 ranks on 127.0.0.1 (--nnodes 2, static
                rendezvous), a cache dir per agent
 
@@ -456,12 +457,15 @@ def run_once(case: Case, setting: str, rep: int, args: argparse.Namespace, root:
     result: dict[str, Any] = {"case": case.name, "setting": setting, "rep": rep, "ok": False, "log": log_path}
 
     if case.warm_rank0:
-        # Untimed: the same job on one rank fills <cache>/rank0, the dir rank 0 uses below.
+        # Untimed: the same 2-rank job over one dir fills <cache>/rank0, the dir rank 0 uses
+        # below. A 1-rank run would not do: the service lowers backwards with their forward
+        # where it applies (2+ ranks), and AOTAutograd's cache key includes that switch.
         warm_out = os.path.join(rundir, "warmup")
         os.makedirs(warm_out, exist_ok=True)
-        env = dict(base, BENCH_CACHE_PER_RANK=cache)
+        warm_dir = os.path.join(cache, "rank0")
+        env = dict(base, TORCHINDUCTOR_CACHE_DIR=warm_dir, TRITON_CACHE_DIR=os.path.join(warm_dir, "triton"))
         rcs, timed_out, secs = _launch(
-            [(_agent_cmd(args, 1, 0, 1, _free_port(), warm_out), env)], log_path, args.timeout
+            [(_agent_cmd(args, 1, 0, 2, _free_port(), warm_out), env)], log_path, args.timeout
         )
         result["warmup_s"] = secs
         if rcs != [0]:

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 from .. import config, health
 from ..errors import CompileOnceError, PeerFailureError, SetupMismatchError, ranks_text
+from ..instrument import timing
 from ..state import FrameId
 from ..stats import counters
 from ..transport import (
@@ -139,6 +140,8 @@ class Ticket:
     outcome: str = "none"
     outcome_why: str | None = None
     waited_s: float = 0.0
+    started_ns: int = dataclasses.field(default_factory=time.time_ns)
+    bytes_in: int = 0
 
 
 # ------------------------------------------------------------------ seam entry points
@@ -209,8 +212,8 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     )
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
-    ticket.plans = decide(ticket.offers, ticket.seq)
     rank = _rank()
+    ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
     ticket.plan = ticket.plans[rank]
     counters.once_exchanges += 1
     log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
@@ -337,8 +340,9 @@ def clear_records() -> None:
 # ------------------------------------------------------------------ the plan
 
 
-def decide(offers: dict[int, Offer], seq: int) -> dict[int, Plan]:
-    """Every rank's plan from every rank's offer (global rank -> offer); the same on every rank."""
+def decide(offers: dict[int, Offer], seq: int, me: int | None = None) -> dict[int, Plan]:
+    """Every rank's plan from every rank's offer (global rank -> offer); the same on every rank.
+    ``me``: this rank, for errors."""
     ranks = sorted(offers)
     switch_sets = {r: tuple(offers[r].switches) for r in ranks}
     if len(set(switch_sets.values())) > 1:
@@ -349,7 +353,7 @@ def decide(offers: dict[int, Offer], seq: int) -> dict[int, Plan]:
             f"across ranks: ranks that run them wait for ranks that do not):\n{lines}\n"
             "Set the same torch config on every rank.",
             kind="compile_once",
-            rank=_rank(),
+            rank=me,
             seq=seq,
         )
     on = switch_sets[ranks[0]]
@@ -550,6 +554,7 @@ def _record(ticket: Ticket) -> None:
     plan = ticket.plan
     if plan is None:
         return
+    rec = timing.recorder
     if plan.role == LOAD:
         state = "loaded" if ticket.outcome == "hit" else "compiled locally"
         why = plan.why if ticket.outcome == "hit" else f"{ticket.outcome}: {ticket.outcome_why}"
@@ -567,6 +572,17 @@ def _record(ticket: Ticket) -> None:
             "waited_s": round(ticket.waited_s, 3),
         }
     )
+    if rec is not None and ticket.seq is not None:
+        rec.once(
+            start_ns=ticket.started_ns,
+            duration_s=(time.time_ns() - ticket.started_ns) / 1e9,
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+            state=state,
+            why=why or "",
+            source=plan.source,
+            bytes_in=ticket.bytes_in,
+        )
 
 
 # ------------------------------------------------------------------ artifacts
@@ -675,6 +691,7 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     members = list(groups.member_ranks(pg))
     data = recv_bytes(pg, total, members.index(plan.source), _tag(ticket), _where(ticket, "artifact"))
     counters.once_bytes_received += total
+    ticket.bytes_in = total
     pieces: list[tuple[ManifestFile, bytes]] = []
     offset = 0
     for f in result.manifest:

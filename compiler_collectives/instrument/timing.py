@@ -46,7 +46,7 @@ class Recorder:
     def __init__(self, rank: int, world_size: int, trace_dir: str | None) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.samples: dict[str, list[float]] = {"compiler": [], "guard": []}
+        self.samples: dict[str, list[float]] = {"compiler": [], "guard": [], "compile_once": []}
         self.bytes: dict[str, int] = {"compiler": 0, "guard": 0}
         self.late_ranks: dict[int, int] = {}
         self._trace_dir = trace_dir
@@ -198,6 +198,43 @@ class Recorder:
                 },
                 flush_now=False,
             )
+
+    def once(
+        self,
+        *,
+        start_ns: int,
+        duration_s: float,
+        seq: int,
+        frame: str,
+        state: str,
+        why: str,
+        source: int | None,
+        bytes_in: int,
+    ) -> None:
+        """One graph under compile once, from its key exchange to its load report."""
+        self.samples["compile_once"].append(duration_s)
+        self.bytes["compile_once"] += bytes_in
+        self._emit(
+            {
+                "name": f"compile once: {state}",
+                "cat": "compiler_collectives",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": 0,
+                "ts": start_ns / 1e3,
+                "dur": duration_s * 1e6,
+                "args": {
+                    "kind": "compile_once",
+                    "seq": seq,
+                    "frame": frame,
+                    "state": state,
+                    "why": why,
+                    "source": source,
+                    "bytes_in": bytes_in,
+                },
+            },
+            flush_now=True,
+        )
 
     # -------------------------------------------------------------- summary
 

@@ -19,6 +19,7 @@ from ..errors import ReportError
 from ..instrument.timing import quantiles
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
+KINDS = ("compiler", "guard", "compile_once")
 
 
 @dataclasses.dataclass
@@ -86,7 +87,7 @@ def load(directory: str) -> Traces:
                 not isinstance(event.get("ts"), (int, float))
                 or not isinstance(event.get("dur"), (int, float))
                 or not isinstance(args, dict)
-                or args.get("kind") not in ("compiler", "guard")
+                or args.get("kind") not in KINDS
             ):
                 raise ReportError(f"{where}: a collective event needs numeric ts/dur and args.kind")
             if event.get("pid") != rank:
@@ -118,7 +119,7 @@ def table_rows(traces: Traces) -> list[dict[str, Any]]:
         by_kind: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for event in traces.events[rank]:
             by_kind[event["args"]["kind"]].append(event)
-        for kind in ("compiler", "guard"):
+        for kind in KINDS:
             evs = by_kind.get(kind)
             if not evs:
                 continue
@@ -137,6 +138,18 @@ def table_rows(traces: Traces) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def compile_once_rows(traces: Traces) -> list[tuple[Any, str, list[tuple[int, str, str]]]]:
+    """Per graph under compile once: (seq, frame, [(rank, compiled/served/loaded/compiled locally, why)])."""
+    graphs: dict[Any, tuple[str, list[tuple[int, str, str]]]] = {}
+    for rank in sorted(traces.events):
+        for e in traces.events[rank]:
+            a = e["args"]
+            if a["kind"] == "compile_once":
+                _, rows = graphs.setdefault(a.get("seq"), (str(a.get("frame", "?")), []))
+                rows.append((rank, str(a.get("state", "?")), str(a.get("why", ""))))
+    return [(seq, frame, rows) for seq, (frame, rows) in sorted(graphs.items(), key=lambda kv: str(kv[0]))]
 
 
 def late_ranks(traces: Traces) -> collections.Counter[int]:
@@ -167,6 +180,12 @@ def render(traces: Traces, merged_path: str, slowest: int = 5) -> str:
             a = e["args"]
             frame = f" frame {a['frame']}" if a.get("frame") else ""
             lines.append(f"  {e['dur'] / 1e3:9.3f} ms  rank {e['pid']}  {a['kind']} #{a.get('seq')}{frame}")
+    graphs = compile_once_rows(traces)
+    if graphs:
+        lines += ["", "compile once, per graph (rank: what it did, why):"]
+        for seq, frame, per_rank in graphs:
+            lines.append(f"  #{seq} {frame}")
+            lines.extend(f"    rank {r}: {state} ({why})" for r, state, why in per_rank)
     late = late_ranks(traces)
     if late:
         lines += [
