@@ -319,3 +319,21 @@ def test_two_torchrun_agents_with_a_cache_dir_each_compile_once_with_env_vars_on
     states = sorted(line.split("STATES ")[1].split(" GRAD")[0] for line in lines)
     assert states == ["['compiled']", "['loaded']"], lines
     assert len({line.split("GRAD ")[1] for line in lines}) == 1
+
+
+def aot_eager_job(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    w = torch.ones(4, 4, requires_grad=True)
+    torch.compile(_step, backend="aot_eager")(torch.ones(8, 4), w).backward()
+    return {"records": cc.stats()["compile_once"], "exchanges": cc.stats()["once_exchanges"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_backend_without_aotautograd_cache_compiles_on_every_rank_and_says_why(tmp_path):
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    for r in run_ranks(aot_eager_job, 2, env=env, timeout=100).results:
+        assert r["exchanges"] == 0
+        assert [x["state"] for x in r["records"]] == ["compiled locally"]
+        assert "aot_eager" in r["records"][0]["why"]

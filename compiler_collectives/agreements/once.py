@@ -140,6 +140,8 @@ class Ticket:
     outcome: str = "none"
     outcome_why: str | None = None
     waited_s: float = 0.0
+    fingerprints: list[GraphFingerprint] = dataclasses.field(default_factory=list)
+    outer: Ticket | None = None
     started_ns: int = dataclasses.field(default_factory=time.time_ns)
     bytes_in: int = 0
 
@@ -151,6 +153,7 @@ def begin(frame: FrameId, cache: Cache) -> Ticket:
     """Open the ticket of one AOTAutograd compile on this thread (its cache lookup may follow)."""
     record = audit.current()
     ticket = Ticket(frame, cache, len(record.graphs) if record is not None else None)
+    ticket.outer = current()  # a compile nested in another (a subgraph): the outer one resumes after
     _local.ticket = ticket
     return ticket
 
@@ -216,7 +219,12 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
     ticket.plan = ticket.plans[rank]
     counters.once_exchanges += 1
-    log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
+    if ticket.plan.role == LOCAL:
+        log.info(
+            "compile once #%d of %s: rank %d compiles it itself: %s", ticket.seq, ticket.frame, rank, ticket.plan.why
+        )
+    else:
+        log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
     return ticket.plan
 
 
@@ -259,8 +267,7 @@ def fetch(ticket: Ticket) -> bool:
             why,
         )
         return False
-    _import_fingerprints(result.fingerprints)
-    _write_sidecar(ticket, result.fingerprints)
+    ticket.fingerprints = result.fingerprints  # taken as this rank's own once the lookup hits
     return True
 
 
@@ -270,18 +277,36 @@ def loaded(ticket: Ticket, hit: bool | None) -> None:
     if hit is True:
         ticket.outcome = "hit"
         counters.once_loaded += 1
+        # Only on a hit: a rank whose lookup missed compiles, and fingerprints its own levels.
+        _import_fingerprints(ticket.fingerprints)
+        _write_sidecar(ticket, ticket.fingerprints)
     elif hit is False:
         ticket.outcome, ticket.outcome_why = "miss", "the entry's guards fail this rank's size hints"
         counters.once_load_misses += 1
     _load_report(ticket)
 
 
-def finish(ticket: Ticket, error: BaseException | None, failure_text: str | None = None) -> None:
+NO_LOOKUP = (
+    "AOTAutograd did not look this graph up in its cache (a backend without AOTAutograd's cache, "
+    "such as aot_eager, or caches off)"
+)
+
+
+def finish(
+    ticket: Ticket, error: BaseException | None, failure_text: str | None = None, no_lookup: str = NO_LOOKUP
+) -> None:
     """Every rank that is not loading, when its AOTAutograd compile ended (``error``: it raised):
-    serving ranks publish their artifact; then the result and load-report exchanges."""
-    _local.ticket = None
+    serving ranks publish their artifact; then the result and load-report exchanges. A compile
+    that never looked its graph up took no exchange: it is recorded as local, ``no_lookup`` why."""
+    _local.ticket = ticket.outer
     plan = ticket.plan
-    if plan is None or ticket.finished:
+    if plan is None:
+        if error is None:
+            ticket.plan = Plan(LOCAL, None, no_lookup, False)
+            counters.once_local += 1
+            _record(ticket)
+        return
+    if ticket.finished:
         return
     if not _any_source(ticket):
         ticket.finished = True
@@ -317,9 +342,9 @@ def finish(ticket: Ticket, error: BaseException | None, failure_text: str | None
     _load_report(ticket)
 
 
-def abandon() -> None:
-    """Drop this thread's ticket (its compile never reached the cache lookup)."""
-    _local.ticket = None
+def abandon(ticket: Ticket) -> None:
+    """Drop ``ticket`` without further exchanges (ours failed during its compile)."""
+    _local.ticket = ticket.outer
 
 
 def records() -> list[dict[str, Any]]:

@@ -79,7 +79,7 @@ def set_frame(frame: FrameId | None) -> None:
 
 def applies() -> bool:
     """Whether this AOTAutograd compile takes part in compile once."""
-    if not (config.settings.compile_once and bound.levels.get("once")):
+    if not config.settings.compile_once:
         return False
     if not bound.current("enable_compiler_collectives") or not compiler.distributed():
         return False
@@ -107,12 +107,15 @@ def around_aot(compile: Callable[[], T]) -> T:
     try:
         result = compile()
     except CollectiveError:
-        once.abandon()  # our exchanges failed: no further one can be trusted
+        once.abandon(ticket)  # our exchanges failed: no further one can be trusted
         raise
     except BaseException as e:
         once.finish(ticket, e, _failure_text(e))
         raise
-    once.finish(ticket, None)
+    if bound.levels.get("once") is False:
+        once.finish(ticket, None, no_lookup=f"torch {torch.__version__} lacks compile once's seams (see the warning)")
+    else:
+        once.finish(ticket, None)
     return result
 
 
