@@ -128,3 +128,14 @@ def test_a_loading_rank_writes_paths_inside_the_cache_layout(rel):
 )
 def test_a_loading_rank_refuses_paths_that_leave_the_cache_dir_or_are_not_plain(rel):
     assert not once.safe_relpath(rel)
+
+
+def _result(*paths: str, status: str = "ok") -> Result:
+    return Result(status, None, [ManifestFile(p, b"s" * 32, 10) for p in paths], [])
+
+
+def test_an_artifact_without_an_aotautograd_entry_or_with_a_stray_path_is_loaded_by_nobody():
+    assert once.manifest_problem(_result("aotautograd/k/e", "fxgraph/ab/fk/x"), 1) is None
+    assert "no AOTAutograd cache entry" in once.manifest_problem(_result("fxgraph/ab/fk/x"), 1)
+    assert "outside the cache layout" in once.manifest_problem(_result("aotautograd/k/e", "../../etc/x"), 1)
+    assert "failed" in once.manifest_problem(_result(status="failed"), 1)

@@ -310,6 +310,7 @@ def finish(
         return
     if not _any_source(ticket):
         ticket.finished = True
+        counters.once_local += 1
         _record(ticket)
         return
     if plan.role == LOAD:
@@ -673,11 +674,35 @@ def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = 
     members = list(groups.member_ranks(pg))
     works = []
     for r, p in sorted(ticket.plans.items()):
-        if p.role == LOAD and p.source == me and not p.shares_dir and total <= ticket.offers[r].max_artifact_bytes:
+        if p.role == LOAD and p.source == me and _travels(result, p, ticket.offers[r]):
             works.append(send_bytes(pg, bundle, members.index(r), _tag(ticket), _where(ticket, "artifact")))
             counters.once_bytes_sent += total
     for w in works:
         wait(w, _where(ticket, "artifact"))
+
+
+def manifest_problem(result: Result, source: int) -> str | None:
+    """Why no rank may load this artifact, whatever its bytes (None: it may, once they match)."""
+    if result.status != "ok":
+        return f"rank {source} has no artifact ({result.status})"
+    for f in result.manifest:
+        if not safe_relpath(f.relpath):
+            return f"rank {source} named a file outside the cache layout: {f.relpath!r}"
+    if not any(f.relpath.startswith("aotautograd" + os.sep) for f in result.manifest):
+        return f"rank {source} saved no AOTAutograd cache entry for this graph (its cache bypassed it)"
+    return None
+
+
+def _travels(result: Result, plan: Plan, offer: Offer) -> bool:
+    """Whether the source sends its bytes to a loading rank: decided from what both sides know
+    (the manifest, the plan, the loader's limit), so a send is never left without its receive."""
+    total = sum(f.size for f in result.manifest)
+    return (
+        plan.source is not None
+        and not plan.shares_dir
+        and 0 < total <= offer.max_artifact_bytes
+        and manifest_problem(result, plan.source) is None
+    )
 
 
 def _tag(ticket: Ticket) -> int:
@@ -691,11 +716,9 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     assert plan is not None and plan.source is not None
     total = sum(f.size for f in result.manifest)
     root = ticket.cache.root()
-    for f in result.manifest:
-        if not safe_relpath(f.relpath):
-            return f"rank {plan.source} named a file outside the cache layout: {f.relpath!r}"
-    if not any(f.relpath.startswith("aotautograd" + os.sep) for f in result.manifest):
-        return f"rank {plan.source} saved no AOTAutograd cache entry for this graph (its cache bypassed it)"
+    problem = manifest_problem(result, plan.source)
+    if problem is not None:
+        return problem
     if plan.shares_dir:
         for f in result.manifest:
             try:
@@ -707,10 +730,10 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
                 counters.once_digest_mismatches += 1
                 return f"{f.relpath} in the shared cache dir does not match the SHA-256 rank {plan.source} sent"
         return None
-    if total > config.settings.max_artifact_bytes:
+    if not _travels(result, plan, ticket.offers[_rank()]):
         return (
             f"the artifact is {total} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
-            f"({config.settings.max_artifact_bytes})"
+            f"({ticket.offers[_rank()].max_artifact_bytes})"
         )
     pg = groups.compile_pg()
     members = list(groups.member_ranks(pg))
