@@ -158,7 +158,8 @@ def test_ranks_sharing_a_cache_dir_compile_each_graph_once_and_load_it_elsewhere
 
 @pytest.mark.timeout(300)
 def test_ranks_with_a_cache_dir_each_receive_the_artifact_over_gloo_and_load_it(tmp_path):
-    results = _run(tmp_path, separate=True).results
+    traces = tmp_path / "traces"
+    results = _run(tmp_path, separate=True, env={"COMPILER_COLLECTIVES_TRACE_DIR": str(traces)}).results
     _assert_trained_right(results)
     assert sorted(_states(results)) == ["compiled", "loaded"]
     loader = next(r for r in results if r["records"][-1]["state"] == "loaded")
@@ -166,6 +167,12 @@ def test_ranks_with_a_cache_dir_each_receive_the_artifact_over_gloo_and_load_it(
     assert loader["stats"]["once_bytes_received"] == compiler["stats"]["once_bytes_sent"] > 0
     assert loader["cache_files"] == compiler["cache_files"] != []  # the same entry, now in both dirs
     assert all(r["stats"]["audit_cache_recompiles"] == 0 for r in results)
+    # The report says, per graph, what each rank did.
+    from compiler_collectives.tools import report
+
+    text = report.run(str(traces))
+    assert "compile once, per graph" in text
+    assert "compiled (compiles for rank" in text and "loaded (loads from rank" in text
 
 
 @pytest.mark.timeout(420)

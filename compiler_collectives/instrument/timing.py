@@ -47,7 +47,7 @@ class Recorder:
         self.rank = rank
         self.world_size = world_size
         self.samples: dict[str, list[float]] = {"compiler": [], "guard": [], "compile_once": []}
-        self.bytes: dict[str, int] = {"compiler": 0, "guard": 0}
+        self.bytes: dict[str, int] = {"compiler": 0, "guard": 0, "compile_once": 0}
         self.late_ranks: dict[int, int] = {}
         self._trace_dir = trace_dir
         self._file: TextIO | None = None
