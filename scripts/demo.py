@@ -1344,6 +1344,15 @@ def _run_list(text: str) -> tuple[str, ...]:
     return names
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except those that are None (--runs says its own)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_demo_parser(subparsers: Any) -> None:
     d = DemoConfig()
     runs_help = "; ".join(f"'{name}': {run.description}" for name, run in RUNS.items())
@@ -1365,7 +1374,7 @@ def add_demo_parser(subparsers: Any) -> None:
             "Exit status: 0 when every run that should finish finished and the service runs' "
             "ranks agree (the hazard is expected to get stuck); 1 otherwise; 2 for bad options."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--nproc",
@@ -1399,7 +1408,8 @@ def add_demo_parser(subparsers: Any) -> None:
         default=d.hazard_timeout,
         metavar="SECONDS",
         help="our collectives' timeout in the hazard run ('compiler-only'): how long the rank that "
-        "recompiles alone waits for its peers before CollectiveTimeoutError",
+        "recompiles alone waits for its peers before it raises (CollectiveDesyncError: they are alive, "
+        "elsewhere)",
     )
     p.add_argument(
         "--runs",
@@ -1411,7 +1421,8 @@ def add_demo_parser(subparsers: Any) -> None:
     p.add_argument(
         "--compile-once",
         action="store_true",
-        help="also run the compile-once part ('compile-each' then 'compile-once': inductor, about a minute more)",
+        help="also run the compile-once part ('compile-each' then 'compile-once': inductor, about 1.5 "
+        "minutes more on 2 cores)",
     )
     p.add_argument(
         "--compile-steps",
