@@ -166,6 +166,7 @@ class DemoConfig:
     timeout: float = 120.0
     hazard_timeout: float = 10.0
     compile_steps: int = 1
+    compile_cache: str = "shared"  # part 4: "shared" by the run's ranks, or "per-rank"
     runs: tuple[str, ...] = DEFAULT_RUNS
     batch_size: int = 4
     base_length: int = 32
@@ -364,11 +365,13 @@ def train(
     *,
     guards: bool = True,
     timeout_s: float | None = None,
+    record_timing: bool = True,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg.steps`` steps on this rank; the default process group must exist.
 
-    Returns plain data (counts, dims, timings) for the report.
+    Returns plain data (counts, dims, timings) for the report. ``record_timing``
+    times each of our collectives, for the guard collective's cost per call.
     """
     if use_service:
         # The whole integration: every rank calls this before its first
@@ -386,7 +389,7 @@ def train(
     # Record each collective's duration, for the guard collective's cost per
     # call (the median: the mean includes waiting for a rank that compiles).
     settings = compiler_collectives.config.settings
-    own_timing = use_service and not (settings.timing or settings.trace_dir)
+    own_timing = record_timing and use_service and not (settings.timing or settings.trace_dir)
     if own_timing:
         timing.set_enabled(True)
 
@@ -504,6 +507,11 @@ def decisions(result: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(g) for g in result["graph_dims"])
 
 
+def rank_cache_dir(run_cache_dir: str, rank: int, cfg: DemoConfig) -> str:
+    """This rank's inductor cache in part 4: the run's, or (``--compile-cache per-rank``) its own in it."""
+    return run_cache_dir if cfg.compile_cache == "shared" else os.path.join(run_cache_dir, f"rank{rank}")
+
+
 def prepare_compile_run(run: Run, cache_dir: str) -> bool | None:
     """Part 4's settings, on this rank, before it compiles anything.
 
@@ -610,7 +618,9 @@ def _rank_main(
     torch.set_num_threads(1)
     run = RUNS[run_name]
     try:
-        compile_once = prepare_compile_run(run, cache_dir) if cache_dir is not None else None
+        compile_once = None
+        if cache_dir is not None:
+            compile_once = prepare_compile_run(run, rank_cache_dir(cache_dir, rank, cfg))
         dist.init_process_group(
             "gloo",
             init_method="file://" + os.path.join(run_dir, "store"),
@@ -629,6 +639,7 @@ def _rank_main(
             run_config(run, cfg),
             guards=run.guards,
             timeout_s=collective_timeout(run, cfg),
+            record_timing=not run.compile_part,  # part 4 reports CPU-seconds only
             on_step=on_step,
         )
         result["compile_once"] = compile_once
@@ -923,7 +934,7 @@ def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> 
                 dist.broadcast_object_list(names, src=0)
                 cache_dir = str(names[0])
                 os.makedirs(cache_dir, exist_ok=True)
-                compile_once = prepare_compile_run(run, cache_dir)
+                compile_once = prepare_compile_run(run, rank_cache_dir(cache_dir, rank, cfg))
             started = time.monotonic()
 
             def on_step(step: int, loss: float, _name: str = name, _t0: float = started, _c: DemoConfig = rcfg) -> None:
@@ -937,6 +948,7 @@ def run_this_rank(cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> 
                 rcfg,
                 guards=run.guards,
                 timeout_s=collective_timeout(run, cfg),
+                record_timing=not run.compile_part,
                 on_step=on_step,
             )
             result["compile_once"] = compile_once
@@ -1004,9 +1016,10 @@ def format_intro(run: Run, previous: Run | None, cfg: DemoConfig, world: int) ->
     elif run.compile_part:
         title = "COMPILE ONCE: one compile instead of N (inductor; runs 'compile-each' and 'compile-once')"
         steps = "training step" if cfg.compile_steps == 1 else f"{cfg.compile_steps} training steps"
+        where = "shared by the run's ranks" if cfg.compile_cache == "shared" else "per rank"
         text = (
             f"The first {steps} with inductor and the service on, twice, each time in a fresh inductor "
-            "cache shared by the run's ranks, one compile thread per rank: with "
+            f"cache {where}, one compile thread per rank: with "
             f"{COMPILE_ONCE_ENV}=0 every rank compiles every graph; with the default one rank compiles "
             "each graph and the others load it."
         )
@@ -1199,7 +1212,7 @@ def format_cost(run: RunOutcome, cores: int) -> list[str]:
     return lines
 
 
-def format_compile_once(outcomes: Sequence[RunOutcome], nproc: int) -> list[str]:
+def format_compile_once(outcomes: Sequence[RunOutcome], nproc: int, cache: str = "shared") -> list[str]:
     """Part 4: CPU-seconds compiling per rank and in total, compile once off and on."""
     lines = ["  => CPU-seconds of the steps that compiled, per rank and in total, the C++ compiler's included:"]
     rows = []
@@ -1229,10 +1242,14 @@ def format_compile_once(outcomes: Sequence[RunOutcome], nproc: int) -> list[str]
         ("wall", ">"),
     )
     lines += _columns(columns, rows, "   ")
-    lines += _wrap(
-        "Ranks share the run's inductor cache on disk, as ranks of one host do by default, so even "
-        f"with {COMPILE_ONCE_ENV}=0 a rank may load a kernel that a peer compiled a moment before."
-    )
+    if cache == "shared":
+        lines += _wrap(
+            "Ranks share the run's inductor cache on disk, as ranks of one host do by default, so even "
+            f"with {COMPILE_ONCE_ENV}=0 a rank may load a kernel that a peer compiled a moment before "
+            "(--compile-cache per-rank: each rank its own, as on different hosts)."
+        )
+    else:
+        lines += _wrap("Each rank had an inductor cache of its own, as ranks on different hosts do.")
     if unknown:
         lines += _wrap(
             f"This version of compiler_collectives has no {COMPILE_ONCE_ENV}: both runs compiled on every rank."
@@ -1246,7 +1263,7 @@ def _describe_decisions(result: dict[str, Any]) -> str:
     return f"{len(graphs)} graph{'s' if len(graphs) != 1 else ''} ({'; '.join(shown)})"
 
 
-def format_report(outcomes: Sequence[RunOutcome], upcoming: Sequence[str], cores: int) -> list[str]:
+def format_report(outcomes: Sequence[RunOutcome], upcoming: Sequence[str], cores: int, cfg: DemoConfig) -> list[str]:
     """What to print after the last of ``outcomes``: its result, then its part's figures.
 
     The cost follows the first service run that finished; part 4's table
@@ -1262,7 +1279,7 @@ def format_report(outcomes: Sequence[RunOutcome], upcoming: Sequence[str], cores
             if not o.run.compile_part:
                 break
             group.insert(0, o)
-        lines += format_compile_once(group, len(run.ranks))
+        lines += format_compile_once(group, len(run.ranks), cfg.compile_cache)
     return lines
 
 
@@ -1432,6 +1449,13 @@ def add_demo_parser(subparsers: Any) -> None:
         help="training steps of each compile-once run (each new graph is one more compile)",
     )
     p.add_argument(
+        "--compile-cache",
+        choices=("shared", "per-rank"),
+        default=d.compile_cache,
+        help="inductor's cache in each compile-once run: one fresh directory shared by the run's ranks "
+        "(as ranks of one host share the default one), or one per rank (as on different hosts)",
+    )
+    p.add_argument(
         "--batch-size", type=_positive_int, default=d.batch_size, metavar="N", help="sequences per batch and rank"
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the model weights and the synthetic token data")
@@ -1475,6 +1499,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         hazard_timeout=args.hazard_timeout,
         compile_steps=args.compile_steps,
+        compile_cache=args.compile_cache,
         runs=selected_runs(args, under_torchrun),
         batch_size=args.batch_size,
         seed=args.seed,
@@ -1496,7 +1521,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _say(f"run '{outcome.run.name}':")
             # Cores across the job, as if every host had as many as this one.
             all_cores = cores * max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            for line in format_report(outcomes[: i + 1], cfg.runs[i + 1 : i + 2], all_cores):
+            for line in format_report(outcomes[: i + 1], cfg.runs[i + 1 : i + 2], all_cores, cfg):
                 _say(line)
     else:
         world = cfg.nproc
@@ -1522,7 +1547,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 _say(line)
             previous = run
             outcomes.append(demo.launch_run(run, cfg, progress=_say))
-            for line in format_report(outcomes, cfg.runs[i + 1 : i + 2], cores):
+            for line in format_report(outcomes, cfg.runs[i + 1 : i + 2], cores, cfg):
                 _say(line)
 
     if not any(o.run.compile_part for o in outcomes) and not under_torchrun:
