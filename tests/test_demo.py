@@ -1,11 +1,10 @@
-"""`scripts/dev demo` (scripts/demo.py): end to end in a subprocess, its timeout path, and --help."""
+"""`scripts/dev demo` (scripts/demo.py): its default story end to end in a subprocess, its report, and --help."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -58,73 +57,75 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_demo_runs_both_trainings_and_the_service_makes_ranks_agree(tmp_path):
+def test_the_default_demo_tells_the_story_hazard_stuck_cure_agrees_cost_shown(tmp_path):
+    # The default runs (the hazard, then the cure), with fewer steps: rank 1
+    # recompiles alone in step 3 instead of 8.
     out_json = tmp_path / "demo.json"
-    proc = _run_cli(["--nproc", "2", "--steps", "6", "--json", str(out_json)], timeout=280)
+    proc = _run_cli(["--steps", "8", "--json", str(out_json)], timeout=280)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-
-    # Progress was shown while it ran, for both runs.
-    assert "[off] step   1/6" in proc.stdout and "[on] step   6/6" in proc.stdout, output
-
-    # The table holds both runs, one row per rank; every service rank finished.
-    off_rows, on_rows = _table_rows(proc.stdout, "off"), _table_rows(proc.stdout, "on")
-    assert sorted(off_rows) == [0, 1] and sorted(on_rows) == [0, 1], output
-    for row in on_rows.values():
-        assert row.rstrip().endswith("finished"), row
-    assert "same compile decisions on every rank" in proc.stdout, output
-    assert "DIFFERENT compile decisions across ranks" in proc.stdout, output
-
+    assert proc.returncode == 0, output  # the hazard is expected to get stuck
     results = {r["run"]: r for r in json.loads(out_json.read_text())}
-    off, on = results["off"], results["on"]
-    assert off["finished"] and on["finished"]
-    # Without the service rank 0 (whose length never changes) keeps one static
-    # graph while rank 1 recompiles alone: the ranks disagree.
-    assert off["agree"] is False
-    off0, off1 = (r["result"] for r in off["ranks"])
-    assert off0["graphs"] == 1 and off0["dynamic_dims"] == []
-    assert off1["graphs"] > 1 and off1["dynamic_dims"]
-    assert off0["guard_collectives"] == off1["guard_collectives"] == 0
-    # With it, every rank compiles the same graphs with the same dynamic dims,
-    # and rank 0 recompiled because rank 1's guards missed.
-    assert on["agree"] is True
+    assert list(results) == ["compiler-only", "on"], output
+    hazard, on = results["compiler-only"], results["on"]
+    lonely = demo.divergence_step(1, 2, 8) + 1
+
+    # 1. The hazard is reported as stuck, as expected, and labelled so before it runs.
+    assert "EXPECTED TO GET STUCK" in proc.stdout, output
+    assert f"STUCK, as expected, in step {lonely}/8" in proc.stdout, output
+    assert "'compiler-only' got stuck, as expected" in proc.stdout, output
+    assert not hazard["finished"] and hazard["stuck"] and hazard["expected_stuck"], hazard
+    # Our timeout named the hang on the rank that recompiled alone ...
+    errors = {r["rank"]: demo.exception_text(r["error"]) for r in hazard["ranks"] if r["error"]}
+    assert errors.get(1, "").startswith(demo.HANG_ERRORS), errors
+    assert "Our timeout turned the hang into an error on rank 1" in proc.stdout, output
+    assert hazard["elapsed_s"] < demo.DemoConfig().timeout, hazard["elapsed_s"]
+    # ... and the report says where each rank was: rank 1 in our compiler
+    # collective, rank 0 in DDP's all-reduce in backward, both from the training loop.
+    where = {r["rank"]: r["stuck_at"] or "" for r in hazard["ranks"]}
+    assert "backward" in where[0] and "train (demo.py" in where[0], where
+    assert "compiler.py" in where[1] and "train (demo.py" in where[1], where
+    assert re.search(r"rank 1: in our compiler collective: .*train \(demo\.py:\d+\)", proc.stdout), output
+    assert hazard["log_dir"] is None  # nothing to look into: it went as expected
+
+    # 2. The cure finishes, every rank making the same decisions; rank 0
+    # recompiled because rank 1's guards missed.
+    assert "[on] step   8/8" in proc.stdout, output
+    assert on["finished"] and on["agree"] is True, on
+    assert "with the same compile decisions on every rank" in proc.stdout, output
     on0, on1 = (r["result"] for r in on["ranks"])
-    assert on0["graph_dims"] == on1["graph_dims"]
-    assert on0["dynamic_dims"] == on1["dynamic_dims"] == off1["dynamic_dims"]
-    assert on0["forced_recompiles"] >= 1
-    assert on0["guard_collectives"] == on1["guard_collectives"] > 0
-    for run in (off, on):
+    assert on0["graph_dims"] == on1["graph_dims"] and on0["graphs"] > 1
+    assert on0["forced_recompiles"] >= 1 and on1["forced_recompiles"] == 0
+    assert lonely - 1 in on0["forced_steps"], on0["forced_steps"]
+
+    # 3. The cost: one line per rank beside its total, with plausible figures.
+    assert "THE COST: what the service added in run 'on', per rank" in proc.stdout, output
+    rows = re.findall(
+        r"^\s+(\d)\s+([\d.]+)s\s+(\d+) x (\d+) µs, (\d+) ms\s+(\d+) \(.*\), ([\d.]+)s\s+(\d+)",
+        proc.stdout,
+        re.MULTILINE,
+    )
+    assert [int(r[0]) for r in rows] == [0, 1], output
+    for row, result in zip(rows, (on0, on1)):
+        total, guards, per_call_us, exchanges, forced = (
+            float(row[1]),
+            int(row[2]),
+            int(row[3]),
+            int(row[5]),
+            int(row[7]),
+        )
+        assert 0 < total <= on["elapsed_s"]
+        assert guards == result["guard_collectives"] > 0
+        assert 0 < result["guard_per_call_s"] < 1.0 and per_call_us == round(result["guard_per_call_s"] * 1e6)
+        assert exchanges == result["exchanges"] >= result["compiler_collectives"] >= 1
+        assert forced == result["forced_recompiles"]
+    assert 0 < on0["forced_extra_cpu_s"] < on0["cpu_s"], on0
+    assert "each of the 2 ranks has a CPU core of its own" in proc.stdout or "oversubscription" in proc.stdout
+
+    # 4. Not in the default run: one line says how to see it.
+    assert "scripts/dev demo --compile-once" in proc.stdout, output
+    for run in (hazard, on):
         for rank in run["ranks"]:
             assert _gone(rank["pid"]), f"rank process {rank['pid']} of run {run['run']} was not reaped"
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_hanging_run_is_reported_as_timed_out_and_its_ranks_are_killed(tmp_path):
-    # Compiler collectives without guard collectives hang as soon as rank 1
-    # recompiles alone; the demo must kill the ranks at --timeout and say so.
-    out_json = tmp_path / "demo.json"
-    timeout = 45
-    proc = _run_cli(
-        ["--runs", "compiler-only", "--nproc", "2", "--steps", "4", "--timeout", str(timeout), "--json", str(out_json)],
-        timeout=240,
-    )
-    output = proc.stdout + proc.stderr
-    (run,) = json.loads(out_json.read_text())
-    try:
-        assert proc.returncode == 0, output  # this run is expected to hang
-        assert "timed out" in proc.stdout, output
-        assert not run["finished"]
-        assert {r["status"] for r in run["ranks"]} == {"timed out"}, run
-        assert run["elapsed_s"] < timeout + 15, run["elapsed_s"]
-        # Before killing them the demo asked every rank where it was stuck.
-        assert all(r["stuck_at"] for r in run["ranks"]), run["ranks"]
-        assert "was stuck in" in proc.stdout, output
-        for rank in run["ranks"]:
-            assert _gone(rank["pid"]), f"rank process {rank['pid']} was not killed"
-    finally:
-        if run.get("log_dir"):
-            shutil.rmtree(run["log_dir"], ignore_errors=True)
 
 
 def _demo_parser():
@@ -141,7 +142,11 @@ def test_demo_help_lists_and_explains_every_option():
         "--steps",
         "--backend",
         "--timeout",
+        "--hazard-timeout",
         "--runs",
+        "--compile-once",
+        "--compile-steps",
+        "--compile-cache",
         "--batch-size",
         "--seed",
         "--log-every",
@@ -215,3 +220,128 @@ def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
     )
     assert demo.stuck_at(in_backward) == "_engine_run_backward (graph.py:979) <- train (demo.py:307)"
     assert demo.stuck_at("no stack here") is None
+
+
+def test_stuck_at_and_exception_text_read_a_python_traceback():
+    pkg = os.path.dirname(demo.__file__)
+    svc = os.path.dirname(compiler_collectives.__file__)
+    tb = (
+        "Traceback (most recent call last):\n"
+        f'  File "{pkg}/demo.py", line 620, in _rank_main\n'
+        "    result = train(\n"
+        "             ^^^^^^\n"
+        f'  File "{pkg}/demo.py", line 411, in train\n'
+        "    loss = ddp(tokens, targets)\n"
+        f'  File "{svc}/agreements/compiler.py", line 98, in exchange\n'
+        "    gathered = gather(payload)\n"
+        f'  File "{svc}/agreements/exchange.py", line 96, in gather\n'
+        "    raise err\n"
+        "compiler_collectives.errors.CollectiveDesyncError: compiler collective #3 on rank 1 timed out\n"
+        "Rank(s) [0] are alive but did not enter this collective\n"
+        "  rank 0: alive but not in this collective\n"
+    )
+    assert demo.stuck_at(tb) == "gather (exchange.py:96) <- exchange (compiler.py:98) <- train (demo.py:411)"
+    text = demo.exception_text(tb)
+    assert text.startswith("CollectiveDesyncError: compiler collective #3") and text.startswith(demo.HANG_ERRORS)
+    assert text.endswith("rank 0: alive but not in this collective")
+    assert demo.exception_text("RuntimeError: boom") == "RuntimeError: boom"
+    # A stack faulthandler wrote after the traceback wins: it is where the rank is now.
+    later = (
+        tb + 'Stack (most recent call first):\n  File "/x/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+    )
+    assert demo.stuck_at(later) == "_engine_run_backward (graph.py:979)"
+
+
+def _finished_outcome(run_name, results, elapsed=10.0, compile_once=None):
+    ranks = [demo.RankOutcome(r, "finished", res, 7) for r, res in enumerate(results)]
+    return demo.RunOutcome(demo.RUNS[run_name], ranks, elapsed, steps=8, compile_once=compile_once)
+
+
+def _result(rank, **extra):
+    base = {
+        "rank": rank,
+        "backend": "aot_eager",
+        "train_time_s": 8.0,
+        "guard_collectives": 29,
+        "guard_per_call_s": 20e-6 * (rank + 1),
+        "guard_time_s": 0.002,
+        "compiler_collectives": 3,
+        "audit_exchanges": 3,
+        "reason_exchanges": 2,
+        "exchanges": 8,
+        "exchange_time_s": 0.4,
+        "forced_recompiles": 2 if rank == 0 else 0,
+        "forced_extra_cpu_s": 1.5 if rank == 0 else 0.0,
+        "compile_cpu_s": 20.0,
+        "compile_children_cpu_s": 12.0,
+    }
+    base.update(extra)
+    return base
+
+
+def test_the_cost_names_oversubscription_only_with_more_ranks_than_cores():
+    on = _finished_outcome("on", [_result(r) for r in range(4)])
+    crowded = "\n".join(demo.format_cost(on, cores=2))
+    assert "4 ranks share 2 CPU cores, so most of this cost is CPU oversubscription" in " ".join(crowded.split())
+    assert "aot_eager keeps no cache" in " ".join(crowded.split())
+    assert "29 x 20 µs, 2 ms" in crowded and "8 (3 compiler, 3 audit, 2 reasons), 0.40s" in crowded
+    assert "2, 1.5 CPU-s" in crowded
+    roomy = " ".join(demo.format_cost(on, cores=8))
+    assert "oversubscription" not in roomy and "a CPU core of its own" in roomy
+    assert "(20 µs here)" in roomy  # the rank that arrives last: the collective's own cost
+
+
+def test_the_compile_once_table_gives_cpu_seconds_per_rank_and_in_total():
+    each = _finished_outcome("compile-each", [_result(0), _result(1)], 30.0, compile_once=False)
+    once = _finished_outcome(
+        "compile-once", [_result(0), _result(1, compile_cpu_s=2.0, compile_children_cpu_s=0.0)], 25.0, True
+    )
+    lines = demo.format_compile_once([each, once], 2)
+    row_each = next(line for line in lines if "COMPILER_COLLECTIVES_COMPILE_ONCE=0" in line)
+    row_once = next(line for line in lines if "default (compile once)" in line)
+    assert row_each.split()[1:] == ["20.0", "20.0", "40.0", "24.0", "30s"], row_each
+    assert row_once.split()[3:] == ["20.0", "2.0", "22.0", "12.0", "25s"], row_once
+    assert not any("has no COMPILER_COLLECTIVES_COMPILE_ONCE" in line for line in lines)
+    unknown = _finished_outcome("compile-once", [_result(0), _result(1)], 25.0, None)
+    assert any("has no COMPILER_COLLECTIVES_COMPILE_ONCE" in line for line in demo.format_compile_once([unknown], 2))
+
+
+def test_part_four_is_opt_in_and_follows_backend_inductor():
+    parser = demo.build_parser()
+    assert demo.selected_runs(parser.parse_args([]), under_torchrun=False) == ("compiler-only", "on")
+    assert demo.selected_runs(parser.parse_args([]), under_torchrun=True) == ("on",)
+    with_part4 = ("compiler-only", "on", "compile-each", "compile-once")
+    assert demo.selected_runs(parser.parse_args(["--compile-once"]), under_torchrun=False) == with_part4
+    assert demo.selected_runs(parser.parse_args(["--backend", "inductor"]), under_torchrun=False) == with_part4
+    assert demo.selected_runs(parser.parse_args(["--runs", "off,on"]), under_torchrun=False) == ("off", "on")
+    # Part 4 always compiles with inductor, for --compile-steps steps.
+    cfg = demo.DemoConfig(compile_steps=2)
+    assert demo.run_config(demo.RUNS["compile-once"], cfg).backend == "inductor"
+    assert demo.run_config(demo.RUNS["compile-once"], cfg).steps == 2
+    assert demo.run_config(demo.RUNS["on"], cfg) == cfg
+    assert demo.collective_timeout(demo.RUNS["compiler-only"], cfg) == cfg.hazard_timeout
+    assert demo.collective_timeout(demo.RUNS["on"], cfg) == cfg.timeout
+    # Its ranks share the run's inductor cache, or each has its own in it.
+    assert demo.rank_cache_dir("/c", 1, cfg) == "/c"
+    assert demo.rank_cache_dir("/c", 1, demo.DemoConfig(compile_cache="per-rank")) == os.path.join("/c", "rank1")
+
+
+def test_prepare_compile_run_sets_a_fresh_cache_one_thread_and_compile_once(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    config = compiler_collectives.config
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", demo.COMPILE_ONCE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    row = next((r for r in config.SETTINGS_TABLE if r.env == demo.COMPILE_ONCE_ENV), None)
+    saved = {row.attr: getattr(config.settings, row.attr)} if row else {}
+    with config.override(**saved):
+        off = demo.prepare_compile_run(demo.RUNS["compile-each"], str(tmp_path))
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+        assert inductor_config.compile_threads == 1
+        if row is None:  # this version has no compile once: nothing to set
+            assert off is None and demo.COMPILE_ONCE_ENV not in os.environ
+        else:
+            assert off is False and os.environ[demo.COMPILE_ONCE_ENV] == "0"
+            assert demo.prepare_compile_run(demo.RUNS["compile-once"], str(tmp_path)) is True
+            assert demo.COMPILE_ONCE_ENV not in os.environ
