@@ -166,7 +166,7 @@ class DemoConfig:
     timeout: float = 120.0
     hazard_timeout: float = 10.0
     compile_steps: int = 1
-    compile_cache: str = "shared"  # part 4: "shared" by the run's ranks, or "per-rank"
+    compile_cache: str = "per-rank"  # part 4: one dir per rank (as hosts or containers have), or "shared"
     runs: tuple[str, ...] = DEFAULT_RUNS
     batch_size: int = 4
     base_length: int = 32
@@ -1249,7 +1249,11 @@ def format_compile_once(outcomes: Sequence[RunOutcome], nproc: int, cache: str =
             "(--compile-cache per-rank: each rank its own, as on different hosts)."
         )
     else:
-        lines += _wrap("Each rank had an inductor cache of its own, as ranks on different hosts do.")
+        lines += _wrap(
+            "Each rank had an inductor cache of its own, as ranks on different hosts or in containers do "
+            "(--compile-cache shared: one dir for the run's ranks, where inductor's own file cache already "
+            "lets a rank reuse C++ kernels a peer built)."
+        )
     if unknown:
         lines += _wrap(
             f"This version of compiler_collectives has no {COMPILE_ONCE_ENV}: both runs compiled on every rank."
@@ -1452,8 +1456,9 @@ def add_demo_parser(subparsers: Any) -> None:
         "--compile-cache",
         choices=("shared", "per-rank"),
         default=d.compile_cache,
-        help="inductor's cache in each compile-once run: one fresh directory shared by the run's ranks "
-        "(as ranks of one host share the default one), or one per rank (as on different hosts)",
+        help="inductor's cache in each compile-once run: one fresh directory per rank (the default: as on "
+        "different hosts or in containers), or one shared by the run's ranks (as ranks of one host share "
+        "the default one)",
     )
     p.add_argument(
         "--batch-size", type=_positive_int, default=d.batch_size, metavar="N", help="sequences per batch and rank"
