@@ -321,9 +321,9 @@ def test_part_four_is_opt_in_and_follows_backend_inductor():
     assert demo.run_config(demo.RUNS["on"], cfg) == cfg
     assert demo.collective_timeout(demo.RUNS["compiler-only"], cfg) == cfg.hazard_timeout
     assert demo.collective_timeout(demo.RUNS["on"], cfg) == cfg.timeout
-    # Its ranks share the run's inductor cache, or each has its own in it.
-    assert demo.rank_cache_dir("/c", 1, cfg) == "/c"
-    assert demo.rank_cache_dir("/c", 1, demo.DemoConfig(compile_cache="per-rank")) == os.path.join("/c", "rank1")
+    # Each rank has its own inductor cache in the run's (the default), or they share the run's.
+    assert demo.rank_cache_dir("/c", 1, cfg) == os.path.join("/c", "rank1")
+    assert demo.rank_cache_dir("/c", 1, demo.DemoConfig(compile_cache="shared")) == "/c"
 
 
 def test_prepare_compile_run_sets_a_fresh_cache_one_thread_and_compile_once(tmp_path, monkeypatch):
