@@ -195,7 +195,9 @@ def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_
     def run(rank0: str, swap: bool):
         rank_env = {0: {"TORCHINDUCTOR_CACHE_DIR": dirs[rank0]}, 1: {"TORCHINDUCTOR_CACHE_DIR": dirs["warm"]}}
         # The cold rank compiles inductor's C++ while the warm one waits: a loaded box needs minutes.
-        env = dict(ENV, COMPILER_COLLECTIVES_TIMEOUT="180")
+        # Compile once off: with it the warm rank would serve its entry to the cold one and nothing
+        # would be compiled again; this is the audit's own path, for keys that differ across ranks.
+        env = dict(ENV, COMPILER_COLLECTIVES_TIMEOUT="180", COMPILER_COLLECTIVES_COMPILE_ONCE="0")
         return run_ranks(inductor_with_caches, 2, args=(swap,), env=env, rank_env=rank_env, timeout=400).results
 
     warmup = run("cold_a", False)  # fills rank 1's cache dir
