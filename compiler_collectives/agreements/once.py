@@ -142,6 +142,9 @@ class Ticket:
     waited_s: float = 0.0
     fingerprints: list[GraphFingerprint] = dataclasses.field(default_factory=list)
     outer: Ticket | None = None
+    level: str = "aot"  # "aot": AOTAutograd's entry; "fx": an FX graph cache entry (the fallback level)
+    graph: str = ""  # digest of the graph handed to AOTAutograd (aot level)
+    fx_allowed: bool = False  # aot level: its FX compiles share at the fallback level
     started_ns: int = dataclasses.field(default_factory=time.time_ns)
     bytes_in: int = 0
 
@@ -149,10 +152,11 @@ class Ticket:
 # ------------------------------------------------------------------ seam entry points
 
 
-def begin(frame: FrameId, cache: Cache) -> Ticket:
-    """Open the ticket of one AOTAutograd compile on this thread (its cache lookup may follow)."""
+def begin(frame: FrameId, cache: Cache, level: str = "aot", graph: str = "") -> Ticket:
+    """Open the ticket of one AOTAutograd compile (``level`` "aot"), or of one inductor compile
+    inside it (``level`` "fx"), on this thread (its cache lookup may follow)."""
     record = audit.current()
-    ticket = Ticket(frame, cache, len(record.graphs) if record is not None else None)
+    ticket = Ticket(frame, cache, len(record.graphs) if record is not None else None, level=level, graph=graph)
     ticket.outer = current()  # a compile nested in another (a subgraph): the outer one resumes after
     _local.ticket = ticket
     return ticket
@@ -190,12 +194,24 @@ def dir_identity(root: str) -> str:
         return f"{host}:{os.path.realpath(root)}"
 
 
-def holds(cache: Cache, key: str) -> bool:
-    """Whether this rank's cache has an AOTAutograd entry for ``key`` (its guards are not evaluated)."""
+def holds(cache: Cache, key: str, level: str = "aot") -> bool:
+    """Whether this rank's cache has an entry for ``key`` at ``level`` (its guards are not evaluated)."""
     try:
-        return any(not n.startswith(".") for n in os.listdir(cache.aot_dir(key)))
+        d = cache.aot_dir(key) if level == "aot" else cache.fx_dir(key)
+        return any(not n.startswith(".") for n in os.listdir(d))
     except OSError:
         return False
+
+
+def fallback_allowed(offers: dict[int, Offer]) -> bool:
+    """Whether the FX compiles inside an AOTAutograd compile that no rank could share share at the
+    FX graph cache instead: every rank bypassed AOTAutograd's cache for the same reason (a graph
+    DDPOptimizer split, say), on an equal graph (so every rank runs the same inductor compiles in
+    the same order), and none of torch's compile-time collectives is on."""
+    first = next(iter(offers.values()))
+    return bool(first.graph) and all(
+        o.key is None and o.why == first.why and o.graph == first.graph and not o.switches for o in offers.values()
+    )
 
 
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
@@ -208,16 +224,18 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     mine = Offer(
         key,
         why,
-        key is not None and holds(ticket.cache, key),
+        key is not None and holds(ticket.cache, key, ticket.level),
         dir_identity(cache_root),
         sorted(switches),
         config.settings.max_artifact_bytes,
+        ticket.graph,
     )
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
     rank = _rank()
     ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
     ticket.plan = ticket.plans[rank]
+    ticket.fx_allowed = ticket.level == "aot" and fallback_allowed(ticket.offers)
     counters.once_exchanges += 1
     if ticket.plan.role == LOCAL:
         log.info(
@@ -314,7 +332,8 @@ def finish(
         _record(ticket)
         return
     if plan.role == LOAD:
-        # The loader's own compile after a refused or missed load: its exchanges are done.
+        # The loader's own compile after a refused or missed load: its exchanges are done
+        # (it reported before compiling, so nobody waited for its compile).
         return
     mine = Result("none", None, [], [])
     bundle = b""
@@ -591,6 +610,7 @@ def _record(ticket: Ticket) -> None:
         {
             "seq": ticket.seq,
             "frame": str(ticket.frame),
+            "level": ticket.level,
             "key": ticket.key,
             "state": state,
             "why": why,
@@ -619,7 +639,12 @@ def _collect(ticket: Ticket) -> tuple[list[ManifestFile], bytes]:
     entries of its keys, and the kernel sources and binaries it built or found."""
     root = os.path.realpath(ticket.cache.root())
     paths: list[str] = []
-    dirs = ([ticket.cache.aot_dir(ticket.key)] if ticket.key else []) + [ticket.cache.fx_dir(k) for k in ticket.fx_keys]
+    if ticket.level == "aot":
+        dirs = ([ticket.cache.aot_dir(ticket.key)] if ticket.key else []) + [
+            ticket.cache.fx_dir(k) for k in ticket.fx_keys
+        ]
+    else:
+        dirs = [ticket.cache.fx_dir(ticket.key)] if ticket.key else []
     for d in dirs:
         try:
             paths.extend(os.path.join(d, n) for n in sorted(os.listdir(d)) if not n.startswith("."))
@@ -674,26 +699,27 @@ def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = 
     members = list(groups.member_ranks(pg))
     works = []
     for r, p in sorted(ticket.plans.items()):
-        if p.role == LOAD and p.source == me and _travels(result, p, ticket.offers[r]):
+        if p.role == LOAD and p.source == me and _travels(result, p, ticket.offers[r], ticket.level):
             works.append(send_bytes(pg, bundle, members.index(r), _tag(ticket), _where(ticket, "artifact")))
             counters.once_bytes_sent += total
     for w in works:
         wait(w, _where(ticket, "artifact"))
 
 
-def manifest_problem(result: Result, source: int) -> str | None:
+def manifest_problem(result: Result, source: int, level: str = "aot") -> str | None:
     """Why no rank may load this artifact, whatever its bytes (None: it may, once they match)."""
     if result.status != "ok":
         return f"rank {source} has no artifact ({result.status})"
     for f in result.manifest:
         if not safe_relpath(f.relpath):
             return f"rank {source} named a file outside the cache layout: {f.relpath!r}"
-    if not any(f.relpath.startswith("aotautograd" + os.sep) for f in result.manifest):
-        return f"rank {source} saved no AOTAutograd cache entry for this graph (its cache bypassed it)"
+    entry, cache = ("aotautograd", "AOTAutograd") if level == "aot" else ("fxgraph", "FX graph")
+    if not any(f.relpath.startswith(entry + os.sep) for f in result.manifest):
+        return f"rank {source} saved no {cache} cache entry for this graph (its cache bypassed it)"
     return None
 
 
-def _travels(result: Result, plan: Plan, offer: Offer) -> bool:
+def _travels(result: Result, plan: Plan, offer: Offer, level: str) -> bool:
     """Whether the source sends its bytes to a loading rank: decided from what both sides know
     (the manifest, the plan, the loader's limit), so a send is never left without its receive."""
     total = sum(f.size for f in result.manifest)
@@ -701,7 +727,7 @@ def _travels(result: Result, plan: Plan, offer: Offer) -> bool:
         plan.source is not None
         and not plan.shares_dir
         and 0 < total <= offer.max_artifact_bytes
-        and manifest_problem(result, plan.source) is None
+        and manifest_problem(result, plan.source, level) is None
     )
 
 
@@ -716,7 +742,7 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     assert plan is not None and plan.source is not None
     total = sum(f.size for f in result.manifest)
     root = ticket.cache.root()
-    problem = manifest_problem(result, plan.source)
+    problem = manifest_problem(result, plan.source, ticket.level)
     if problem is not None:
         return problem
     if plan.shares_dir:
@@ -730,7 +756,7 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
                 counters.once_digest_mismatches += 1
                 return f"{f.relpath} in the shared cache dir does not match the SHA-256 rank {plan.source} sent"
         return None
-    if not _travels(result, plan, ticket.offers[_rank()]):
+    if not _travels(result, plan, ticket.offers[_rank()], ticket.level):
         return (
             f"the artifact is {total} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
             f"({ticket.offers[_rank()].max_artifact_bytes})"

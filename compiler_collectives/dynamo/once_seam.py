@@ -25,6 +25,7 @@ The AOTAutograd compile itself is bracketed by ``audit_seam.aot_module_simplifie
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -100,10 +101,17 @@ def switches_on() -> list[str]:
     return on
 
 
-def around_aot(compile: Callable[[], T]) -> T:
+def graph_digest(mod: Any) -> str:
+    """A digest of the graph handed to AOTAutograd: its generated code (ranks with equal ones run
+    the same inductor compiles in the same order)."""
+    code = getattr(getattr(mod, "gm", mod), "code", None)
+    return hashlib.blake2b(code.encode(), digest_size=16).hexdigest() if isinstance(code, str) else ""
+
+
+def around_aot(compile: Callable[[], T], mod: Any = None) -> T:
     """One AOTAutograd compile under compile once (called by the aot seam)."""
     frame = getattr(_state, "frame", None) or FrameId("<unknown>", "<unknown>", 0)
-    ticket = once.begin(frame, CACHE)
+    ticket = once.begin(frame, CACHE, "aot", graph_digest(mod))
     try:
         result = compile()
     except CollectiveError:
@@ -179,6 +187,50 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
         _state.error = ours
         raise bound.originals["BypassAOTAutogradCache"](str(ours)) from ours
     return key_and_lines
+
+
+def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
+    """Inductor's compile of one FX graph: shared at the FX graph cache (the fallback level) when
+    its AOTAutograd compile could not be shared by any rank."""
+    original = bound.originals["_compile_fx_inner"]
+    outer = once.current()
+    if outer is None or outer.level != "aot" or not outer.fx_allowed:
+        return original(*args, **kwargs)
+    ticket = once.begin(outer.frame, CACHE, "fx")
+    try:
+        result = original(*args, **kwargs)
+    except CollectiveError:
+        once.abandon(ticket)
+        raise
+    except BaseException as e:
+        once.finish(ticket, e, _failure_text(e))
+        raise
+    once.finish(ticket, None, no_lookup="inductor did not look this graph up in its FX graph cache")
+    return result
+
+
+def prepare_key(*args: Any, **kwargs: Any) -> Any:
+    original = bound.originals["FxGraphCache.prepare_key"]
+    ticket = once.current()
+    if ticket is None or ticket.level != "fx" or ticket.plan is not None:
+        return original(*args, **kwargs)
+    key_info, cache_info = original(*args, **kwargs)
+    key = key_info[0] if isinstance(key_info, tuple) and isinstance(key_info[0], str) else None
+    why = None if key is not None else str((cache_info or {}).get("cache_bypass_reason", "no FX graph cache key"))
+    plan = once.offer(ticket, key, why[:300] if why else None, switches_on())
+    if plan.role == once.LOAD and not once.fetch(ticket):
+        once.loaded(ticket, None)  # before compiling: nobody waits for this rank's compile
+        return None, {"cache_state": "bypass", "cache_bypass_reason": "compiler_collectives refused the artifact"}
+    return key_info, cache_info
+
+
+def load_with_key(*args: Any, **kwargs: Any) -> Any:
+    result = bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
+    ticket = once.current()
+    if ticket is not None and ticket.level == "fx" and ticket.plan is not None and not ticket.finished:
+        if ticket.plan.role == once.LOAD:
+            once.loaded(ticket, isinstance(result, tuple) and result[0] is not None)
+    return result
 
 
 def lookup_graph(key: Any, *args: Any, **kwargs: Any) -> Any:

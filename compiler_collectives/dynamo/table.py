@@ -599,6 +599,46 @@ SEAMS: tuple[Seam, ...] = (
         reads=(Read("takes the cache key first", _positional("key")),),
     ),
     Seam(
+        "_compile_fx_inner",
+        "torch._inductor.compile_fx",
+        "_compile_fx_inner",
+        replace="once_seam:compile_fx_inner",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "takes (gm, example_inputs, ...) and looks its graph up with prepare_key and load_with_key",
+                lambda f: (
+                    _positional("gm", "example_inputs")(f)
+                    and {"prepare_key", "load_with_key"} <= set(f.__code__.co_names)
+                ),
+            ),
+        ),
+    ),
+    Seam(
+        "FxGraphCache.prepare_key",
+        "torch._inductor.codecache",
+        "FxGraphCache.prepare_key",
+        replace="once_seam:prepare_key",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "takes (gm, example_inputs, ...) and returns (key info, cache info)",
+                _positional("gm", "example_inputs"),
+            ),
+        ),
+    ),
+    Seam(
+        "FxGraphCache.load_with_key",
+        "torch._inductor.codecache",
+        "FxGraphCache.load_with_key",
+        replace="once_seam:load_with_key",
+        required=False,
+        level="once",
+        reads=(Read("takes the cache key first and returns (graph or None, cache info)", _positional("key")),),
+    ),
+    Seam(
         "codecache.write",
         "torch._inductor.codecache",
         "write",

@@ -7,11 +7,12 @@ Layout (``ONCE_FORMAT_VERSION``, now 1; its own version, apart from the envelope
 
 ``tag`` and ``body``:
 
-* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes]``: this rank's AOTAutograd
-  cache key (nil when the graph is not cacheable here, ``why`` then says why), whether its
-  cache holds an entry for it, the identity of its cache dir (ranks with equal identities share
-  the dir), the names of torch's compile-time collectives switched on, and the largest artifact
-  it accepts;
+* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph]``: this rank's cache
+  key (AOTAutograd's, or the FX graph cache's at the fallback level; nil when the graph is not
+  cacheable here, ``why`` then says why), whether its cache holds an entry for it, the identity
+  of its cache dir (ranks with equal identities share the dir), the names of torch's
+  compile-time collectives switched on, the largest artifact it accepts, and a digest of the
+  graph handed to AOTAutograd (ranks whose graphs are equal compile the same FX graphs);
 * ``"result"``: ``[status, failure, manifest, fingerprints]``: ``status`` is ``"none"`` (this
   rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``: "ExcType: message");
   ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the artifact relative to the
@@ -53,6 +54,7 @@ class Offer:
     dir: str
     switches: list[str]
     max_artifact_bytes: int
+    graph: str = ""
 
 
 @dataclasses.dataclass
@@ -111,6 +113,7 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             body.dir[:MAX_TEXT],
             list(body.switches)[:MAX_SWITCHES],
             int(body.max_artifact_bytes),
+            body.graph[:128],
         ]
     elif isinstance(body, Result):
         kind = "result"
@@ -135,8 +138,8 @@ def _text(v: Any, what: str, *, optional: bool = False) -> str | None:
 
 
 def _offer(body: Any) -> Offer:
-    expect(type(body) is list and len(body) == 6, "a keys body must have 6 items")
-    key, why, holds, cache_dir, switches, max_bytes = body
+    expect(type(body) is list and len(body) == 7, "a keys body must have 7 items")
+    key, why, holds, cache_dir, switches, max_bytes, graph = body
     expect(key is None or (type(key) is str and 0 < len(key) <= 256), "the cache key must be nil or a short string")
     expect(type(holds) is bool, "holds must be a bool")
     expect(type(switches) is list and len(switches) <= MAX_SWITCHES, "switches must be a short list")
@@ -148,6 +151,7 @@ def _offer(body: Any) -> Offer:
         _text(cache_dir, "the cache dir identity") or "",
         names,
         int_in(max_bytes, "max artifact bytes", lo=1),
+        _text(graph, "graph digest") or "",
     )
 
 
