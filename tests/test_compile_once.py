@@ -344,3 +344,61 @@ def test_a_backend_without_aotautograd_cache_compiles_on_every_rank_and_says_why
         assert r["exchanges"] == 0
         assert [x["state"] for x in r["records"]] == ["compiled locally"]
         assert "aot_eager" in r["records"][0]["why"]
+
+
+class TwoLayers(torch.nn.Module):
+    """Two 1 MiB layers: DDP's first bucket holds 1 MiB, so DDPOptimizer splits the graph in two,
+    and AOTAutograd bypasses its cache for the pieces on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(512, 512)
+        self.b = torch.nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def ddp_split_job(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import compiler_collectives as cc
+
+    cc.enable()
+    torch.manual_seed(0)
+    net = TwoLayers()
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(rank))
+    loss = torch.compile(DDP(net), backend="inductor")(x).square().mean()
+    loss.backward()
+    with torch.no_grad():
+        expected = float(net(x).square().mean())  # this rank's own data, eagerly (no step was taken)
+    dist.barrier()
+    return {
+        "records": cc.stats()["compile_once"],
+        "recompiles": cc.stats()["audit_cache_recompiles"],
+        "loss": float(loss),
+        "expected": expected,
+        "stats": {k: v for k, v in cc.stats().items() if k.startswith(("once", "compiler_coll", "audit_ex"))},
+    }
+
+
+@pytest.mark.timeout(300)
+def test_ddp_graphs_that_aotautograd_will_not_cache_share_their_inductor_compiles_instead(tmp_path):
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"rank{r}")} for r in range(2)}
+    results = run_ranks(ddp_split_job, 2, env=env, rank_env=rank_env, timeout=240).results
+    for r in results:
+        assert r["loss"] == pytest.approx(r["expected"], rel=1e-4), r  # loaded code computes what eager does
+        assert r["recompiles"] == 0
+        aot = [x for x in r["records"] if x["level"] == "aot"]
+        fx = [x for x in r["records"] if x["level"] == "fx"]
+        assert len(aot) == 2 and all("fakify_first_call" in x["why"] for x in aot), r
+        assert len(fx) == 4  # a forward and a backward per piece
+    # Each FX graph compiled on one rank only, and loaded on the other.
+    by_seq = {}
+    for r in results:
+        for x in r["records"]:
+            if x["level"] == "fx":
+                by_seq.setdefault(x["seq"], []).append(x["state"])
+    assert all(sorted(states) in (["compiled", "loaded"], ["loaded", "served"]) for states in by_seq.values()), by_seq
