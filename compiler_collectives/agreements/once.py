@@ -42,6 +42,7 @@ Plain Python over ``torch.distributed``; torch's cache internals are reached thr
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -69,6 +70,7 @@ from ..transport import (
 )
 from . import audit
 from . import exchange as exchange_frame
+from . import failure as failure_procedure
 from .fingerprint import GraphFingerprint
 from .wire.codec import failure, pack, reading
 from .wire.once import (
@@ -255,6 +257,10 @@ def fetch(ticket: Ticket) -> bool:
     _wait_for_sources(ticket)
     results = _results(ticket, Result("none", None, [], []))
     result = results[plan.source]
+    if result.status == "failed" and (result.failure or "").startswith("gathering the artifact failed"):
+        ticket.outcome, ticket.outcome_why = "refused", f"rank {plan.source} has no artifact: {result.failure}"
+        counters.once_refused += 1
+        return False
     if result.status == "failed":
         ticket.outcome, ticket.outcome_why = "none", "the compiling rank's compile raised"
         _load_report(ticket)  # the serving rank takes it too before raising its own error
@@ -341,14 +347,18 @@ def finish(
         if error is not None:
             mine = Result("failed", failure_text or f"{type(error).__name__}: {error}"[:500], [], [])
         else:
-            manifest, bundle = _collect(ticket)
-            fingerprints = _own_fingerprints(ticket)
-            if plan.role == SERVE and not fingerprints:
-                fingerprints = _read_sidecar(ticket)
-                _import_fingerprints(fingerprints)
-            elif fingerprints:
-                _write_sidecar(ticket, fingerprints)
-            mine = Result("ok", None, manifest, fingerprints)
+            try:
+                manifest, bundle = _collect(ticket)
+                fingerprints = _own_fingerprints(ticket)
+                if plan.role == SERVE and not fingerprints:
+                    fingerprints = _read_sidecar(ticket)
+                    _import_fingerprints(fingerprints)
+                elif fingerprints:
+                    _write_sidecar(ticket, fingerprints)
+                mine = Result("ok", None, manifest, fingerprints)
+            except Exception as e:  # noqa: BLE001 - its loaders must hear of it, never wait for it
+                log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
+                mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
         groups.post(_notice(ticket, _rank()), b"1")
     _wait_for_sources(ticket)
     results = _results(ticket, mine)
@@ -702,8 +712,12 @@ def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = 
         if p.role == LOAD and p.source == me and _travels(result, p, ticket.offers[r], ticket.level):
             works.append(send_bytes(pg, bundle, members.index(r), _tag(ticket), _where(ticket, "artifact")))
             counters.once_bytes_sent += total
-    for w in works:
-        wait(w, _where(ticket, "artifact"))
+    where = _where(ticket, "artifact")
+    try:
+        for w in works:
+            wait(w, where)
+    except RuntimeError as e:
+        raise _transfer_failed(e, ticket, where) from e
 
 
 def manifest_problem(result: Result, source: int, level: str = "aot") -> str | None:
@@ -742,10 +756,13 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     assert plan is not None and plan.source is not None
     total = sum(f.size for f in result.manifest)
     root = ticket.cache.root()
-    problem = manifest_problem(result, plan.source, ticket.level)
+    problem = manifest_problem(result, plan.source, ticket.level) or _foreign_entry(ticket, result)
     if problem is not None:
         return problem
     if plan.shares_dir:
+        extra = _unlisted_entries(ticket, result)
+        if extra:
+            return f"the shared cache dir holds entries for this key that rank {plan.source} did not list: {extra}"
         for f in result.manifest:
             try:
                 with open(os.path.join(root, f.relpath), "rb") as fh:
@@ -763,7 +780,11 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
         )
     pg = groups.compile_pg()
     members = list(groups.member_ranks(pg))
-    data = recv_bytes(pg, total, members.index(plan.source), _tag(ticket), _where(ticket, "artifact"))
+    where = _where(ticket, "artifact")
+    try:
+        data = recv_bytes(pg, total, members.index(plan.source), _tag(ticket), where)
+    except RuntimeError as e:
+        raise _transfer_failed(e, ticket, where) from e
     counters.once_bytes_received += total
     ticket.bytes_in = total
     pieces: list[tuple[ManifestFile, bytes]] = []
@@ -781,20 +802,69 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
             with open(path, "rb") as fh:
                 if hashlib.sha256(fh.read()).digest() != f.sha256:
                     return f"{f.relpath} exists in this rank's cache dir with other content"
-    for f, piece in pieces:
-        _write_atomic(os.path.join(root, f.relpath), piece)
+    return _install(root, pieces)
+
+
+def _install(root: str, pieces: list[tuple[ManifestFile, bytes]]) -> str | None:
+    """Write every file under a hidden temporary name (torch's lookups skip those), then rename
+    them all into place: on any failure nothing new is left behind. None, or why not."""
+    staged: list[tuple[str, str]] = []
+    try:
+        for i, (f, piece) in enumerate(pieces):
+            path = os.path.join(root, f.relpath)
+            if os.path.exists(path):
+                continue
+            d = os.path.dirname(path)
+            os.makedirs(d, exist_ok=True)
+            tmp = os.path.join(d, f".cc-once-{os.getpid()}-{threading.get_ident()}-{i}")
+            with open(tmp, "wb") as fh:
+                fh.write(piece)
+            staged.append((tmp, path))
+    except OSError as e:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return f"could not write the artifact into this rank's cache dir: {e}"
+    for tmp, path in staged:
+        os.replace(tmp, path)
     return None
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    if os.path.exists(path):
-        return
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".cc-once-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _entry_prefix(ticket: Ticket) -> str:
+    """Where the entry of this rank's own key lives, relative to its cache dir."""
+    assert ticket.key is not None
+    d = ticket.cache.aot_dir(ticket.key) if ticket.level == "aot" else ticket.cache.fx_dir(ticket.key)
+    return os.path.relpath(d, ticket.cache.root()) + os.sep
+
+
+def _foreign_entry(ticket: Ticket, result: Result) -> str | None:
+    """A rank loads only for a key it computed itself: the artifact's entry must be under it."""
+    prefix = _entry_prefix(ticket)
+    if not any(f.relpath.startswith(prefix) for f in result.manifest):
+        return f"the artifact holds no entry for this rank's own key ({ticket.key})"
+    top = "aotautograd" + os.sep if ticket.level == "aot" else None
+    for f in result.manifest:
+        if top is not None and f.relpath.startswith(top) and not f.relpath.startswith(prefix):
+            return f"the artifact holds an AOTAutograd entry for another key: {f.relpath}"
+    return None
+
+
+def _unlisted_entries(ticket: Ticket, result: Result) -> list[str]:
+    """Files under this key's entry dir that the manifest does not list (the lookup would load them)."""
+    prefix = _entry_prefix(ticket)
+    listed = {f.relpath for f in result.manifest}
+    try:
+        names = [n for n in os.listdir(os.path.join(ticket.cache.root(), prefix)) if not n.startswith(".")]
+    except OSError:
+        return []
+    return sorted(prefix + n for n in names if prefix + n not in listed)[:5]
+
+
+def _transfer_failed(error: RuntimeError, ticket: Ticket, where: Callable[[], str]) -> BaseException:
+    counters.errors += 1
+    return failure_procedure.exchange_failed(
+        error, kind="compile_once", rank=_rank(), seq=ticket.seq, frame=str(ticket.frame), where=where
+    )
 
 
 # ------------------------------------------------------------------ the audit's fingerprints

@@ -169,7 +169,7 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
     # once its backward is compiled, and the loading ranks wait for that entry.
     with bound.config_patch("force_non_lazy_backward_lowering", True):
         if sharing:
-            return once_seam.around_aot(lambda: original(mod, args, **kwargs), mod)
+            return once_seam.around_aot(lambda: original(mod, args, **kwargs), mod, args)
         return original(mod, args, **kwargs)
 
 

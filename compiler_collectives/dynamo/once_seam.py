@@ -35,7 +35,7 @@ import torch
 
 from .. import config
 from ..agreements import compiler, once
-from ..errors import CollectiveError
+from ..errors import CollectiveError, CompileOnceError
 from ..state import FrameId
 from . import bound
 
@@ -101,17 +101,27 @@ def switches_on() -> list[str]:
     return on
 
 
-def graph_digest(mod: Any) -> str:
-    """A digest of the graph handed to AOTAutograd: its generated code (ranks with equal ones run
-    the same inductor compiles in the same order)."""
+def graph_digest(mod: Any, args: Any) -> str:
+    """A digest of the graph handed to AOTAutograd, its inputs (dtype, shape, whether they need a
+    gradient) and the grad mode: ranks with equal ones run the same inductor compiles in the same
+    order (a forward and a backward, or an inference graph)."""
     code = getattr(getattr(mod, "gm", mod), "code", None)
-    return hashlib.blake2b(code.encode(), digest_size=16).hexdigest() if isinstance(code, str) else ""
+    if not isinstance(code, str):
+        return ""
+    h = hashlib.blake2b(code.encode(), digest_size=16)
+    h.update(f"grad={torch.is_grad_enabled()}".encode())
+    for a in args if isinstance(args, (list, tuple)) else ():
+        if isinstance(a, torch.Tensor):
+            h.update(f"|{a.dtype}{tuple(a.shape)}{a.requires_grad}".encode())
+        else:
+            h.update(f"|{type(a).__name__}".encode())
+    return h.hexdigest()
 
 
-def around_aot(compile: Callable[[], T], mod: Any = None) -> T:
+def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
     """One AOTAutograd compile under compile once (called by the aot seam)."""
     frame = getattr(_state, "frame", None) or FrameId("<unknown>", "<unknown>", 0)
-    ticket = once.begin(frame, CACHE, "aot", graph_digest(mod))
+    ticket = once.begin(frame, CACHE, "aot", graph_digest(mod, args))
     try:
         result = compile()
     except CollectiveError:
@@ -146,6 +156,14 @@ def try_load(*args: Any, **kwargs: Any) -> Any:
     _state.lookup, _state.error = True, None
     try:
         result = original(*args, **kwargs)
+    except BaseException:
+        # Strict cache modes re-raise what the lookup hit (our refusal's bypass, say): ours first.
+        error = getattr(_state, "error", None)
+        _state.error = None
+        if error is not None:
+            raise error from None
+        _report_failed_load(ticket)
+        raise
     finally:
         _state.lookup = False
     error = getattr(_state, "error", None)
@@ -182,11 +200,24 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
                 "compiler_collectives compile once: this rank refused the artifact another rank compiled; "
                 "it compiles the graph itself"
             )
-    except CollectiveError as ours:
+    except bound.originals["BypassAOTAutogradCache"]:
+        raise
+    except Exception as e:  # noqa: BLE001 - named and re-raised past AOTAutograd's catch-all
         # AOTAutograd's lookup takes any exception for a bypass: ours goes past it (try_load).
-        _state.error = ours
-        raise bound.originals["BypassAOTAutogradCache"](str(ours)) from ours
+        named = e if isinstance(e, CollectiveError) else _unexpected(e, ticket)
+        _state.error = named
+        raise bound.originals["BypassAOTAutogradCache"](str(named)) from named
     return key_and_lines
+
+
+def _unexpected(error: Exception, ticket: once.Ticket) -> CollectiveError:
+    """Something that is not ours failed during our exchange or install: named, never a silent bypass."""
+    return CompileOnceError(
+        f"compile once #{ticket.seq} of {ticket.frame}: {type(error).__name__}: {error}",
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+    )
 
 
 def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
@@ -224,8 +255,20 @@ def prepare_key(*args: Any, **kwargs: Any) -> Any:
     return key_info, cache_info
 
 
+def _report_failed_load(ticket: once.Ticket) -> None:
+    """A loading rank whose lookup raised still takes the load report (as a miss): its peers wait in it."""
+    if ticket.plan is not None and ticket.plan.role == once.LOAD and not ticket.finished:
+        once.loaded(ticket, None if ticket.outcome == "refused" else False)
+
+
 def load_with_key(*args: Any, **kwargs: Any) -> Any:
-    result = bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
+    try:
+        result = bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
+    except BaseException:
+        ticket = once.current()
+        if ticket is not None and ticket.level == "fx":
+            _report_failed_load(ticket)
+        raise
     ticket = once.current()
     if ticket is not None and ticket.level == "fx" and ticket.plan is not None and not ticket.finished:
         if ticket.plan.role == once.LOAD:
