@@ -246,7 +246,7 @@ def inductor_graph(gm: torch.fx.GraphModule) -> None:
         record.add(gm, "inductor_backward" if stage == "backward" else "inductor_forward")
 
 
-def _failure_text(error: BaseException) -> str:
+def failure_text(error: BaseException) -> str:
     """'ValueError: first line' of the innermost exception (backends' errors arrive wrapped)."""
     inner = error
     for _ in range(16):
@@ -267,7 +267,7 @@ def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None) -> T:
     except Exception as e:
         # Peers are about to exchange for this graph: take part, so that they
         # learn this rank has no program instead of waiting for it.
-        settle(record, failure=_failure_text(e))
+        settle(record, failure=failure_text(e))
         raise
 
 

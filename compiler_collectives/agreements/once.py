@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import config, health
-from ..errors import CompileOnceError, PeerFailureError, SetupMismatchError, ranks_text
+from ..errors import CollectiveDesyncError, CompileOnceError, PeerFailureError, SetupMismatchError, ranks_text
 from ..instrument import timing
 from ..state import FrameId
 from ..stats import counters
@@ -460,8 +460,6 @@ def _gather(ticket: Ticket, body: Offer | Result | Loaded, phase: int, what: str
 
     def check(envelopes: Sequence[OnceEnvelope], me: int) -> None:
         if len({e.seq for e in envelopes}) > 1:
-            from ..errors import CollectiveDesyncError
-
             lines = "\n".join(f"  rank {e.rank}: compile once #{e.seq}" for e in envelopes)
             raise CollectiveDesyncError(
                 f"compile once on rank {me}: the ranks are at different graphs:\n{lines}\n"

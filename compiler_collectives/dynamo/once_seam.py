@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import config
-from ..agreements import compiler, once
+from ..agreements import audit, compiler, once
 from ..errors import CollectiveError, CompileOnceError
 from ..state import FrameId
 from . import bound
@@ -128,24 +128,13 @@ def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
         once.abandon(ticket)  # our exchanges failed: no further one can be trusted
         raise
     except BaseException as e:
-        once.finish(ticket, e, _failure_text(e))
+        once.finish(ticket, e, audit.failure_text(e))
         raise
     if bound.levels.get("once") is False:
         once.finish(ticket, None, no_lookup=f"torch {torch.__version__} lacks compile once's seams (see the warning)")
     else:
         once.finish(ticket, None)
     return result
-
-
-def _failure_text(error: BaseException) -> str:
-    inner = error
-    for _ in range(16):
-        nxt = inner.__cause__ or inner.__context__
-        if nxt is None:
-            break
-        inner = nxt
-    lines = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:500]
 
 
 def try_load(*args: Any, **kwargs: Any) -> Any:
@@ -234,7 +223,7 @@ def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
         once.abandon(ticket)
         raise
     except BaseException as e:
-        once.finish(ticket, e, _failure_text(e))
+        once.finish(ticket, e, audit.failure_text(e))
         raise
     once.finish(ticket, None, no_lookup="inductor did not look this graph up in its FX graph cache")
     return result

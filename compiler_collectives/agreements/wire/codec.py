@@ -122,6 +122,21 @@ def version_in(version: Any, package: Callable[[], Any], what: str, speaks: int)
     return checked
 
 
+def versioned_list(r: Reader, version: int, what: str, items: int) -> list[Any]:
+    """A payload that is a list of ``items`` values, the first being the format ``version``
+    (checked before anything else is read); the whole payload, read to its end."""
+    if not r.array_next():
+        r.value()
+        reject("payload must be a non-empty list")
+    n = r.array("payload")
+    expect(n > 0, "payload must be a non-empty list")
+    version_in(r.scalar("format version"), lambda: None, what, version)
+    expect(n == items, f"payload must have {items} items, got {n}")
+    obj = [version] + [r.value() for _ in range(items - 1)]
+    r.end()
+    return obj
+
+
 def failure(payload: str, kind: str, sender: int, versions: str) -> Callable[[str], WireFormatError]:
     """How a decoder of ``payload`` payloads names what is wrong with the one ``sender`` sent
     (``kind`` is the error's kind; ``versions`` what every rank must run alike)."""

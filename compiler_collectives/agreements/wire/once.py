@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any
 
 from ..fingerprint import Collective, GraphFingerprint
-from .codec import expect, failure, int_in, pack, reading, reject, show, version_in
+from .codec import expect, failure, int_in, pack, reading, show, versioned_list
 
 ONCE_FORMAT_VERSION = 1
 ONCE_TAG = "compile_once"
@@ -207,16 +207,7 @@ def decode_once(data: bytes, *, sender: int, max_bytes: int, expected_world_size
     """Parse and validate one rank's part of a compile-once exchange; ``WireFormatError`` names the sender."""
     fail = failure("compile-once", "compile_once", sender, "compiler_collectives version")
     with reading(data, max_bytes, fail) as r:
-        if not r.array_next():
-            r.value()
-            reject("payload must be a non-empty list")
-        n = r.array("payload")
-        expect(n > 0, "payload must be a non-empty list")
-        version_in(r.scalar("format version"), lambda: None, "compile-once format", ONCE_FORMAT_VERSION)
-        expect(n == 7, f"payload must have 7 items, got {n}")
-        obj = [ONCE_FORMAT_VERSION] + [r.value() for _ in range(6)]
-        r.end()
-        _, tag, kind, rank, world, seq, body = obj
+        _, tag, kind, rank, world, seq, body = versioned_list(r, ONCE_FORMAT_VERSION, "compile-once format", 7)
         expect(tag == ONCE_TAG, f"not a compile-once payload (tag {show(tag)})")
         expect(kind in ONCE_KINDS, f"unknown compile-once message {show(kind)}")
         int_in(rank, "sender rank", lo=0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .codec import expect, failure, int_in, pack, reading, reject, show, version_in
+from .codec import expect, failure, int_in, pack, reading, show, versioned_list
 
 REASONS_FORMAT_VERSION = 1
 REASONS_TAG = "recompile_reasons"
@@ -48,15 +48,7 @@ def decode_reasons(
 
     fail = failure("recompile-reason", "guard", sender, "compiler_collectives version")
     with reading(data, max_bytes, fail) as r:
-        if not r.array_next():
-            r.value()
-            reject("payload must be a non-empty list")
-        n = r.array("payload")
-        expect(n > 0, "payload must be a non-empty list")
-        version_in(r.scalar("format version"), lambda: None, "recompile-reason format", REASONS_FORMAT_VERSION)
-        expect(n == 7, f"payload must have 7 items, got {n}")
-        obj = [REASONS_FORMAT_VERSION] + [r.value() for _ in range(6)]
-        r.end()
+        obj = versioned_list(r, REASONS_FORMAT_VERSION, "recompile-reason format", 7)
         _, tag, rank, world, seq, missed, reasons = obj
         expect(tag == REASONS_TAG, f"payload tag {show(tag)}, expected {REASONS_TAG!r}")
         int_in(rank, "sender rank", lo=0)
