@@ -149,15 +149,11 @@ class Recorder:
         self.bytes["compiler"] += bytes_out + bytes_in
         self.late_ranks[last_rank] = self.late_ranks.get(last_rank, 0) + 1
         self._emit(
-            {
-                "name": "compiler collective",
-                "cat": "compiler_collectives",
-                "ph": "X",
-                "pid": self.rank,
-                "tid": 0,
-                "ts": start_ns / 1e3,
-                "dur": duration_s * 1e6,
-                "args": {
+            self._span(
+                "compiler collective",
+                start_ns,
+                duration_s,
+                {
                     "kind": "compiler",
                     "seq": seq,
                     "frame": frame,
@@ -170,7 +166,7 @@ class Recorder:
                     "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
                     "last_rank": last_rank,
                 },
-            },
+            ),
             flush_now=True,
         )
 
@@ -215,15 +211,11 @@ class Recorder:
         self.samples["compile_once"].append(duration_s)
         self.bytes["compile_once"] += bytes_in
         self._emit(
-            {
-                "name": f"compile once: {state}",
-                "cat": "compiler_collectives",
-                "ph": "X",
-                "pid": self.rank,
-                "tid": 0,
-                "ts": start_ns / 1e3,
-                "dur": duration_s * 1e6,
-                "args": {
+            self._span(
+                f"compile once: {state}",
+                start_ns,
+                duration_s,
+                {
                     "kind": "compile_once",
                     "seq": seq,
                     "frame": frame,
@@ -232,9 +224,22 @@ class Recorder:
                     "source": source,
                     "bytes_in": bytes_in,
                 },
-            },
+            ),
             flush_now=True,
         )
+
+    def _span(self, name: str, start_ns: int, duration_s: float, args: dict[str, Any]) -> dict[str, Any]:
+        """One Chrome-trace complete event ("X") of this rank."""
+        return {
+            "name": name,
+            "cat": "compiler_collectives",
+            "ph": "X",
+            "pid": self.rank,
+            "tid": 0,
+            "ts": start_ns / 1e3,
+            "dur": duration_s * 1e6,
+            "args": args,
+        }
 
     # -------------------------------------------------------------- summary
 
