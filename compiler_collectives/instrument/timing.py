@@ -175,23 +175,12 @@ class Recorder:
         self.bytes["guard"] += 24
         if self._file is not None:
             self._emit(
-                {
-                    "name": "guard collective",
-                    "cat": "compiler_collectives",
-                    "ph": "X",
-                    "pid": self.rank,
-                    "tid": 0,
-                    "ts": start_ns / 1e3,
-                    "dur": duration_s * 1e6,
-                    "args": {
-                        "kind": "guard",
-                        "seq": seq,
-                        "hit": hit,
-                        "agreed_hit": agreed,
-                        "bytes_out": 24,
-                        "bytes_in": 24,
-                    },
-                },
+                self._span(
+                    "guard collective",
+                    start_ns,
+                    duration_s,
+                    {"kind": "guard", "seq": seq, "hit": hit, "agreed_hit": agreed, "bytes_out": 24, "bytes_in": 24},
+                ),
                 flush_now=False,
             )
 

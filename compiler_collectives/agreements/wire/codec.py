@@ -122,6 +122,15 @@ def version_in(version: Any, package: Callable[[], Any], what: str, speaks: int)
     return checked
 
 
+def sender_and_world(rank: Any, sender: int, world: Any, expected_world_size: int | None) -> None:
+    """The sender rank a payload claims (it must be the rank it came from) and its world size."""
+    int_in(rank, "sender rank", lo=0)
+    expect(rank == sender, f"payload claims to come from rank {rank}")
+    int_in(world, "world size", lo=1)
+    if expected_world_size is not None:
+        expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+
+
 def versioned_list(r: Reader, version: int, what: str, items: int) -> list[Any]:
     """A payload that is a list of ``items`` values, the first being the format ``version``
     (checked before anything else is read); the whole payload, read to its end."""

@@ -25,7 +25,7 @@ from typing import Any
 from ...errors import CollectiveDesyncError
 from ...state import FrameId
 from ...version import __version__
-from .codec import Reader, expect, int_in, reject, show, version_in
+from .codec import Reader, expect, int_in, reject, sender_and_world, show, version_in
 
 FORMAT_VERSION = 2
 AUDIT = "audit"
@@ -69,11 +69,7 @@ def header_in(
     envelope (``envelope_head``), each checked."""
     _, pkg, rank, world, frame, seq, sent_at = obj[:7]
     expect(type(pkg) is str and len(pkg) < 64, "package version must be a short string")
-    int_in(rank, "sender rank", lo=0)
-    expect(rank == sender, f"payload claims to come from rank {rank}")
-    int_in(world, "world size", lo=1)
-    if expected_world_size is not None:
-        expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+    sender_and_world(rank, sender, world, expected_world_size)
     expect(type(frame) is list and len(frame) == 3, "frame must be [co_name, file, line]")
     expect(type(frame[0]) is str and type(frame[1]) is str, "frame name and file must be strings")
     line = int_in(frame[2], "frame line", lo=0)

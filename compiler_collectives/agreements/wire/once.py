@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any
 
 from ..fingerprint import Collective, GraphFingerprint
-from .codec import expect, failure, int_in, pack, reading, show, versioned_list
+from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
 
 ONCE_FORMAT_VERSION = 1
 ONCE_TAG = "compile_once"
@@ -210,11 +210,7 @@ def decode_once(data: bytes, *, sender: int, max_bytes: int, expected_world_size
         _, tag, kind, rank, world, seq, body = versioned_list(r, ONCE_FORMAT_VERSION, "compile-once format", 7)
         expect(tag == ONCE_TAG, f"not a compile-once payload (tag {show(tag)})")
         expect(kind in ONCE_KINDS, f"unknown compile-once message {show(kind)}")
-        int_in(rank, "sender rank", lo=0)
-        expect(rank == sender, f"payload claims to come from rank {rank}")
-        int_in(world, "world size", lo=1)
-        if expected_world_size is not None:
-            expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+        sender_and_world(rank, sender, world, expected_world_size)
         int_in(seq, "sequence number", lo=0)
         parsed: Offer | Result | Loaded
         if kind == "keys":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .codec import expect, failure, int_in, pack, reading, show, versioned_list
+from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
 
 REASONS_FORMAT_VERSION = 1
 REASONS_TAG = "recompile_reasons"
@@ -51,11 +51,7 @@ def decode_reasons(
         obj = versioned_list(r, REASONS_FORMAT_VERSION, "recompile-reason format", 7)
         _, tag, rank, world, seq, missed, reasons = obj
         expect(tag == REASONS_TAG, f"payload tag {show(tag)}, expected {REASONS_TAG!r}")
-        int_in(rank, "sender rank", lo=0)
-        expect(rank == sender, f"payload claims to come from rank {rank}")
-        int_in(world, "world size", lo=1)
-        if expected_world_size is not None:
-            expect(world == expected_world_size, f"world size {world}, expected {expected_world_size}")
+        sender_and_world(rank, sender, world, expected_world_size)
         int_in(seq, "guard sequence number", lo=0)
         expect(type(missed) is bool, "missed must be a bool")
         expect(
