@@ -280,6 +280,44 @@ def test_a_stopped_peer_is_named_after_the_timeout_and_the_others_hear_of_it_at_
     assert resumed["seconds"] < 1.0
 
 
+def peer_wedged_holding_the_gil(rank: int, world: int) -> dict:
+    import ctypes
+
+    import compiler_collectives as cc
+
+    cc.enable(guards=True)
+    f = torch.compile(_step, backend="eager")
+    f(torch.ones(2))
+    f(torch.ones(2))
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        from compiler_collectives.transport import groups
+
+        beats = groups.side.beats  # wedge between two heartbeats, never inside a store call
+        give_up = time.monotonic() + 10.0
+        while groups.side.beats == beats and time.monotonic() < give_up:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        # A native call that keeps the GIL (PyDLL does not release it): alive and running, but
+        # no Python thread of this process, its heartbeat thread included, runs until it returns.
+        ctypes.PyDLL(None).sleep(int(TIMEOUT_S) + 6)
+        return {"type": "wedged"}
+    return _with_transport({**caught(lambda: f(torch.ones(2))), "wedged_pid": pids[1]})
+
+
+@GUARD_TRANSPORTS
+def test_a_peer_wedged_in_a_native_call_holding_the_gil_is_named_as_wedged_with_its_pid(transport):
+    outcome = run_ranks(peer_wedged_holding_the_gil, 2, env=_env(transport), timeout=60)
+    first = outcome.results[0]
+    assert first["transport"] == transport, first
+    assert first["type"] == "CollectiveTimeoutError", first
+    assert first["ranks"] == [1], first
+    wedged = f"yet its process (pid {first['wedged_pid']}, this host) runs: it is wedged"
+    assert wedged in first["message"], first["message"]
+    assert "py-spy dump" in first["message"], first["message"]
+
+
 def absent_before_groups_exist(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 

@@ -419,7 +419,7 @@ class SideChannel:
                 seen[0], seen[1] = record.get("n"), now
                 return None
             if now - seen[1] >= stale_after:
-                return f"no heartbeat for {now - seen[1]:.1f}s (crashed, killed, stopped or cut off from the store)"
+                return self._silent(record, now - seen[1])
             return None
 
         return absent
@@ -435,6 +435,20 @@ class SideChannel:
         if ident[0] in ("T", "t"):
             return f"its process (pid {pid}, this host) is stopped (SIGSTOP or a debugger)"
         return None
+
+    def _silent(self, record: dict[str, Any], silent_s: float) -> str:
+        """Why a peer whose heartbeat stopped moving is absent. A same-host peer whose process
+        still runs is wedged: its heartbeat thread cannot take the GIL (a native call that holds
+        it and blocks, such as a lock-order deadlock inside torch), and a stack dump shows where."""
+        host, pid = _as_int(record.get("host")), _as_int(record.get("pid"))
+        if self._probe is not None and pid is not None and host is not None and host == self._identity.get("host"):
+            if self._probe(pid) is not None:
+                return (
+                    f"no heartbeat for {silent_s:.1f}s, yet its process (pid {pid}, this host) runs: "
+                    f"it is wedged, most likely in a native call that holds the GIL (`py-spy dump --native "
+                    f"--pid {pid}` shows where)"
+                )
+        return f"no heartbeat for {silent_s:.1f}s (crashed, killed, stopped or cut off from the store)"
 
     def diagnose(self, grace_s: float, *, until_absent: bool = False) -> Diagnosis:
         """Classify every peer; waits up to ``grace_s`` for undecided ones (with
@@ -478,10 +492,7 @@ class SideChannel:
                         elif now - seen[1] >= stale_after:
                             status.state = "absent"
                             status.silent_s = now - seen[1]
-                            status.why = (
-                                f"no heartbeat for {status.silent_s:.1f}s "
-                                "(crashed, killed, stopped or cut off from the store)"
-                            )
+                            status.why = self._silent(record, status.silent_s)
                 if status.state in ("failed", "absent"):
                     decided[r] = status
                 peers.append(status)
