@@ -295,6 +295,51 @@ def test_with_torchs_compile_time_collectives_on_every_rank_compiles_and_enters_
     assert results[0]["grad"] == results[1]["grad"] is not None
 
 
+def exchanges_started_inside_aotautograd(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import compiler_collectives as cc
+
+    cc.enable()
+    python_dispatcher = torch._C.DispatchKey.PythonDispatcher
+    started: list[bool] = []  # per gloo all-gather: was torch's Python dispatcher on
+    original = dist.ProcessGroup.allgather
+
+    def recording(self: dist.ProcessGroup, *args: object, **kwargs: object) -> object:
+        started.append(torch._C._dispatch_tls_is_dispatch_key_included(python_dispatcher))
+        return original(self, *args, **kwargs)
+
+    dist.ProcessGroup.allgather = recording
+    seen_inside: list[bool] = []
+    from compiler_collectives.agreements import once
+
+    offer = once.offer
+
+    def offer_noting_the_dispatcher(*args: object, **kwargs: object) -> object:
+        seen_inside.append(torch._C._dispatch_tls_is_dispatch_key_included(python_dispatcher))
+        return offer(*args, **kwargs)
+
+    once.offer = offer_noting_the_dispatcher
+    w = torch.ones(4, 4, requires_grad=True)
+    out = caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).backward())
+    dist.ProcessGroup.allgather = original
+    return {**out, "started": started, "offer_inside": seen_inside, "records": cc.stats()["compile_once"]}
+
+
+@pytest.mark.timeout(300)
+def test_exchanges_inside_aotautograd_start_their_gloo_operations_outside_torchs_python_dispatcher(tmp_path):
+    # Started with the dispatcher on, a gloo operation keeps the GIL into gloo's enqueue, whose lock
+    # a gloo worker can hold while it waits for the GIL: a deadlock (torch's own
+    # _sync_decision_cross_ranks hits it on 2.13).
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    results = run_ranks(exchanges_started_inside_aotautograd, 2, env=env, timeout=240).results
+    for r in results:
+        assert r["type"] is None, r
+        assert r["offer_inside"] and all(r["offer_inside"]), r  # the key exchange runs where it is on
+        assert r["started"] and not any(r["started"]), r["started"]
+    assert sorted(r["records"][-1]["state"] for r in results) == ["compiled", "loaded"]
+
+
 # ---------------------------------------------------------------- torchrun, two agents
 
 _TORCHRUN_JOB = """

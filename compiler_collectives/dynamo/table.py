@@ -742,6 +742,17 @@ SEAMS: tuple[Seam, ...] = (
         reads=(Read("takes no argument", lambda f: _params(f) == []),),
     ),
     Seam(
+        "no_python_dispatcher",
+        "torch._dispatch.python",
+        "no_python_dispatcher",
+        reads=(
+            Read(
+                "is a context manager type",
+                lambda c: isinstance(c, type) and hasattr(c, "__enter__") and hasattr(c, "__exit__"),
+            ),
+        ),
+    ),
+    Seam(
         "resolve_process_group",
         "torch.distributed.distributed_c10d",
         "_resolve_process_group",

@@ -11,6 +11,8 @@ each offers setters and registries, and ``wire()`` fills every one of them:
 * transport: ``set_first_rendezvous`` (the setup check, ``agreements.scope``)
   and ``add_progress_source`` (what the heartbeat says of the compiler
   collective, the guard collective and the audit);
+* transport: ``set_enqueue_context`` (torch's ``no_python_dispatcher``: our
+  gloo operations started inside a compile leave torch's Python dispatcher);
 * health.watchdog: ``set_default_store_source`` (the c10d store);
 * agreements.setup: ``register_source`` (switches only known at run time);
 * agreements.compiler: ``set_compile_id_source``;
@@ -33,7 +35,7 @@ import functools
 
 from ..agreements import audit, compiler, failure, fingerprint, guard, scope, setup
 from ..health import watchdog
-from ..transport import groups, set_first_rendezvous
+from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
 
 
@@ -48,6 +50,7 @@ def wire() -> None:
     setup.register_source(guard_seam.setup_items)
     # what the layers below may only see of torch through the seam table
     watchdog.set_default_store_source(originals["get_default_store"])
+    set_enqueue_context(originals["no_python_dispatcher"])
     compiler.set_compile_id_source(compiler_seam.current_compile_id)
     orig_code_map = originals["orig_code_map"]
     guard.set_frame_sources(guard_seam.wrapper_locals(), lambda code: code in orig_code_map)

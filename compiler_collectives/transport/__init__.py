@@ -39,6 +39,7 @@ from .gloo import (
     guard_key,
     recv_bytes,
     send_bytes,
+    set_enqueue_context,
     translate_failure,
     wait,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "guard_key",
     "recv_bytes",
     "send_bytes",
+    "set_enqueue_context",
     "set_first_rendezvous",
     "set_peer_report_handler",
     "translate_failure",
