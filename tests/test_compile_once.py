@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -253,6 +254,16 @@ def test_a_compiling_rank_killed_mid_compile_is_named_and_nobody_hangs(tmp_path)
     assert outcome.elapsed_s < 200
 
 
+def _noting(original: Any, notes: list, note: Any) -> Any:
+    """``original``, appending ``note()`` to ``notes`` at each call (a rank watching torch or us)."""
+
+    def noted(*args: object, **kwargs: object) -> object:
+        notes.append(note())
+        return original(*args, **kwargs)
+
+    return noted
+
+
 def with_compile_time_collectives(rank: int, world: int) -> dict:
     import torch._functorch.partitioners as partitioners
 
@@ -266,13 +277,7 @@ def with_compile_time_collectives(rank: int, world: int) -> dict:
     # the queue's lock and waits for the GIL to free the previous work's tensors). What compile
     # once owns is that every rank gets there: count the entries.
     entered: list[int] = []
-    original = partitioners._sync_decision_cross_ranks
-
-    def counted(*args: object, **kwargs: object) -> object:
-        entered.append(1)
-        return original(*args, **kwargs)
-
-    partitioners._sync_decision_cross_ranks = counted
+    partitioners._sync_decision_cross_ranks = _noting(partitioners._sync_decision_cross_ranks, entered, lambda: 1)
     w = torch.ones(4, 4, requires_grad=True)
     out: dict = {}
     out.update(caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).backward()))
@@ -301,25 +306,16 @@ def exchanges_started_inside_aotautograd(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
     cc.enable()
-    python_dispatcher = torch._C.DispatchKey.PythonDispatcher
-    started: list[bool] = []  # per gloo all-gather: was torch's Python dispatcher on
-    original = dist.ProcessGroup.allgather
-
-    def recording(self: dist.ProcessGroup, *args: object, **kwargs: object) -> object:
-        started.append(torch._C._dispatch_tls_is_dispatch_key_included(python_dispatcher))
-        return original(self, *args, **kwargs)
-
-    dist.ProcessGroup.allgather = recording
-    seen_inside: list[bool] = []
     from compiler_collectives.agreements import once
 
-    offer = once.offer
+    def dispatcher_on() -> bool:
+        return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
 
-    def offer_noting_the_dispatcher(*args: object, **kwargs: object) -> object:
-        seen_inside.append(torch._C._dispatch_tls_is_dispatch_key_included(python_dispatcher))
-        return offer(*args, **kwargs)
-
-    once.offer = offer_noting_the_dispatcher
+    started: list[bool] = []  # per gloo all-gather: was torch's Python dispatcher on
+    seen_inside: list[bool] = []  # per key exchange
+    original = dist.ProcessGroup.allgather
+    dist.ProcessGroup.allgather = _noting(original, started, dispatcher_on)
+    once.offer = _noting(once.offer, seen_inside, dispatcher_on)
     w = torch.ones(4, 4, requires_grad=True)
     out = caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).backward())
     dist.ProcessGroup.allgather = original

@@ -212,7 +212,8 @@ def test_a_rank_waiting_in_our_collective_stops_within_seconds_when_a_peer_repor
     assert waiting["seconds"] < 15.0, waiting
 
 
-def peer_stopped(rank: int, world: int) -> dict:
+def _compiled_with_every_pid(world: int) -> tuple:
+    """A compiled function past its first guard collective, and every rank's pid."""
     import compiler_collectives as cc
 
     cc.enable(guards=True)
@@ -221,16 +222,25 @@ def peer_stopped(rank: int, world: int) -> dict:
     f(torch.ones(2))
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    if rank == 1:
-        # Stop between two heartbeats: stopped inside a store call, rank 1 would hold the
-        # FileStore's lock, and every other rank's store calls would wait for it.
-        from compiler_collectives.transport import groups
+    return f, pids
 
-        beats = groups.side.beats
-        give_up = time.monotonic() + 10.0
-        while groups.side.beats == beats and time.monotonic() < give_up:
-            time.sleep(0.01)
-        time.sleep(0.1)
+
+def _just_after_a_heartbeat() -> None:
+    """Return right after this rank's heartbeat thread beat: a rank stopped or wedged inside a
+    store call would hold the FileStore's lock, and every other rank's store calls would wait."""
+    from compiler_collectives.transport import groups
+
+    beats = groups.side.beats
+    give_up = time.monotonic() + 10.0
+    while groups.side.beats == beats and time.monotonic() < give_up:
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+
+def peer_stopped(rank: int, world: int) -> dict:
+    f, pids = _compiled_with_every_pid(world)
+    if rank == 1:
+        _just_after_a_heartbeat()
         os.kill(os.getpid(), signal.SIGSTOP)  # absent but alive, until rank 0 sends SIGCONT
         from compiler_collectives import health
 
@@ -283,22 +293,9 @@ def test_a_stopped_peer_is_named_after_the_timeout_and_the_others_hear_of_it_at_
 def peer_wedged_holding_the_gil(rank: int, world: int) -> dict:
     import ctypes
 
-    import compiler_collectives as cc
-
-    cc.enable(guards=True)
-    f = torch.compile(_step, backend="eager")
-    f(torch.ones(2))
-    f(torch.ones(2))
-    pids = [None] * world
-    dist.all_gather_object(pids, os.getpid())
+    f, pids = _compiled_with_every_pid(world)
     if rank == 1:
-        from compiler_collectives.transport import groups
-
-        beats = groups.side.beats  # wedge between two heartbeats, never inside a store call
-        give_up = time.monotonic() + 10.0
-        while groups.side.beats == beats and time.monotonic() < give_up:
-            time.sleep(0.01)
-        time.sleep(0.1)
+        _just_after_a_heartbeat()
         # A native call that keeps the GIL (PyDLL does not release it): alive and running, but
         # no Python thread of this process, its heartbeat thread included, runs until it returns.
         ctypes.PyDLL(None).sleep(int(TIMEOUT_S) + 6)
