@@ -56,6 +56,22 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
             raise RuntimeError("injected: inductor broke on this rank")
 
         cfx._recursive_post_grad_passes = broken
+    elif fault == "wedge":
+        import ctypes
+
+        import torch._inductor.compile_fx as cfx
+
+        passes = cfx._recursive_post_grad_passes
+
+        def wedged_once(*args: object, **kwargs: object) -> object:
+            if not getattr(wedged_once, "done", False):
+                wedged_once.done = True  # type: ignore[attr-defined]
+                # A native call that keeps the GIL (PyDLL does not release it): the heartbeat
+                # thread cannot beat, for longer than peers take to call a silent rank absent.
+                ctypes.PyDLL(None).sleep(6)
+            return passes(*args, **kwargs)
+
+        cfx._recursive_post_grad_passes = wedged_once
     elif fault == "miss":
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
 
@@ -95,7 +111,7 @@ def job(rank: int, world: int, case: dict) -> dict:
     import compiler_collectives as cc
 
     cc.enable()
-    logs = kept_logs("compiler_collectives.once")
+    logs = kept_logs("compiler_collectives")
     _inject(rank, case.get("fault"), case.get("fault_rank", 1))
     global VARIANT
     VARIANT = rank
@@ -236,6 +252,15 @@ def test_a_compile_that_raises_on_the_compiling_rank_is_named_on_the_waiting_ran
     assert waiting["type"] is not None
     assert waiting["type"] == "CompileOnceError"
     assert "rank 1 compiled graph #1" in waiting["message"] and "injected: inductor broke" in waiting["message"]
+
+
+@pytest.mark.timeout(300)
+def test_a_compiling_rank_busy_in_a_native_call_that_holds_the_gil_is_waited_for_not_called_gone(tmp_path):
+    # Its heartbeat stops for 6 s, but its process runs on this host: alive, however silent.
+    results = _run(tmp_path, {"fault": "wedge", "fault_rank": 1}).results
+    _assert_trained_right(results)
+    assert _states(results) == ["loaded", "compiled"]
+    assert any("rank 1's heartbeat is silent" in line and "this host) runs" in line for line in results[0]["logs"])
 
 
 @pytest.mark.timeout(300)

@@ -399,9 +399,12 @@ class SideChannel:
 
     def watch(self, rank: int) -> Callable[[], str | None]:
         """A probe of peer ``rank``: each call returns why it is absent (crashed, killed, stopped,
-        silent for ``2.5 x heartbeat + 0.5`` s of this rank's clock), or None while it looks alive."""
+        silent for ``2.5 x heartbeat + 0.5`` s of this rank's clock), or None while it looks alive.
+        A silent peer whose process runs on this host is alive: a long native call that holds
+        the GIL silences a rank that is still working (logged once, with how to see where)."""
         seen: list[Any] = [None, time.monotonic()]  # its beat counter, when it last moved here
         stale_after = 2.5 * config.settings.heartbeat_s + 0.5
+        warned = [False]
 
         def absent() -> str | None:
             if config.settings.heartbeat_s <= 0:
@@ -419,7 +422,20 @@ class SideChannel:
                 seen[0], seen[1] = record.get("n"), now
                 return None
             if now - seen[1] >= stale_after:
-                return self._silent(record, now - seen[1])
+                pid = self._runs_here(record)
+                if pid is None:
+                    return self._silent(record, now - seen[1])
+                if not warned[0]:
+                    warned[0] = True
+                    log.warning(
+                        "rank %d's heartbeat is silent for %.1fs, but its process (pid %d, this host) runs: "
+                        "waiting on (a native call that holds the GIL? `py-spy dump --native --pid %d` "
+                        "shows where)",
+                        rank,
+                        now - seen[1],
+                        pid,
+                        pid,
+                    )
             return None
 
         return absent
@@ -440,15 +456,21 @@ class SideChannel:
         """Why a peer whose heartbeat stopped moving is absent. A same-host peer whose process
         still runs is wedged: its heartbeat thread cannot take the GIL (a native call that holds
         it and blocks, such as a lock-order deadlock inside torch), and a stack dump shows where."""
-        host, pid = _as_int(record.get("host")), _as_int(record.get("pid"))
-        if self._probe is not None and pid is not None and host is not None and host == self._identity.get("host"):
-            if self._probe(pid) is not None:
-                return (
-                    f"no heartbeat for {silent_s:.1f}s, yet its process (pid {pid}, this host) runs: "
-                    f"it is wedged, most likely in a native call that holds the GIL (`py-spy dump --native "
-                    f"--pid {pid}` shows where)"
-                )
+        pid = self._runs_here(record)
+        if pid is not None:
+            return (
+                f"no heartbeat for {silent_s:.1f}s, yet its process (pid {pid}, this host) runs: "
+                f"it is wedged, most likely in a native call that holds the GIL (`py-spy dump --native "
+                f"--pid {pid}` shows where)"
+            )
         return f"no heartbeat for {silent_s:.1f}s (crashed, killed, stopped or cut off from the store)"
+
+    def _runs_here(self, record: dict[str, Any]) -> int | None:
+        """The pid of a peer whose process runs on this host (checked in ``/proc``), else None."""
+        host, pid = _as_int(record.get("host")), _as_int(record.get("pid"))
+        if self._probe is None or pid is None or host is None or host != self._identity.get("host"):
+            return None
+        return pid if self._probe(pid) is not None else None
 
     def diagnose(self, grace_s: float, *, until_absent: bool = False) -> Diagnosis:
         """Classify every peer; waits up to ``grace_s`` for undecided ones (with
