@@ -424,13 +424,13 @@ class SideChannel:
             if now - seen[1] >= stale_after:
                 pid = self._runs_here(record)
                 if pid is None:
-                    return self._silent(record, now - seen[1])
+                    return self._silent(now - seen[1], None)
                 if not warned[0]:
                     warned[0] = True
                     log.warning(
                         "rank %d's heartbeat is silent for %.1fs, but its process (pid %d, this host) runs: "
-                        "waiting on (a native call that holds the GIL? `py-spy dump --native --pid %d` "
-                        "shows where)",
+                        "still waiting for it (a native call that holds the GIL? `py-spy dump --native "
+                        "--pid %d` shows where)",
                         rank,
                         now - seen[1],
                         pid,
@@ -452,11 +452,12 @@ class SideChannel:
             return f"its process (pid {pid}, this host) is stopped (SIGSTOP or a debugger)"
         return None
 
-    def _silent(self, record: dict[str, Any], silent_s: float) -> str:
-        """Why a peer whose heartbeat stopped moving is absent. A same-host peer whose process
-        still runs is wedged: its heartbeat thread cannot take the GIL (a native call that holds
-        it and blocks, such as a lock-order deadlock inside torch), and a stack dump shows where."""
-        pid = self._runs_here(record)
+    @staticmethod
+    def _silent(silent_s: float, pid: int | None) -> str:
+        """Why a peer whose heartbeat stopped moving is absent; ``pid``: its process runs on this
+        host (``_runs_here``). Such a peer is wedged: its heartbeat thread cannot take the GIL (a
+        native call that holds it and blocks, such as a lock-order deadlock inside torch), and a
+        stack dump shows where."""
         if pid is not None:
             return (
                 f"no heartbeat for {silent_s:.1f}s, yet its process (pid {pid}, this host) runs: "
@@ -514,7 +515,7 @@ class SideChannel:
                         elif now - seen[1] >= stale_after:
                             status.state = "absent"
                             status.silent_s = now - seen[1]
-                            status.why = self._silent(record, status.silent_s)
+                            status.why = self._silent(status.silent_s, self._runs_here(record))
                 if status.state in ("failed", "absent"):
                     decided[r] = status
                 peers.append(status)

@@ -19,12 +19,12 @@ and the fallback where shared memory cannot be used).
 * ``GlooGuardChannel.agree``: one all-reduce (MIN) of a preallocated
   two-element int64 tensor (one element without the desync check).
 * ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors.
-* ``outside_dispatch``: where every operation of ours off the guard path is
-  started. Compile once exchanges inside AOTAutograd, where torch's Python
-  dispatcher is on; an operation started there keeps the GIL while gloo's
-  ``enqueue`` waits for the queue's lock, which a gloo worker holds while it
-  waits for the GIL to free the previous operation's tensors: a deadlock
-  (seen in torch's own ``_sync_decision_cross_ranks``). The Dynamo seam hands
+* ``started``: how every operation of ours off the guard path is started:
+  outside torch's Python dispatcher. Compile once exchanges inside
+  AOTAutograd, where that dispatcher is on; an operation started there keeps
+  the GIL while gloo's ``enqueue`` waits for the queue's lock, which a gloo
+  worker holds while it waits for the GIL to free the previous operation's
+  tensors: a deadlock (seen in torch's own ``_sync_decision_cross_ranks``). The Dynamo seam hands
   torch's ``no_python_dispatcher`` at install (``set_enqueue_context``). The
   guard collective starts at a compiled call, never inside a compile, and
   allocates nothing: it does not take it.
@@ -42,7 +42,6 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -68,19 +67,20 @@ _LEN = struct.Struct("<Q")  # payload length header of each slot
 _PHASE = struct.Struct("<Q")  # then the exchange's phase
 HEADER_BYTES = _LEN.size + _PHASE.size
 
-_enqueue_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+_enqueue_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
-def set_enqueue_context(factory: Callable[[], AbstractContextManager[Any]]) -> None:
+def set_enqueue_context(factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
     """What every operation of ours off the guard path is started in (wired at install: torch's
     ``no_python_dispatcher``; see the module's docstring)."""
     global _enqueue_context
     _enqueue_context = factory
 
 
-def outside_dispatch() -> AbstractContextManager[Any]:
-    """The context to start a gloo operation in, outside torch's Python dispatcher."""
-    return _enqueue_context()
+def started(op: Callable[..., Any], *args: Any) -> Any:
+    """``op(*args)`` (a process group's operation), started outside torch's Python dispatcher; its work."""
+    with _enqueue_context():
+        return op(*args)
 
 
 # Phases of a byte all-gather (the compiler collective's two exchanges per compile).
@@ -221,9 +221,7 @@ def all_gather_bytes(
         buf[HEADER_BYTES : HEADER_BYTES + n] = payload
     send = torch.frombuffer(buf, dtype=torch.uint8)
     recv = [torch.empty(slot, dtype=torch.uint8) for _ in range(world)]
-    with outside_dispatch():
-        work = pg.allgather([recv], [send])
-    wait(work, describe)
+    wait(started(pg.allgather, [recv], [send]), describe)
 
     headers = [_tensor_to_bytes(t, HEADER_BYTES) for t in recv]
     lengths = [_LEN.unpack_from(h, 0)[0] for h in headers]
@@ -260,9 +258,7 @@ def all_gather_bytes(
     big[:n] = payload
     send2 = torch.frombuffer(big, dtype=torch.uint8)
     recv2 = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    with outside_dispatch():
-        work = pg.allgather([recv2], [send2])
-    wait(work, describe)
+    wait(started(pg.allgather, [recv2], [send2]), describe)
     return [_tensor_to_bytes(t, length) for t, length in zip(recv2, lengths)], 2
 
 
@@ -270,8 +266,7 @@ def send_bytes(pg: dist.ProcessGroup, data: bytes, dst: int, tag: int, describe:
     """Start sending ``data`` to group rank ``dst``; returns the work (``wait`` it). The receiver
     knows the length already (it came in an all-gather), so only the bytes travel."""
     send = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    with outside_dispatch():
-        return pg.send([send], dst, tag)
+    return started(pg.send, [send], dst, tag)
 
 
 def recv_bytes(pg: dist.ProcessGroup, n: int, src: int, tag: int, describe: Callable[[], str]) -> bytes:
@@ -279,9 +274,7 @@ def recv_bytes(pg: dist.ProcessGroup, n: int, src: int, tag: int, describe: Call
     if n == 0:
         return b""
     buf = torch.empty(n, dtype=torch.uint8)
-    with outside_dispatch():
-        work = pg.recv([buf], src, tag)
-    wait(work, describe)
+    wait(started(pg.recv, [buf], src, tag), describe)
     return _tensor_to_bytes(buf, n)
 
 
@@ -354,7 +347,5 @@ class GlooGuardChannel:
         """Slow path after a mismatch (every rank takes it): each rank's (seq, site)."""
         mine = torch.tensor([seq, site], dtype=torch.int64)
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(self.pg.size())]
-        with outside_dispatch():
-            work = self.pg.allgather([out], [mine])
-        wait(work)
+        wait(started(self.pg.allgather, [out], [mine]))
         return [(int(t[0]), int(t[1])) for t in out]

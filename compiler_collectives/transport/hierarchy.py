@@ -54,7 +54,7 @@ from ..errors import CollectiveError, StoreUnresponsive
 from ..health.watchdog import bounded
 from . import segment, shm
 from .channel import GuardChannel
-from .gloo import GlooGuardChannel, outside_dispatch, wait
+from .gloo import GlooGuardChannel, started, wait
 
 log = logging.getLogger("compiler_collectives.transport.hierarchy")
 
@@ -77,9 +77,7 @@ def host_key() -> int:
 def _all_gather_ints(pg: dist.ProcessGroup, values: list[int]) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64)
     out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(pg.size())]
-    with outside_dispatch():
-        work = pg.allgather([out], [mine])
-    wait(work)
+    wait(started(pg.allgather, [out], [mine]))
     return [t.tolist() for t in out]
 
 
