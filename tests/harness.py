@@ -10,6 +10,9 @@ need a real interpreter exit (atexit handlers, finalization, C++ static
 destructors; forkserver children leave through ``os._exit``), use
 ``start_method="spawn"``.
 
+A rank's result comes back by value (plain pickle), so tensors arrive whole
+even when the rank has already exited.
+
 Every rank's exit code is checked, also for ranks that reported a result and
 also with ``check=False``: a rank killed by a signal (SIGABRT from
 ``std::terminate``, SIGSEGV) fails the test unless the test names that
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import tempfile
@@ -93,7 +97,10 @@ def _child(
                 timeout=datetime.timedelta(seconds=float(env.get("HARNESS_PG_TIMEOUT", "60"))),
             )
         value = fn(rank, world_size, *args)
-        results.put(("ok", rank, value))
+        # By value: the queue's own pickler would hand a tensor over as a file
+        # descriptor that the parent fetches from this process, which may have
+        # exited by then (ConnectionResetError in the parent).
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put(("err", rank, traceback.format_exc()))
     finally:
@@ -164,30 +171,30 @@ def run_ranks(
     values: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
     reported: set[int] = set()
+
+    def record(status: str, rank: int, value: Any) -> None:
+        reported.add(rank)
+        if status == "ok":
+            values[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
+
     try:
         while len(reported) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             try:
-                status, rank, value = results.get(timeout=min(remaining, 0.5))
+                record(*results.get(timeout=min(remaining, 0.5)))
             except queue_mod.Empty:
                 # A rank that died without reporting (signal, os._exit) never will.
                 if all(not p.is_alive() for i, p in enumerate(procs) if i not in reported):
                     # Drain anything that raced in, then stop waiting.
                     try:
                         while True:
-                            status, rank, value = results.get(timeout=0.2)
-                            reported.add(rank)
-                            (values.__setitem__(rank, value) if status == "ok" else errors.__setitem__(rank, value))
+                            record(*results.get(timeout=0.2))
                     except queue_mod.Empty:
                         break
-                continue
-            reported.add(rank)
-            if status == "ok":
-                values[rank] = value
-            else:
-                errors[rank] = value
     finally:
         timed_out = []
         stuck_at_exit = []

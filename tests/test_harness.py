@@ -41,3 +41,18 @@ def test_a_signal_the_test_expects_for_that_rank_is_accepted_and_must_happen():
         run_ranks(
             report_then_abort_at_exit, 2, init=False, timeout=60, expect_signals={0: signal.SIGKILL, 1: signal.SIGABRT}
         )
+
+
+def tensor_result(rank: int, world: int) -> object:
+    import torch
+
+    return {"rank": rank, "values": torch.arange(4.0) + rank}
+
+
+def test_a_ranks_tensor_result_arrives_by_value_not_through_its_process():
+    # Torch's queue pickler shares a tensor through a file descriptor that the
+    # parent fetches from the rank's process, which may have exited by then.
+    results = run_ranks(tensor_result, 2, init=False, timeout=60).results
+    for rank, result in enumerate(results):
+        assert result["values"].tolist() == [rank + 0.0, rank + 1.0, rank + 2.0, rank + 3.0]
+        assert not result["values"].is_shared()
