@@ -78,9 +78,9 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
         # What a guard miss looks like to AOTAutograd: the lookup finds no entry that fits.
         AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)
     elif fault == "tamper":
-        from compiler_collectives.agreements import once
+        from compiler_collectives.agreements.once import protocol
 
-        collect = once._collect
+        collect = protocol._collect
 
         def collect_then_change(ticket: object) -> object:
             manifest, bundle = collect(ticket)  # type: ignore[arg-type]
@@ -90,7 +90,7 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
                 fh.write(b"changed after its digest was taken")
             return manifest, bundle
 
-        once._collect = collect_then_change
+        protocol._collect = collect_then_change
 
 
 def caught(call) -> dict:

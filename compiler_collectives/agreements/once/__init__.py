@@ -1,0 +1,90 @@
+"""Compile once: among the ranks whose graphs have the same AOTAutograd cache key, one rank compiles
+(or serves the entry its cache holds) and the others load what it made.
+
+Flow, per graph that AOTAutograd looks up in its cache while compiler collectives are on (the
+seam ``dynamo/once_seam.py`` calls in; every rank of the agreement scope takes every step, warm
+or cold, so the exchanges never depend on cache state):
+
+1. **Keys** (``offer``, at the cache lookup): one all-gather of each rank's key (or why the graph
+   is not cacheable here), whether its cache holds an entry, its cache dir's identity, which of
+   torch's compile-time collectives are on, and the largest artifact it accepts. ``decide`` turns
+   that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
+   not cacheable, compile locally; so does every rank when any of torch's compile-time
+   collectives is on (ranks that are not compiling could not join them). In each group of equal
+   keys, the lowest rank that holds the entry serves it; otherwise one rank compiles, chosen in
+   turn across graphs so that the work spreads over ranks and hosts. The others load.
+2. **Compile**: the serving or compiling rank runs AOTAutograd as usual (backward lowered with
+   the forward, so the entry exists when the compile ends); local ranks compile; loading ranks
+   wait inside the backend, for this graph only (waiting around a whole step would deadlock on
+   DDP's all-reduce). They wait while the compiling rank is alive, up to
+   ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
+3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, one
+   all-gather carries each serving rank's outcome: the manifest of its artifact (every file of
+   the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
+   program audit's fingerprints of the compile. The manifest comes over the job's own gloo group;
+   the bytes travel over gloo point to point to ranks with another cache dir, and not at all to
+   ranks that share the serving rank's dir. A rank loads only files whose SHA-256 matches, only
+   for a key it computed itself; anything else is refused, named in the log, and that rank
+   compiles the graph itself, without the cache.
+4. **Loaded** (``loaded``): one all-gather of each loading rank's outcome, so every rank logs and
+   counts who loaded, whose load missed (an entry's guards fail that rank's size hints: it
+   compiled locally) and who refused.
+
+Failures: a serving rank whose compile raises publishes the error; its loaders raise
+``CompileOnceError`` quoting it (the serving rank raises its own). A serving rank that dies is
+seen through its heartbeat or its broken gloo connection: the loaders raise ``PeerFailureError``
+naming it. Never a hang.
+
+Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
+install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry) and
+``protocol`` (the ticket, the exchanges, the wait and the transfer). Plain Python over
+``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
+"""
+
+from .artifact import dir_identity, manifest_problem, safe_relpath
+from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
+from .protocol import (
+    NO_LOOKUP,
+    Cache,
+    Ticket,
+    abandon,
+    begin,
+    clear_records,
+    current,
+    fetch,
+    finish,
+    loaded,
+    note_fx_key,
+    note_source,
+    offer,
+    records,
+    reset_sequence,
+)
+
+__all__ = [
+    "COMPILE",
+    "LOAD",
+    "LOCAL",
+    "NO_LOOKUP",
+    "SERVE",
+    "Cache",
+    "Plan",
+    "Ticket",
+    "abandon",
+    "begin",
+    "clear_records",
+    "current",
+    "decide",
+    "dir_identity",
+    "fallback_allowed",
+    "fetch",
+    "finish",
+    "loaded",
+    "manifest_problem",
+    "note_fx_key",
+    "note_source",
+    "offer",
+    "records",
+    "reset_sequence",
+    "safe_relpath",
+]
