@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import health
-from ..errors import CollectiveError, ProgramDivergenceError, describe, program_divergence, ranks_text
+from ..errors import CollectiveError, ProgramDivergenceError, describe, ours_within, program_divergence, ranks_text
 from ..state import FrameId
 from ..stats import counters
 from ..transport import groups
@@ -265,6 +265,13 @@ def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None) -> T:
     except CollectiveError:
         raise  # our collectives already failed on this rank: no exchange can be trusted
     except Exception as e:
+        ours = ours_within(e)
+        if ours is not None and health.poisoned() is not None:
+            # Ours, raised inside the backend (compile once's wait gave up) and wrapped by torch,
+            # after this rank published it: its peers will not exchange for this graph, and the
+            # user gets our type. (Ours that left the ranks in step, such as a peer's compile
+            # that raised, still settle below: every rank takes that exchange.)
+            raise ours from ours.__cause__
         # Peers are about to exchange for this graph: take part, so that they
         # learn this rank has no program instead of waiting for it.
         settle(record, failure=failure_text(e))

@@ -6,6 +6,8 @@ failure word). This module decides what that means for the job:
 * ``exchange_failed``: the error a byte exchange raises. A bad payload or a
   desync is seen identically by every rank, so nobody needs telling; anything
   else (a timeout, a dead peer, gloo's ``RuntimeError``) goes through ``fail``.
+* ``known``: publish a failure whose cause this rank knows already (compile
+  once's timeout, a compiling rank that is gone), without a diagnosis.
 * ``fail``: publish, then diagnose. Same-host peers see the shared-memory
   failure word within microseconds; every other peer's heartbeat thread sees
   the store report within a heartbeat and poisons its rank. The diagnosis then
@@ -122,6 +124,24 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
         except Exception as e:  # noqa: BLE001 - the first report stands
             log.debug("rank %d could not update its failure report: %s", side.rank, e)
     return explained
+
+
+def known(error: CollectiveError, *, seq: int | None) -> CollectiveError:
+    """A failure whose cause this rank already knows (compile once's loader timed out, or saw the
+    compiling rank gone): published like ``fail``'s, so every peer hears it within a heartbeat
+    (a compiling rank at its next exchange), and this rank is poisoned; never diagnosed or
+    re-typed, since a peer that is busy compiling is not out of step. Returns ``error``."""
+    side = groups.side
+    channel = groups.built_guard_channel()
+    if channel is not None and side is not None:
+        channel.publish_failure(side.rank)
+    if side is not None:
+        try:
+            side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks)
+        except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+            log.warning("rank %d could not report its failure on the c10d store (%s)", side.rank, e)
+    health.poison(error)
+    return error
 
 
 def as_reported(error: CollectiveError, peer: int, seq: int | None = None) -> CollectiveError:

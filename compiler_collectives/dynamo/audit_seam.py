@@ -167,7 +167,7 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
     # backward only on the ranks that run it, maybe in another entry. Compile
     # once needs it too: AOTAutograd saves a training graph's cache entry only
     # once its backward is compiled, and the loading ranks wait for that entry.
-    with bound.config_patch("force_non_lazy_backward_lowering", True):
+    with once_seam.backward_lowered_with_forward():
         if sharing:
             return once_seam.around_aot(lambda: original(mod, args, **kwargs), mod, args)
         return original(mod, args, **kwargs)

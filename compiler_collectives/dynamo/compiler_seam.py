@@ -32,7 +32,7 @@ import torch
 
 from .. import config, health
 from ..agreements import compiler, entry, guard
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ours_within
 from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
 from . import bound, guard_seam, tooling
@@ -272,18 +272,6 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]  # marks our wrapper for install
     return _compile
-
-
-def ours_within(error: BaseException) -> CollectiveError | None:
-    """The first of our errors in ``error``'s chain of causes and contexts (a few links deep)."""
-    inner: BaseException | None = error
-    for _ in range(8):
-        if inner is None:
-            return None
-        if isinstance(inner, CollectiveError):
-            return inner
-        inner = inner.__cause__ or inner.__context__
-    return None
 
 
 def resume_calls(result: Any) -> tuple[str, ...]:

@@ -25,10 +25,12 @@ The AOTAutograd compile itself is bracketed by ``audit_seam.aot_module_simplifie
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -51,7 +53,7 @@ SWITCHES = (
     ("inductor_config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
 )
 
-_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; error
+_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; error; user_lowering
 
 
 class _Cache:
@@ -76,6 +78,42 @@ CACHE = _Cache()
 def set_frame(frame: FrameId | None) -> None:
     """The frame whose graph the backend compiles on this thread now (for messages)."""
     _state.frame = frame
+
+
+@contextlib.contextmanager
+def backward_lowered_with_forward() -> Iterator[None]:
+    """AOTAutograd lowers the backward with the forward inside (the audit and compile once need
+    it), while the cache key stays the one the user's own setting gives (``cache_key``)."""
+    previous = getattr(_state, "user_lowering", None)
+    _state.user_lowering = bool(bound.current("force_non_lazy_backward_lowering"))
+    try:
+        with bound.config_patch("force_non_lazy_backward_lowering", True):
+            yield
+    finally:
+        _state.user_lowering = previous
+
+
+def _key_as_the_user_set_it(original: Callable[..., T], args: Any, kwargs: Any) -> T:
+    """AOTAutograd's cache key computed with the backward lowering the user chose.
+
+    The setting is part of the key (the functorch config and the AOTConfig), so the eager
+    lowering we set would give every graph another key than a run without the service: a cache
+    warmed by a 1-rank run, or with the service off, would never serve a job with it on. The
+    entry is the same either way: it is saved once the backward is compiled, lazily or not, and
+    holds both compiles.
+    """
+    user = getattr(_state, "user_lowering", None)
+    aot_config = args[2] if len(args) > 2 else kwargs.get("config")
+    if user is None or user or not isinstance(aot_config, bound.originals["AOTConfig"]):
+        return original(*args, **kwargs)
+    # A frozen dataclass: the key is computed over a copy with the user's setting.
+    as_set = dataclasses.replace(aot_config, force_non_lazy_backward_lowering=user)
+    if len(args) > 2:
+        args = (*args[:2], as_set, *args[3:])
+    else:
+        kwargs = {**kwargs, "config": as_set}
+    with bound.config_patch("force_non_lazy_backward_lowering", user):
+        return original(*args, **kwargs)
 
 
 def applies() -> bool:
@@ -105,9 +143,13 @@ def graph_digest(mod: Any, args: Any) -> str:
     """A digest of the graph handed to AOTAutograd, its inputs (dtype, shape, whether they need a
     gradient) and the grad mode: ranks with equal ones run the same inductor compiles in the same
     order (a forward and a backward, or an inference graph)."""
-    code = getattr(getattr(mod, "gm", mod), "code", None)
-    if not isinstance(code, str):
+    # The graph's text, not ``gm.code``: reading that recompiles a lazy GraphModule now, which
+    # moves the attributes AOTAutograd's cache key pickles into another order (another key than
+    # a run without the service would compute).
+    graph = getattr(getattr(mod, "gm", mod), "graph", None)
+    if graph is None:
         return ""
+    code = str(graph)
     h = hashlib.blake2b(code.encode(), digest_size=16)
     h.update(f"grad={torch.is_grad_enabled()}".encode())
     for a in args if isinstance(args, (list, tuple)) else ():
@@ -172,10 +214,10 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["autograd_cache_key"]
     ticket = once.current()
     if ticket is None or ticket.plan is not None or not getattr(_state, "lookup", False):
-        return original(*args, **kwargs)
+        return _key_as_the_user_set_it(original, args, kwargs)
     switches = switches_on()
     try:
-        key_and_lines = original(*args, **kwargs)
+        key_and_lines = _key_as_the_user_set_it(original, args, kwargs)
     except Exception as e:
         try:
             once.offer(ticket, None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches)

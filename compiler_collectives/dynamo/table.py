@@ -574,6 +574,19 @@ SEAMS: tuple[Seam, ...] = (
         reads=(Read("has _get_tmp_dir_for_key(key)", lambda c: callable(getattr(c, "_get_tmp_dir_for_key", None))),),
     ),
     Seam(
+        "AOTConfig",
+        "torch._functorch._aot_autograd.schemas",
+        "AOTConfig",
+        required=False,
+        level="once",
+        reads=(
+            Read(
+                "is a dataclass with a force_non_lazy_backward_lowering field (dataclasses.replace copies it)",
+                lambda c: "force_non_lazy_backward_lowering" in getattr(c, "__dataclass_fields__", {}),
+            ),
+        ),
+    ),
+    Seam(
         "BypassAOTAutogradCache",
         "torch._functorch._aot_autograd.autograd_cache",
         "BypassAOTAutogradCache",

@@ -24,17 +24,28 @@ but not which rank is gone. This module keeps, under the key prefix
   threads prefer an original report, and a diagnosis never takes a relayed
   one for a failure of its own.
 
-On a failure, ``diagnose`` waits briefly for every peer to either report its
-own failure or be seen absent, then says which ranks are absent and which
-are alive but elsewhere (a desync). A peer is absent when its process is gone
-or stopped (checked in ``/proc`` when it runs on this host), or when its beat
-counter did not move for ``2.5 × heartbeat + 0.5`` seconds of this rank's own
-monotonic clock: no two hosts' clocks are ever compared.
+With heartbeats off (``COMPILER_COLLECTIVES_HEARTBEAT_S=0``) no thread runs,
+but ``hb/<rank>`` is still written once at start: the process's identity, so
+that a peer on the same host can look for it in ``/proc``.
 
-Store calls from the caller's thread go through ``bounded``: the c10d store
-bounds none of them (a stopped store host blocks a ``set`` for as long as the
-process group's own timeout, 30 minutes by default), ours are bounded by
-``COMPILER_COLLECTIVES_TIMEOUT`` or less.
+Whether a peer lives is one verdict (``liveness.judge``: alive, stopped,
+wedged, gone, failed), read from its record and, on this host, ``/proc``;
+each wait applies its own policy to it. On a failure, ``diagnose``
+(``liveness.DIAGNOSIS``) waits briefly for every peer to either report its
+own failure or be seen absent (gone, stopped or wedged), then says which
+ranks are absent and which are alive but elsewhere (a desync). ``watch``
+(compile once's loader, ``liveness.COMPILE_WAIT``) waits for a stopped or
+wedged peer, warning once, and gives up on a gone or failed one. Beat
+counters are timed on this rank's own monotonic clock: no two hosts' clocks
+are ever compared.
+
+Store calls from the caller's thread are bounded: the c10d store bounds none
+of them (a stopped store host blocks a ``set`` for as long as the process
+group's own timeout, 30 minutes by default), ours are bounded by
+``COMPILER_COLLECTIVES_TIMEOUT`` or less. One-off calls go through
+``bounded`` (a thread each); the frequent ones (a loader polls notices and
+its peers' liveness every 200 ms for as long as a compile takes) through
+the side channel's ``StoreCaller``, one long-lived thread.
 
 At interpreter exit the heartbeat thread is stopped and joined (``shutdown``):
 a daemon thread that is inside a store call while Python finalizes is killed
@@ -48,6 +59,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +69,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import StoreUnresponsive
+from .liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, Probe, WaitPolicy
 
 log = logging.getLogger("compiler_collectives.watchdog")
 
@@ -85,17 +98,116 @@ def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return value
 
 
+class _Request:
+    """One call handed to a ``StoreCaller`` worker, and what came of it."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class _Worker:
+    """A daemon thread running requests from its queue until it takes None."""
+
+    def __init__(self, name: str) -> None:
+        self.requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            request = self.requests.get()
+            if request is None:
+                return
+            request.run()
+
+
+class StoreCaller:
+    """Bounded store calls on one long-lived daemon thread, for the calls made often.
+
+    ``bounded`` starts a thread per call; a loader polling every 200 ms for an
+    hour-long compile would start tens of thousands. Here each call waits for
+    the one worker at most ``timeout_s`` (calls from several threads take
+    turns, the turn counted in the bound). A call that overruns leaves its
+    worker inside the store: that worker is retired (it ends once the store
+    returns) and the next call gets a fresh one, so one slow answer never holds
+    up later calls. While ``MAX_STUCK`` retired workers are still inside the
+    store, it hangs: calls raise ``StoreUnresponsive`` at once instead of
+    piling more threads onto it.
+    """
+
+    MAX_STUCK = 2
+
+    def __init__(self, name: str = "compiler_collectives-store") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+        self._stuck: list[_Worker] = []
+
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        """``fn``'s result or exception, or ``StoreUnresponsive`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            raise StoreUnresponsive(what, timeout_s)
+        try:
+            worker = self._ready(what, timeout_s)
+            request = _Request(fn)
+            worker.requests.put(request)
+            if not request.done.wait(max(0.0, deadline - time.monotonic())):
+                worker.requests.put(None)  # retired: it ends once the store returns
+                self._stuck.append(worker)
+                self._worker = None
+                raise StoreUnresponsive(what, timeout_s)
+        finally:
+            self._lock.release()
+        if request.error is not None:
+            raise request.error
+        value: T = request.value
+        return value
+
+    def _ready(self, what: str, timeout_s: float) -> _Worker:
+        self._stuck = [w for w in self._stuck if w.thread.is_alive()]
+        if len(self._stuck) >= self.MAX_STUCK:
+            raise StoreUnresponsive(f"{what} (it has not returned from {len(self._stuck)} earlier calls)", timeout_s)
+        worker = self._worker
+        if worker is None or not worker.thread.is_alive():  # none yet, or lost (a fork keeps no threads)
+            worker = self._worker = _Worker(self._name)
+        return worker
+
+    def close(self, join_s: float = 0.0) -> bool:
+        """End the worker (once its call, if any, returns); with ``join_s``, wait that long. True if it ended."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is None:
+            return True
+        worker.requests.put(None)
+        if join_s > 0 and worker.thread is not threading.current_thread():
+            worker.thread.join(join_s)
+        return not worker.thread.is_alive()
+
+
 @dataclasses.dataclass
 class PeerStatus:
     rank: int
-    state: str  # "failed", "absent", "alive", "unknown"
+    state: str  # "failed", "absent", "alive", "unknown" (``why`` says why, or the store did not answer)
     guard_seq: int | None = None
     compiler_seq: int | None = None
     frame: str | None = None
     silent_s: float | None = None  # how long this rank watched the beat counter stand still
-    why: str | None = None  # for "absent": what showed it
+    why: str | None = None  # for "absent" and "unknown": what showed it
     message: str | None = None
     report: dict[str, Any] | None = None  # for "failed": its failure report as the diagnosis ended
+    liveness: Liveness | None = None  # the verdict the state was read from (``liveness.judge``)
 
     def describe(self) -> str:
         where = []
@@ -112,7 +224,7 @@ class PeerStatus:
             return f"rank {self.rank}: alive but not in this collective{at}"
         if self.state == "failed":
             return f"rank {self.rank}: failed too{at}"
-        return f"rank {self.rank}: unknown (the store did not answer)"
+        return f"rank {self.rank}: unknown ({self.why or 'the store did not answer'})"
 
 
 @dataclasses.dataclass
@@ -140,6 +252,10 @@ class Diagnosis:
 
 def _as_int(value: Any) -> int | None:
     return value if type(value) is int else None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 # How to reach the default group's c10d store. Torch offers no public
@@ -171,15 +287,17 @@ class SideChannel:
         progress: Callable[[], dict[str, Any]],
         *,
         identity: dict[str, int] | None = None,
-        probe: Callable[[int], tuple[str, int] | None] | None = None,
+        probe: Probe | None = None,
         current: Callable[[], bool] = lambda: True,
+        store: Any = None,
     ) -> None:
+        """``store``: the c10d store to keep our keys on (None: the default group's)."""
         self.rank = rank
         self.world = world
         self.generation = generation
         # torch.distributed re-exports PrefixStore at run time, outside what its types declare.
         prefix_store = dist.PrefixStore  # type: ignore[attr-defined]
-        self.store = prefix_store(f"compiler_collectives/{generation}/", default_store())
+        self.store = prefix_store(f"compiler_collectives/{generation}/", default_store() if store is None else store)
         self._progress = progress
         # This process as peers on the same host check it: pid, start time, host key.
         self._identity = dict(identity or {})
@@ -191,6 +309,7 @@ class SideChannel:
         self._seen_failures = 0
         self._beats = 0
         self._store_failing = False
+        self._caller = StoreCaller()  # the frequent store calls (``call``): one thread, not one per call
         # The ranks our agreements span (a scope: compiler_collectives.scope); None: every rank.
         # Rendezvous and diagnosis cover these only, so another scope is never waited for or
         # blamed. Failure reports are watched from every rank: a job stops as a whole.
@@ -229,31 +348,47 @@ class SideChannel:
         return self._beats
 
     def start(self, on_peer_failure: Callable[[int, dict[str, Any]], None]) -> None:
+        """Write the first heartbeat record, then (heartbeats on) start the thread that beats.
+
+        The record is written with heartbeats off too: it carries this process's
+        identity, without which a peer on this host could not tell from ``/proc``
+        that this process died (``liveness.judge``).
+        """
         self._on_peer_failure = on_peer_failure
         interval = config.settings.heartbeat_s
-        if interval <= 0 or self._thread is not None:
+        if self._thread is not None or self._beats > 0:
             return
         bounded(self._beat, config.settings.timeout_s, "the first heartbeat")
+        if interval <= 0:
+            return
         self._thread = threading.Thread(
             target=self._run, args=(interval,), name="compiler_collectives-heartbeat", daemon=True
         )
         self._thread.start()
 
     def stop(self, join_s: float = 0.0) -> bool:
-        """Stop the heartbeat; with ``join_s``, wait that long for the thread. True if it ended."""
+        """Stop the heartbeat and the store caller's thread; with ``join_s``, wait that long
+        for each. True if both ended."""
         self._stop.set()
+        caller_ended = self._caller.close(join_s)
         thread = self._thread
         if thread is None or thread is threading.current_thread():
-            return True
+            return caller_ended
         if join_s > 0:
             thread.join(join_s)
-        return not thread.is_alive()
+        return caller_ended and not thread.is_alive()
+
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
+        """Run ``fn`` (store calls) bounded by ``timeout_s`` on this channel's one store-call
+        thread (``StoreCaller``): for calls made often, where ``bounded``'s thread per call adds up."""
+        return self._caller.call(fn, timeout_s, what)
 
     def _beat(self) -> None:
         self._beats += 1
         record = dict(self._progress())
         record.update(self._identity)
         record["n"] = self._beats
+        record["hb_s"] = config.settings.heartbeat_s  # 0: this counter never moves (liveness.judge)
         self.store.set(f"hb/{self.rank}", json.dumps(record))
 
     def _run(self, interval: float) -> None:
@@ -383,7 +518,7 @@ class SideChannel:
     def post(self, name: str, value: bytes) -> None:
         """Leave ``value`` under ``name`` for the peers (bounded like every store call of ours)."""
         # c10d stores take bytes at run time; their stubs declare str only.
-        bounded(lambda: self.store.set(f"post/{name}", value), config.settings.timeout_s, "posting a notice")  # type: ignore[arg-type]
+        self.call(lambda: self.store.set(f"post/{name}", value), config.settings.timeout_s, "posting a notice")  # type: ignore[arg-type]
 
     def read_post(self, name: str) -> bytes | None:
         """The value posted under ``name``, or None if nothing is posted yet (never waits)."""
@@ -395,95 +530,46 @@ class SideChannel:
             value: bytes = self.store.get(key)
             return value
 
-        return bounded(read, config.settings.timeout_s, "reading a notice")
+        return self.call(read, config.settings.timeout_s, "reading a notice")
 
-    def watch(self, rank: int) -> Callable[[], str | None]:
-        """A probe of peer ``rank``: each call returns why it is absent (crashed, killed, stopped,
-        silent for ``2.5 x heartbeat + 0.5`` s of this rank's clock), or None while it looks alive.
-        A silent peer whose process runs on this host is alive: a long native call that holds
-        the GIL silences a rank that is still working (logged once, with how to see where)."""
-        seen: list[Any] = [None, time.monotonic()]  # its beat counter, when it last moved here
-        stale_after = 2.5 * config.settings.heartbeat_s + 0.5
-        warned = [False]
+    # ------------------------------------------------------------ liveness
+
+    def peer_watch(self) -> PeerWatch:
+        """A fresh watch of one peer's beat counter, judged from this host (``liveness``)."""
+        return PeerWatch(
+            here=_as_int(self._identity.get("host")), probe=self._probe, heartbeat_s=config.settings.heartbeat_s
+        )
+
+    def watch(self, rank: int, *, policy: WaitPolicy = COMPILE_WAIT) -> Callable[[], str | None]:
+        """A probe of peer ``rank``: each call returns why ``policy`` gives up on it (absent), or
+        None while ``policy`` waits for it. Each verdict ``policy`` waits through with a warning
+        (compile once's wait: a stopped or wedged peer on this host) is logged once. Peers on
+        this host are looked for in ``/proc`` at each call, with heartbeats on or off."""
+        watch = self.peer_watch()
+        warned: set[Liveness] = set()
 
         def absent() -> str | None:
-            if config.settings.heartbeat_s <= 0:
-                return None
-            failed, record = bounded(lambda: self._read_peer(rank), config.settings.timeout_s, "reading a heartbeat")
-            now = time.monotonic()
-            if failed:
-                return "it reported a failure"
-            if record is None:
-                return "it never sent a heartbeat" if now - seen[1] >= stale_after else None
-            why = self._process_gone_or_stopped(record)
-            if why is not None:
-                return why
-            if record.get("n") != seen[0]:
-                seen[0], seen[1] = record.get("n"), now
-                return None
-            if now - seen[1] >= stale_after:
-                pid = self._runs_here(record)
-                if pid is None:
-                    return self._silent(now - seen[1], None)
-                if not warned[0]:
-                    warned[0] = True
-                    log.warning(
-                        "rank %d's heartbeat is silent for %.1fs, but its process (pid %d, this host) runs: "
-                        "still waiting for it (a native call that holds the GIL? `py-spy dump --native "
-                        "--pid %d` shows where)",
-                        rank,
-                        now - seen[1],
-                        pid,
-                        pid,
-                    )
+            failed, record = self.call(lambda: self._read_peer(rank), config.settings.timeout_s, "reading a heartbeat")
+            verdict = watch.read(record, failed=failed)
+            if policy.gives_up(verdict):
+                return verdict.why
+            if verdict.liveness in policy.warn and verdict.liveness not in warned:
+                warned.add(verdict.liveness)
+                log.warning("%s", policy.warning(rank, verdict))
+            elif verdict.liveness is Liveness.ALIVE and warned:
+                warned.clear()  # so that a second stop (or silence) is told as well
+                log.info("rank %d runs again: %s", rank, verdict.why)
             return None
 
         return absent
 
-    def _process_gone_or_stopped(self, record: dict[str, Any]) -> str | None:
-        """Why a same-host peer's process shows it absent, or None (or not on this host)."""
-        host, pid, start = (_as_int(record.get(k)) for k in ("host", "pid", "start"))
-        if self._probe is None or host is None or pid is None or host != self._identity.get("host"):
-            return None
-        ident = self._probe(pid)
-        if ident is None or ident[0] in ("Z", "X") or (start is not None and ident[1] != start):
-            return f"its process (pid {pid}, this host) is gone: crashed, killed or exited"
-        if ident[0] in ("T", "t"):
-            return f"its process (pid {pid}, this host) is stopped (SIGSTOP or a debugger)"
-        return None
-
-    @staticmethod
-    def _silent(silent_s: float, pid: int | None) -> str:
-        """Why a peer whose heartbeat stopped moving is absent; ``pid``: its process runs on this
-        host (``_runs_here``). Such a peer is wedged: its heartbeat thread cannot take the GIL (a
-        native call that holds it and blocks, such as a lock-order deadlock inside torch), and a
-        stack dump shows where."""
-        if pid is not None:
-            return (
-                f"no heartbeat for {silent_s:.1f}s, yet its process (pid {pid}, this host) runs: "
-                f"it is wedged, most likely in a native call that holds the GIL (`py-spy dump --native "
-                f"--pid {pid}` shows where)"
-            )
-        return f"no heartbeat for {silent_s:.1f}s (crashed, killed, stopped or cut off from the store)"
-
-    def _runs_here(self, record: dict[str, Any]) -> int | None:
-        """The pid of a peer whose process runs on this host (checked in ``/proc``), else None."""
-        host, pid = _as_int(record.get("host")), _as_int(record.get("pid"))
-        if self._probe is None or pid is None or host is None or host != self._identity.get("host"):
-            return None
-        return pid if self._probe(pid) is not None else None
-
     def diagnose(self, grace_s: float, *, until_absent: bool = False) -> Diagnosis:
-        """Classify every peer; waits up to ``grace_s`` for undecided ones (with
-        ``until_absent``, only until some peer is found absent)."""
-        interval = config.settings.heartbeat_s
-        stale_after = 2.5 * interval + 0.5
-        start = time.monotonic()
-        deadline = start + grace_s
-        first_beat: dict[int, tuple[Any, float]] = {}  # rank -> (beat counter, when this rank first saw it)
+        """Classify every peer (``liveness.DIAGNOSIS``); waits up to ``grace_s`` for undecided
+        ones (with ``until_absent``, only until some peer is found absent)."""
+        deadline = time.monotonic() + grace_s
+        watches: dict[int, PeerWatch] = {}
         decided: dict[int, PeerStatus] = {}
         while True:
-            now = time.monotonic()
             peers = []
             for r in self.peers():
                 if r == self.rank:
@@ -492,34 +578,22 @@ class SideChannel:
                     peers.append(decided[r])
                     continue
                 failed, record = self._read_peer(r)
-                status = PeerStatus(r, "failed" if failed else "alive")
+                verdict = watches.setdefault(r, self.peer_watch()).read(record, failed=failed)
+                status = PeerStatus(r, "alive", liveness=verdict.liveness)
                 if record is not None:
                     status.guard_seq = _as_int(record.get("guard_seq"))
                     status.compiler_seq = _as_int(record.get("compiler_seq"))
-                    frame = record.get("frame")
-                    status.frame = frame if isinstance(frame, str) else None
-                if not failed:
-                    if record is None:
-                        status.state, status.why = (
-                            "absent",
-                            "it never sent a heartbeat (crashed, killed or stopped early)",
-                        )
-                    else:
-                        why = self._process_gone_or_stopped(record)
-                        beat = record.get("n")
-                        seen = first_beat.setdefault(r, (beat, now))
-                        if why is not None:
-                            status.state, status.why = "absent", why
-                        elif beat != seen[0]:
-                            pass  # its heartbeat moved while we watched: alive
-                        elif now - seen[1] >= stale_after:
-                            status.state = "absent"
-                            status.silent_s = now - seen[1]
-                            status.why = self._silent(status.silent_s, self._runs_here(record))
+                    status.frame = _str_or_none(record.get("frame"))
+                if verdict.liveness is Liveness.FAILED:
+                    status.state = "failed"
+                elif DIAGNOSIS.gives_up(verdict):
+                    status.state, status.why, status.silent_s = "absent", verdict.why, verdict.silent_s
+                elif verdict.liveness is Liveness.UNKNOWN:  # on another host, without a heartbeat
+                    status.state, status.why = "unknown", verdict.why
                 if status.state in ("failed", "absent"):
                     decided[r] = status
                 peers.append(status)
-            undecided = [p for p in peers if p.state == "alive"]
+            undecided = [p for p in peers if p.state in ("alive", "unknown")]
             left = deadline - time.monotonic()
             if not undecided or left <= 0 or (until_absent and any(p.state == "absent" for p in peers)):
                 for p in peers:  # as they read now (a report is updated once its sender diagnosed)

@@ -65,6 +65,7 @@ from ..errors import (
     ScopeError,
     StoreUnresponsive,
 )
+from ..health.liveness import COMPILE_WAIT, WaitPolicy
 from ..health.watchdog import SideChannel, bounded, diagnose_with_deadline
 from . import scope as scope_mod
 from . import segment
@@ -457,9 +458,13 @@ class Groups:
         """A notice a peer posted (``post``), or None if there is none yet."""
         return self._side_channel().read_post(self._notice(name))
 
-    def watch_peer(self, rank: int) -> Callable[[], str | None]:
-        """A probe that says why global rank ``rank`` is absent, or None while it looks alive."""
-        return self._side_channel().watch(rank)
+    def watch_peer(self, rank: int, *, policy: WaitPolicy = COMPILE_WAIT) -> Callable[[], str | None]:
+        """A probe of global rank ``rank``: each call says why ``policy`` gives up on it (it is
+        absent), or None while ``policy`` waits for it. The default is compile once's loader wait
+        (its only caller): a gone or failed peer is absent; a stopped or wedged one on this host is
+        waited for, with one warning each (``health.liveness``). Cheap enough to call every
+        poll: no thread per call, and ``/proc`` is read for a peer on this host, heartbeats or not."""
+        return self._side_channel().watch(rank, policy=policy)
 
     def _notice(self, name: str) -> str:
         return name if self._scope is None else f"scope/{self._scope.key}/{name}"

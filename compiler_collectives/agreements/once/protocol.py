@@ -382,29 +382,35 @@ def _wait_for_sources(ticket: Ticket) -> None:
             gone = probes[r]()
             if gone is not None:
                 counters.errors += 1
-                raise PeerFailureError(
-                    f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: rank {r} was compiling "
-                    f"this graph for this rank and is gone: {gone}. Check rank {r}'s log and exit "
-                    "status (killed by the OOM killer?).",
-                    kind="compile_once",
-                    rank=me,
-                    seq=ticket.seq,
-                    frame=str(ticket.frame),
-                    ranks=(r,),
+                raise _published(
+                    PeerFailureError(
+                        f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: rank {r} was compiling "
+                        f"this graph for this rank and is gone: {gone}. Check rank {r}'s log and exit "
+                        "status (killed by the OOM killer?).",
+                        kind="compile_once",
+                        rank=me,
+                        seq=ticket.seq,
+                        frame=str(ticket.frame),
+                        ranks=(r,),
+                    ),
+                    ticket,
                 )
         now = time.monotonic()
         if now >= deadline:
             counters.errors += 1
-            raise CompileOnceError(
-                f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: waited "
-                f"{now - started:.0f}s for {ranks_text(pending)} to compile a graph for this rank, and they "
-                "are alive. Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that "
-                "long, or set COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
-                kind="compile_once",
-                rank=me,
-                seq=ticket.seq,
-                frame=str(ticket.frame),
-                ranks=tuple(pending),
+            raise _published(
+                CompileOnceError(
+                    f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: waited "
+                    f"{now - started:.0f}s for {ranks_text(pending)} to compile a graph for this rank, and they "
+                    "are alive. Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that "
+                    "long, or set COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
+                    kind="compile_once",
+                    rank=me,
+                    seq=ticket.seq,
+                    frame=str(ticket.frame),
+                    ranks=tuple(pending),
+                ),
+                ticket,
             )
         if now >= next_log:
             next_log = now + LOG_EVERY_S
@@ -420,6 +426,14 @@ def _wait_for_sources(ticket: Ticket) -> None:
         sleep = min(sleep * 2, _POLL_S[1])
     ticket.waited_s = time.monotonic() - started
     counters.once_wait_s += ticket.waited_s
+
+
+def _published(error: CompileOnceError | PeerFailureError, ticket: Ticket) -> CompileOnceError | PeerFailureError:
+    """A loader's failure to wait (the compiling rank timed out or is gone), published through
+    the failure policy: the compiling rank hears of it within a heartbeat and raises at its next
+    exchange, instead of entering an exchange this rank will never take."""
+    failure_procedure.known(error, seq=ticket.seq)
+    return error
 
 
 def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
@@ -595,8 +609,7 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     prefix = _entry_prefix(ticket)
     refusal = artifact.foreign_entry(result.manifest, prefix, ticket.key, ticket.level)
     if refusal is None and plan.shares_dir:
-        refusal = artifact.check_shared(root, result.manifest, plan.source, prefix)
-        return _refused(refusal)
+        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
     if refusal is not None:
         return _refused(refusal)
     if not _travels(result, plan, ticket.offers[_rank()], ticket.level):
@@ -614,11 +627,28 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     counters.once_bytes_received += total
     ticket.bytes_in = total
     pieces, refusal = artifact.split_verified(result.manifest, data, plan.source)
-    if refusal is None:
-        refusal = artifact.conflicts(root, pieces)
-    if refusal is None:
-        refusal = artifact.install(root, pieces)
-    return _refused(refusal)
+    if refusal is not None:
+        return _refused(refusal)
+    return _taken(ticket, artifact.install(root, pieces))
+
+
+def _taken(ticket: Ticket, outcome: artifact.Accepted | artifact.Refusal) -> str | None:
+    """None when the artifact is in place, else why not. Files it replaced (torn or stale) or
+    kernel binaries it kept (built here from the same source) are named for on-call."""
+    if isinstance(outcome, artifact.Refusal):
+        return _refused(outcome)
+    if outcome.replaced or outcome.kept:
+        log.info(
+            "compile once #%d of %s: took the artifact; replaced %d file(s) whose bytes differed (torn or "
+            "stale) %s; kept %d kernel binar(ies) built here from the same source %s",
+            ticket.seq,
+            ticket.frame,
+            len(outcome.replaced),
+            list(outcome.replaced[:10]),
+            len(outcome.kept),
+            list(outcome.kept[:10]),
+        )
+    return None
 
 
 def _refused(refusal: artifact.Refusal | None) -> str | None:

@@ -1,0 +1,350 @@
+"""One liveness verdict on a peer (issue 29): what shows a peer alive, stopped, wedged or gone,
+and what each wait makes of it.
+
+The verdict (``health.liveness.judge``) reads a peer's heartbeat record and, for
+a process on this host, ``/proc``; the tests give it real processes: this test
+process, or a child that sleeps, stopped, resumed and killed for real. The
+failure diagnosis names a stopped or wedged peer absent; compile once's wait
+(``SideChannel.watch``, ``groups.watch_peer``) waits for both, warning once, and
+gives up only on a gone or failed one, heartbeats on or off. Side channels run
+over a real ``FileStore``: two in one process stand for two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch.distributed as dist
+
+from compiler_collectives import config
+from compiler_collectives.errors import StoreUnresponsive
+from compiler_collectives.health import liveness
+from compiler_collectives.health.liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, judge
+from compiler_collectives.health.watchdog import SideChannel, StoreCaller
+from compiler_collectives.transport.segment import process_identity
+
+HERE = 0x1234  # this host's key, as records carry it
+ELSEWHERE = 0x5678
+
+
+def _record_of(pid: int, *, host: int = HERE, n: int = 1, hb_s: float = 1.0) -> dict:
+    ident = process_identity(pid)
+    assert ident is not None, pid
+    return {"pid": pid, "start": ident[1], "host": host, "n": n, "hb_s": hb_s}
+
+
+def _judge(record: dict | None, *, failed: bool = False, silent_s: float = 0.0) -> liveness.Verdict:
+    return judge(record, failed=failed, silent_s=silent_s, here=HERE, probe=process_identity, heartbeat_s=1.0)
+
+
+def _until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen]:
+    """A real process on this host that only sleeps; always reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _until(lambda: process_identity(child.pid) is not None)
+        yield child
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+        child.wait(10)
+
+
+def _channels(tmp_path, peer_pid: int) -> tuple[SideChannel, SideChannel]:
+    """Rank 0 (this process) and rank 1 (process ``peer_pid`` on this host), on one real FileStore."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+
+    def identity(pid: int) -> dict[str, int]:
+        ident = process_identity(pid)
+        assert ident is not None
+        return {"pid": pid, "start": ident[1], "host": HERE}
+
+    channels = tuple(
+        SideChannel(r, 2, 1, dict, identity=identity(pid), probe=process_identity, store=store)
+        for r, pid in ((0, os.getpid()), (1, peer_pid))
+    )
+    for side in channels:
+        side.start(on_peer_failure=lambda peer, report: None)
+    return channels[0], channels[1]
+
+
+@pytest.fixture
+def heartbeats_off() -> Iterator[None]:
+    # No heartbeat thread: what the compile wait sees is the record written at start and /proc.
+    with config.override(heartbeat_s=0.0):
+        yield
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def test_a_peer_that_reported_a_failure_failed():
+    assert _judge(_record_of(os.getpid()), failed=True).liveness is Liveness.FAILED
+
+
+def test_a_peer_that_never_wrote_a_record_is_gone():
+    verdict = _judge(None)
+    assert verdict.liveness is Liveness.GONE
+    assert "never sent a heartbeat" in verdict.why
+
+
+def test_a_same_host_peer_whose_process_runs_is_alive_with_heartbeats_off():
+    verdict = _judge(_record_of(os.getpid(), hb_s=0.0), silent_s=3600.0)
+    assert verdict.liveness is Liveness.ALIVE
+    assert verdict.pid == os.getpid()
+
+
+def test_a_same_host_peer_silent_while_its_process_runs_is_wedged():
+    verdict = _judge(_record_of(os.getpid()), silent_s=liveness.stale_after(1.0))
+    assert verdict.liveness is Liveness.WEDGED
+    assert f"yet its process (pid {os.getpid()}, this host) runs: it is wedged" in verdict.why
+    assert "py-spy dump --native" in verdict.why
+
+
+def test_a_same_host_peer_whose_pid_now_names_another_process_is_gone():
+    record = {**_record_of(os.getpid()), "start": process_identity(os.getpid())[1] + 1}
+    verdict = _judge(record)
+    assert verdict.liveness is Liveness.GONE
+    assert "is gone: crashed, killed or exited" in verdict.why
+
+
+def test_a_peer_on_another_host_is_alive_while_its_beat_moves_and_gone_once_silent():
+    record = _record_of(os.getpid(), host=ELSEWHERE)
+    assert _judge(record, silent_s=liveness.stale_after(1.0) - 0.1).liveness is Liveness.ALIVE
+    silent = _judge(record, silent_s=liveness.stale_after(1.0))
+    assert silent.liveness is Liveness.GONE
+    assert "no heartbeat for 3.0s (crashed, killed, stopped or cut off from the store)" in silent.why
+
+
+def test_a_peer_on_another_host_without_a_heartbeat_is_unknown_never_gone():
+    verdict = _judge(_record_of(os.getpid(), host=ELSEWHERE, hb_s=0.0), silent_s=3600.0)
+    assert verdict.liveness is Liveness.UNKNOWN
+
+
+def test_silence_is_timed_on_this_rank_clock_from_the_last_move_of_the_beat_counter():
+    now = [100.0]
+    watch = PeerWatch(here=HERE, probe=process_identity, heartbeat_s=1.0, clock=lambda: now[0])
+    record = _record_of(os.getpid(), host=ELSEWHERE, n=1)
+    assert watch.read(record, failed=False).liveness is Liveness.ALIVE
+    now[0] += 2.0
+    assert watch.read({**record, "n": 2}, failed=False).liveness is Liveness.ALIVE  # moved at 102
+    now[0] += 2.9
+    assert watch.read({**record, "n": 2}, failed=False).liveness is Liveness.ALIVE  # silent 2.9 s < 3.0 s
+    now[0] += 0.2
+    verdict = watch.read({**record, "n": 2}, failed=False)
+    assert verdict.liveness is Liveness.GONE and verdict.silent_s == pytest.approx(3.1)
+
+
+# ---------------------------------------------------------------- the policies
+
+
+@pytest.mark.parametrize(
+    "verdict, diagnosis_absent, compile_wait_absent, compile_wait_warns",
+    [
+        (Liveness.ALIVE, False, False, False),
+        (Liveness.UNKNOWN, False, False, False),
+        (Liveness.STOPPED, True, False, True),
+        (Liveness.WEDGED, True, False, True),
+        (Liveness.GONE, True, True, False),
+        (Liveness.FAILED, True, True, False),
+    ],
+)
+def test_the_diagnosis_gives_up_on_a_stopped_or_wedged_peer_the_compile_wait_waits_with_a_warning(
+    verdict, diagnosis_absent, compile_wait_absent, compile_wait_warns
+):
+    v = liveness.Verdict(verdict, "why")
+    assert DIAGNOSIS.gives_up(v) is diagnosis_absent
+    assert COMPILE_WAIT.gives_up(v) is compile_wait_absent
+    assert (verdict in COMPILE_WAIT.warn) is compile_wait_warns
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_same_host_process_stopped_is_stopped_resumed_is_alive_and_killed_is_gone(sleeper):
+    record = _record_of(sleeper.pid)
+    assert _judge(record).liveness is Liveness.ALIVE
+    sleeper.send_signal(signal.SIGSTOP)
+    _until(lambda: _judge(record).liveness is not Liveness.ALIVE)
+    stopped = _judge(record)
+    assert stopped.liveness is Liveness.STOPPED, stopped
+    assert f"pid {sleeper.pid}, this host) is stopped (SIGSTOP or a debugger)" in stopped.why
+    sleeper.send_signal(signal.SIGCONT)
+    _until(lambda: _judge(record).liveness is not Liveness.STOPPED)
+    assert _judge(record).liveness is Liveness.ALIVE
+    sleeper.kill()
+    sleeper.wait(10)
+    gone = _judge(record)
+    assert gone.liveness is Liveness.GONE, gone
+    assert f"pid {sleeper.pid}, this host) is gone" in gone.why
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_with_heartbeats_off_the_compile_wait_names_a_dead_same_host_peer_gone_within_a_poll(
+    tmp_path, heartbeats_off, sleeper
+):
+    waiter, compiler = _channels(tmp_path, sleeper.pid)
+    try:
+        assert not compiler.beating  # no thread: only the record written at start
+        probe = waiter.watch(1)
+        assert probe() is None
+        sleeper.kill()
+        sleeper.wait(10)
+        gone = probe()
+        assert gone is not None and f"pid {sleeper.pid}, this host) is gone" in gone, gone
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagnosis_names_it_absent(
+    tmp_path, heartbeats_off, sleeper, caplog
+):
+    waiter, compiler = _channels(tmp_path, sleeper.pid)
+    try:
+        probe = waiter.watch(1, policy=COMPILE_WAIT)
+        sleeper.send_signal(signal.SIGSTOP)
+        _until(lambda: process_identity(sleeper.pid)[0] in ("T", "t"))
+        with caplog.at_level(logging.WARNING, logger="compiler_collectives.watchdog"):
+            assert [probe() for _ in range(20)] == [None] * 20
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert f"rank 1's process (pid {sleeper.pid}, this host) is stopped (SIGSTOP or a debugger)" in warnings[0]
+        assert "COMPILER_COLLECTIVES_COMPILE_TIMEOUT" in warnings[0]
+
+        diagnosis = waiter.diagnose(grace_s=5.0)
+        assert diagnosis.absent == [1]
+        assert "rank 1: absent, its process" in diagnosis.render() and "is stopped" in diagnosis.render()
+
+        sleeper.send_signal(signal.SIGCONT)
+        _until(lambda: process_identity(sleeper.pid)[0] not in ("T", "t"))
+        assert probe() is None
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+# ---------------------------------------------------------------- store calls
+
+
+def _counting_thread_starts(monkeypatch) -> list[str]:
+    started: list[str] = []
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        original(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
+@pytest.mark.timeout(60)
+def test_polling_a_peer_and_its_notice_starts_no_thread_per_call(tmp_path, heartbeats_off, monkeypatch):
+    waiter, compiler = _channels(tmp_path, os.getpid())  # the peer is this process: alive
+    try:
+        probe = waiter.watch(1)
+        compiler.post("once/1/1", b"not yet")
+        started = _counting_thread_starts(monkeypatch)
+        for _ in range(200):
+            assert probe() is None
+            assert waiter.read_post("once/1/1") == b"not yet"
+            assert waiter.read_post("once/1/0") is None
+        assert len(started) <= 1, started  # at most the one store-call thread, started on first use
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_call_that_hangs_raises_store_unresponsive_within_its_bound_and_later_calls_still_run():
+    caller = StoreCaller()
+    release = threading.Event()
+    try:
+        began = time.monotonic()
+        with pytest.raises(StoreUnresponsive):
+            caller.call(release.wait, 0.3, "a hung call")
+        assert time.monotonic() - began < 2.0
+        # The worker is still inside the hung call: the next call does not queue behind it.
+        assert caller.call(lambda: 42, 2.0, "a quick call") == 42
+    finally:
+        release.set()
+        caller.close(2.0)
+
+
+@pytest.mark.timeout(60)
+def test_while_a_store_hangs_calls_raise_at_once_instead_of_piling_up_threads():
+    caller = StoreCaller()
+    release = threading.Event()
+    try:
+        for _ in range(StoreCaller.MAX_STUCK):
+            with pytest.raises(StoreUnresponsive):
+                caller.call(release.wait, 0.2, "a hung call")
+        began = time.monotonic()
+        with pytest.raises(StoreUnresponsive, match="has not returned from"):
+            caller.call(lambda: 42, 30.0, "a call to a hung store")
+        assert time.monotonic() - began < 1.0
+        release.set()  # the store answers again: the stuck workers end, and calls run again
+        _until(lambda: _answers(caller))
+        assert caller.call(lambda: 42, 2.0, "a call") == 42
+    finally:
+        release.set()
+        caller.close(2.0)
+
+
+def _answers(caller: StoreCaller) -> bool:
+    try:
+        caller.call(lambda: None, 2.0, "a call")
+    except StoreUnresponsive:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_store_call_raises_the_store_s_own_error_to_its_caller():
+    caller = StoreCaller()
+    try:
+        with pytest.raises(KeyError):
+            caller.call(lambda: {}["missing"], 2.0, "a failing call")
+    finally:
+        caller.close(2.0)
+
+
+@pytest.mark.timeout(60)
+def test_with_heartbeats_off_a_rank_still_writes_its_identity_once_and_starts_no_thread(
+    tmp_path, heartbeats_off, monkeypatch
+):
+    started = _counting_thread_starts(monkeypatch)
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        assert not compiler.beating
+        assert [name for name in started if "heartbeat" in name] == []
+        record = json.loads(waiter.store.get("hb/1"))
+        assert {k: record[k] for k in ("pid", "host", "hb_s")} == {"pid": os.getpid(), "host": HERE, "hb_s": 0.0}
+        assert record["start"] == process_identity(os.getpid())[1]
+        assert waiter.watch(1)() is None  # alive: found in /proc from that record
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
