@@ -12,6 +12,7 @@ dir per rank.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -55,19 +56,53 @@ def _run(dirs: list[str], service: bool) -> list[dict]:
     return run_ranks(job, 2, args=(service,), env=ENV, rank_env=rank_env, timeout=240).results
 
 
+@pytest.fixture(scope="module")
+def warmed_off(tmp_path_factory) -> tuple[list[str], list[dict]]:
+    """Two cache dirs warmed by a 2-rank job with the service off; what that job saw."""
+    base = tmp_path_factory.mktemp("warmed-off")
+    dirs = [str(base / f"rank{r}") for r in range(2)]
+    return dirs, _run(dirs, service=False)
+
+
+def _copies(dirs: list[str], dest) -> list[str]:
+    out = []
+    for r, d in enumerate(dirs):
+        shutil.copytree(d, dest / f"rank{r}", symlinks=True)
+        out.append(str(dest / f"rank{r}"))
+    return out
+
+
 @pytest.mark.timeout(400)
-def test_a_cache_warmed_with_the_service_off_is_keyed_alike_and_serves_a_job_with_it_on(tmp_path):
+def test_a_cache_warmed_with_the_service_off_is_keyed_alike_and_serves_a_job_with_it_on(tmp_path, warmed_off):
     """Warmed with the service off, then run with it on: the same AOTAutograd keys and FX graph
     compiles as a cold run with it on (the same entry either way), and every rank's lookup hits."""
-    warm = [str(tmp_path / f"warm{r}") for r in range(2)]
-    off = _run(warm, service=False)
+    dirs, off = warmed_off
     cold_on = _run([str(tmp_path / f"cold{r}") for r in range(2)], service=True)
     for r in range(2):
         assert cold_on[r]["aot_keys"] == off[r]["aot_keys"], "the service changed the AOTAutograd cache key"
         assert cold_on[r]["fx_keys"] == off[r]["fx_keys"], "the service compiled other inductor graphs"
-    warm_on = _run(warm, service=True)
+    warm_on = _run(_copies(dirs, tmp_path), service=True)
     assert [r["aot_hits"] for r in warm_on] == [1, 1]
     assert [r["aot_keys"] for r in warm_on] == [r["aot_keys"] for r in off]
     assert sorted(r["records"][-1]["state"] for r in warm_on) == ["loaded", "served"]
     for r in warm_on:
         assert r["grad"] == pytest.approx(off[0]["grad"], rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_loader_whose_lookup_hits_its_own_entry_runs_it_as_its_own_cache_hit(tmp_path, warmed_off):
+    """Rank 1's cache holds its own entry for the key, named to come first in torch's lookup (it
+    tries a key's entries in name order): its lookup hits that one, not the one rank 0 sent, and
+    compile once says so instead of taking rank 0's fingerprints for it."""
+    dirs, _ = warmed_off
+    mine = _copies(dirs, tmp_path)
+    (key,) = os.listdir(os.path.join(mine[1], "aotautograd"))
+    entry_dir = os.path.join(mine[1], "aotautograd", key)
+    (entry,) = os.listdir(entry_dir)
+    os.rename(os.path.join(entry_dir, entry), os.path.join(entry_dir, "0" * len(entry)))
+    results = _run(mine, service=True)
+    loader = results[1]["records"][-1]
+    assert (loader["state"], loader["source"]) == ("loaded", 0)
+    assert "hit an entry this rank's cache already held for its key, not the one rank 0 sent" in loader["why"]
+    assert results[1]["aot_hits"] == 1
+    assert results[1]["grad"] == pytest.approx(results[0]["grad"], rel=1e-6)

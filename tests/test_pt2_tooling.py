@@ -1,4 +1,5 @@
-"""What PT2's own tooling shows of us: tlparse artifacts, recompile reasons, TORCH_LOGS (issue 12)."""
+"""What PT2's own tooling shows of us: tlparse artifacts, recompile reasons, TORCH_LOGS (issue 12),
+and compile once's artifact and compile-time events (issue 29)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from compiler_collectives.instrument import artifacts
 from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
+from tests.test_compile_once import ENV as ONCE_ENV
+from tests.test_compile_once import job as once_job
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +188,157 @@ def no_miss(rank: int, world: int) -> dict:
 def test_when_every_rank_hits_no_reasons_are_exchanged():
     outcome = run_ranks(no_miss, 2)
     assert outcome.results == [{"guard": 4, "exchanges": 0}] * 2
+
+
+# ---------------------------------------------------------------- compile once (issue 29)
+
+ONCE_EVENTS = ("compile_once", "compile_once_wait", "compile_once_finish")
+
+
+def once_job_timed(rank: int, world: int) -> dict:
+    """Compile once's small training step (one graph: forward and backward), and the time each of
+    our events took in Dynamo's compile timings (what ``compile_times()`` prints)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    out = once_job(rank, world, {})
+    out["timed"] = {k: list(v) for k, v in dynamo_utils.compilation_time_metrics.items() if k in ONCE_EVENTS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def once_traced(tmp_path_factory) -> dict:
+    """One 2-rank inductor job under compile once, with TORCH_TRACE on and a cache dir per rank (the
+    artifact travels over gloo); each rank's trace read by tlparse. Shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("once")
+    trace_dir = tmp / "trace"
+    env = {**ONCE_ENV, "TORCH_TRACE": str(trace_dir), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "shared")}
+    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp / f"rank{r}")} for r in range(2)}
+    # spawn: TORCH_TRACE is read when torch is imported
+    outcome = run_ranks(once_job_timed, 2, env=env, rank_env=rank_env, start_method="spawn", timeout=300)
+    for r in outcome.results:
+        assert r["type"] is None, r
+    artifacts_, events = [], []
+    for rank in (0, 1):
+        out = tmp / f"tlparse{rank}"
+        artifacts_.append(_artifacts_by_compile(trace_dir, rank, out))
+        events.append(json.loads((out / "chromium_events.json").read_text()))
+    return {"results": outcome.results, "artifacts": artifacts_, "events": events}
+
+
+def _ranks_by_state(results: list) -> tuple[int, int]:
+    """(the rank that compiled, the rank that loaded) the job's one graph."""
+    states = [r["records"][-1]["state"] for r in results]
+    assert sorted(states) == ["compiled", "loaded"], states
+    return states.index("compiled"), states.index("loaded")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_each_rank_writes_a_compile_once_artifact_saying_who_compiled_who_loaded_bytes_and_wait(once_traced):
+    results = once_traced["results"]
+    compiler, loader = _ranks_by_state(results)
+    found = {}
+    for rank in (0, 1):
+        assert set(once_traced["artifacts"][rank]) == {"[0/0]"}
+        (found[rank],) = _named(once_traced["artifacts"][rank]["[0/0]"], "compile_once")  # one per graph
+    plan = {str(compiler): {"role": "compile", "source": compiler}, str(loader): {"role": "load", "source": compiler}}
+    for rank, artifact in found.items():
+        record = results[rank]["records"][-1]
+        assert artifact["rank"] == rank and artifact["world_size"] == 2
+        assert (artifact["seq"], artifact["frame"], artifact["level"], artifact["key"]) == (
+            record["seq"],
+            record["frame"],
+            "aot",
+            record["key"],
+        )
+        assert artifact["key"] and "_step" in artifact["frame"]
+        assert (artifact["state"], artifact["why"]) == (record["state"], record["why"])
+        assert artifact["plan"] == plan
+        assert (artifact["compiled_by"], artifact["loaders"]) == ([compiler], [loader])
+        assert artifact["served_by"] == artifact["compiled_locally"] == []
+        assert artifact["time_ms"] >= artifact["wait_ms"] >= 0
+    compiled, loaded = found[compiler], found[loader]
+    assert (compiled["state"], compiled["role"], compiled["source"]) == ("compiled", "compile", compiler)
+    assert (compiled["bytes_received"], compiled["wait_ms"]) == (0, 0)
+    assert (loaded["state"], loaded["role"], loaded["source"]) == ("loaded", "load", compiler)
+    assert (loaded["outcome"], loaded["outcome_why"]) == ("hit", None)
+    # the bytes that crossed, and the wait for the compiling rank, as the rank counted them
+    sent = results[compiler]["stats"]["once_bytes_sent"]
+    assert loaded["bytes_received"] == results[loader]["stats"]["once_bytes_received"] == sent > 0
+    assert loaded["wait_ms"] > 0
+    assert loaded["wait_ms"] == pytest.approx(results[loader]["records"][-1]["waited_s"] * 1e3, abs=1)
+
+
+def _spans(events: list[dict]) -> list[dict]:
+    """Chromium begin/end events paired: name, args (the end event's), duration (s) and the names
+    of the events open around it. Ours must nest properly with every other event (torch's own are
+    not checked among themselves)."""
+    stack: list[dict] = []
+    spans = []
+    for e in sorted((e for e in events if e.get("ph") in ("B", "E")), key=lambda e: e["ts"]):
+        if e["ph"] == "B":
+            stack.append({"name": e["name"], "ts": e["ts"], "outer": [s["name"] for s in stack]})
+            continue
+        at = max(i for i, s in enumerate(stack) if s["name"] == e["name"])
+        crossed = [s["name"] for s in stack[at:]]
+        assert len(crossed) == 1 or not set(crossed) & set(ONCE_EVENTS), f"{e['name']} ends inside {crossed[1:]}"
+        span = stack.pop(at)
+        spans.append({**span, "args": e.get("args") or {}, "s": (e["ts"] - span["ts"]) / 1e6})
+    assert not set(ONCE_EVENTS) & {s["name"] for s in stack}, [s["name"] for s in stack]
+    return spans
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_a_loading_rank_s_wait_is_a_dynamo_timed_event_of_its_own_inside_the_backend_compile(once_traced):
+    results = once_traced["results"]
+    compiler, loader = _ranks_by_state(results)
+    waited_s = results[loader]["records"][-1]["waited_s"]
+    # Dynamo's compile timings (torch._dynamo.utils.compile_times()) attribute it by our names.
+    timed = results[loader]["timed"]
+    (wait_s,) = timed["compile_once_wait"]
+    assert wait_s >= waited_s - 1e-3 and waited_s > 0
+    (whole_s,) = timed["compile_once"]
+    assert whole_s >= wait_s
+    assert "compile_once_finish" not in timed  # a loader's exchanges all run inside its wait
+    assert "compile_once_wait" not in results[compiler]["timed"]
+    assert len(results[compiler]["timed"]["compile_once_finish"]) == 1
+    # The chromium events of TORCH_TRACE (tlparse's trace view): nested in torch's own, role added.
+    spans = {rank: _spans(once_traced["events"][rank]) for rank in (0, 1)}
+    (wait,) = [s for s in spans[loader] if s["name"] == "compile_once_wait"]
+    assert wait["outer"][-2:] == ["backend_compile", "compile_once"], wait["outer"]
+    assert wait["args"]["compile_id"] == "0/0"
+    assert (wait["args"]["role"], wait["args"]["source"], wait["args"]["seq"]) == ("load", compiler, 1)
+    assert wait["args"]["waited_s"] == pytest.approx(waited_s, abs=1e-3)
+    assert wait["args"]["bytes_received"] == results[loader]["stats"]["once_bytes_received"] > 0
+    assert wait["s"] == pytest.approx(wait_s, abs=0.05)
+    # The compiling rank: its whole compile is work for others (role "compile"), its finish too.
+    (whole,) = [s for s in spans[compiler] if s["name"] == "compile_once"]
+    assert "backend_compile" in whole["outer"] and whole["args"]["role"] == "compile"
+    (finish,) = [s for s in spans[compiler] if s["name"] == "compile_once_finish"]
+    assert finish["outer"][-1] == "compile_once" and finish["args"]["role"] == "compile"
+    assert not [s for s in spans[compiler] if s["name"] == "compile_once_wait"]
+
+
+def test_a_graph_compiled_without_any_exchange_has_an_artifact_saying_it_compiled_locally():
+    payload = artifacts.compile_once(
+        rank=1,
+        seq=None,
+        frame="f at x.py:1",
+        level="aot",
+        key=None,
+        state="compiled locally",
+        why="AOTAutograd did not look this graph up in its cache",
+        outcome="none",
+        outcome_why=None,
+        roles={},
+        bytes_received=0,
+        waited_s=0.0,
+        elapsed_s=0.25,
+    )
+    assert (payload["role"], payload["source"], payload["state"]) == ("local", None, "compiled locally")
+    assert payload["plan"] == {} and payload["compiled_by"] == payload["loaders"] == []
+    assert payload["time_ms"] == 250.0 and payload["world_size"] is None
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,8 @@
   inductor's post-grad graphs.
 * ``torch._functorch.config.force_non_lazy_backward_lowering`` (required):
   set around an audited AOTAutograd compile, so that its backward is lowered
-  with its forward.
+  with its forward (``once_seam.aot_compile``, which also brackets the
+  compile for compile once and keeps the cache key the user's own).
 
 The optional levels are patched through the seam table (``bound.bind_level``)
 when an audited compile first finds their modules imported (importing them at
@@ -127,6 +128,7 @@ _LEVELS = {
     "inductor": "the inductor graphs are not audited",
     "audit-groups": "functional collectives' groups are compared by name",
     "once": "every rank compiles every graph (compile once is off)",
+    "once-hit": "a loading rank's cache hit is taken for the entry it was sent, unchecked",
 }
 
 
@@ -161,16 +163,7 @@ def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any
         ):
             if kwargs.get(key) is not None:
                 kwargs[key] = _audited_aot_compiler(kwargs[key], scope, stage)
-    # Lower the backward with the forward: its program is then part of this
-    # compile's one exchange, on every rank, and of the cache entry's program
-    # (agreements/entry.py). Lowered lazily, it would compile at its first
-    # backward only on the ranks that run it, maybe in another entry. Compile
-    # once needs it too: AOTAutograd saves a training graph's cache entry only
-    # once its backward is compiled, and the loading ranks wait for that entry.
-    with once_seam.backward_lowered_with_forward():
-        if sharing:
-            return once_seam.around_aot(lambda: original(mod, args, **kwargs), mod, args)
-        return original(mod, args, **kwargs)
+    return once_seam.aot_compile(lambda: original(mod, args, **kwargs), mod, args, sharing=sharing)
 
 
 def _audited_aot_compiler(compiler_fn: Any, scope: Any, stage: str) -> Any:

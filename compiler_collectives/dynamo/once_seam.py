@@ -19,14 +19,31 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
   (functorch), ``distributed_max_autotune_gemm`` (inductor) and
   ``runtime_estimations_align_across_all_distributed_ranks`` (inductor comms).
 
-The AOTAutograd compile itself is bracketed by ``audit_seam.aot_module_simplified`` calling
-``around_aot``.
+The AOTAutograd compile itself is wrapped here (``aot_compile``, called by the aot seam
+``audit_seam.aot_module_simplified``): the backward lowered with the forward, the cache key
+computed with the user's own lowering setting, and compile once's ticket around it
+(``around_aot``).
+
+What compile once costs shows in Dynamo's compile timings as three ``dynamo_timed`` events
+(each a chromium event in ``TORCH_TRACE``, tlparse's trace view, and a key of
+``torch._dynamo.utils.compile_times()``), each opened and closed in one function, so they nest
+inside AOTAutograd's own events:
+
+* ``compile_once`` (``EVENT``): the whole AOTAutograd compile under compile once, with this
+  rank's role added at its end: on a compiling or serving rank, the compile it did for others.
+* ``compile_once_wait`` (``EVENT_WAIT``): a loading rank waits for its source, takes the result
+  exchange, receives and installs the artifact (``once.fetch``, at the key seam).
+* ``compile_once_finish`` (``EVENT_FINISH``): every other rank's end of the graph: the serving
+  rank collects and sends its artifact; then the result and load-report exchanges (``once.finish``).
+
+Each finished graph also writes a ``compile_once`` artifact (``tooling.trace_once``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -39,11 +56,15 @@ from .. import config
 from ..agreements import audit, compiler, once
 from ..errors import CollectiveError, CompileOnceError
 from ..state import FrameId
-from . import bound
+from . import bound, table
 
 log = logging.getLogger("compiler_collectives.dynamo")
 
 T = TypeVar("T")
+
+EVENT = "compile_once"
+EVENT_WAIT = "compile_once_wait"
+EVENT_FINISH = "compile_once_finish"
 
 # (config module row, flag): torch's collectives that run inside a compile.
 SWITCHES = (
@@ -116,6 +137,21 @@ def _key_as_the_user_set_it(original: Callable[..., T], args: Any, kwargs: Any) 
         return original(*args, **kwargs)
 
 
+def aot_compile(compile: Callable[[], T], mod: Any, args: Any, *, sharing: bool) -> T:
+    """One AOTAutograd compile of an audited graph or one compile once takes part in (the aot
+    seam, ``audit_seam.aot_module_simplified``, calls it).
+
+    The backward is lowered with the forward: its program is then part of this compile's one
+    exchange, on every rank, and of the cache entry's program (``agreements/entry.py``). Lowered
+    lazily, it would compile at its first backward only on the ranks that run it, maybe in
+    another entry. Compile once needs it too: AOTAutograd saves a training graph's cache entry
+    only once its backward is compiled, and the loading ranks wait for that entry."""
+    with backward_lowered_with_forward():
+        if sharing:
+            return around_aot(compile, mod, args)
+        return compile()
+
+
 def applies() -> bool:
     """Whether this AOTAutograd compile takes part in compile once."""
     if not config.settings.compile_once:
@@ -161,22 +197,85 @@ def graph_digest(mod: Any, args: Any) -> str:
 
 
 def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
-    """One AOTAutograd compile under compile once (called by the aot seam)."""
+    """One AOTAutograd compile under compile once (called by the aot seam), timed as ``EVENT``."""
     frame = getattr(_state, "frame", None) or FrameId("<unknown>", "<unknown>", 0)
     ticket = once.begin(frame, CACHE, "aot", graph_digest(mod, args))
-    try:
-        result = compile()
-    except CollectiveError:
-        once.abandon(ticket)  # our exchanges failed: no further one can be trusted
-        raise
-    except BaseException as e:
-        once.finish(ticket, e, audit.failure_text(e))
-        raise
-    if bound.levels.get("once") is False:
-        once.finish(ticket, None, no_lookup=f"torch {torch.__version__} lacks compile once's seams (see the warning)")
-    else:
-        once.finish(ticket, None)
+    with _timed(EVENT):
+        try:
+            try:
+                result = compile()
+            except CollectiveError:
+                once.abandon(ticket)  # our exchanges failed: no further one can be trusted
+                raise
+            except BaseException as e:
+                _finish(ticket, e, audit.failure_text(e))
+                raise
+            if bound.levels.get("once") is False:
+                _finish(
+                    ticket, None, no_lookup=f"torch {torch.__version__} lacks compile once's seams (see the warning)"
+                )
+            else:
+                _finish(ticket, None)
+        finally:
+            # The role is known only after the key exchange, inside the compile: added at the end.
+            _describe(EVENT, ticket)
     return result
+
+
+@contextlib.contextmanager
+def _timed(event: str) -> Iterator[None]:
+    """A ``dynamo_timed`` event: in Dynamo's compile timings, and a chromium event in ``TORCH_TRACE``."""
+    with bound.originals["dynamo_timed"](event, log_pt2_compile_event=True):
+        yield
+
+
+def _describe(event: str, ticket: once.Ticket, **more: object) -> None:
+    """Add what compile once knows of ``ticket`` to ``event`` (in progress on this thread)."""
+    if not _can_describe():
+        return
+    plan = ticket.plan
+    bound.originals["try_add_pt2_compile"](
+        event,
+        role=plan.role if plan is not None else once.LOCAL,
+        source=plan.source if plan is not None else None,
+        seq=ticket.seq,
+        level=ticket.level,
+        key=ticket.key,
+        **more,
+    )
+
+
+@functools.cache
+def _can_describe() -> bool:
+    """Whether torch can add data to an event in progress (a read of the seam table that degrades)."""
+    return "try_add_pt2_compile" in bound.originals and table.holds("try_add_pt2_compile")
+
+
+def _fetch(ticket: once.Ticket) -> bool:
+    """``once.fetch``, timed as ``EVENT_WAIT``: a loading rank's wait, receive and install."""
+    with _timed(EVENT_WAIT):
+        try:
+            return once.fetch(ticket)
+        finally:
+            _describe(
+                EVENT_WAIT,
+                ticket,
+                waited_s=round(ticket.waited_s, 6),
+                bytes_received=ticket.bytes_in,
+            )
+
+
+def _finish(ticket: once.Ticket, error: BaseException | None, failure_text: str | None = None, **kw: str) -> None:
+    """``once.finish``, timed as ``EVENT_FINISH`` where it takes exchanges (this rank does not load)."""
+    plan = ticket.plan
+    if plan is None or plan.role == once.LOAD or ticket.finished:
+        once.finish(ticket, error, failure_text, **kw)
+        return
+    with _timed(EVENT_FINISH):
+        try:
+            once.finish(ticket, error, failure_text, **kw)
+        finally:
+            _describe(EVENT_FINISH, ticket, waited_s=round(ticket.waited_s, 6))
 
 
 def try_load(*args: Any, **kwargs: Any) -> Any:
@@ -226,7 +325,7 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
         raise
     try:
         plan = once.offer(ticket, key_and_lines[0], None, switches)
-        if plan.role == once.LOAD and not once.fetch(ticket):
+        if plan.role == once.LOAD and not _fetch(ticket):
             raise bound.originals["BypassAOTAutogradCache"](
                 "compiler_collectives compile once: this rank refused the artifact another rank compiled; "
                 "it compiles the graph itself"
@@ -265,9 +364,9 @@ def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
         once.abandon(ticket)
         raise
     except BaseException as e:
-        once.finish(ticket, e, audit.failure_text(e))
+        _finish(ticket, e, audit.failure_text(e))
         raise
-    once.finish(ticket, None, no_lookup="inductor did not look this graph up in its FX graph cache")
+    _finish(ticket, None, no_lookup="inductor did not look this graph up in its FX graph cache")
     return result
 
 
@@ -280,7 +379,7 @@ def prepare_key(*args: Any, **kwargs: Any) -> Any:
     key = key_info[0] if isinstance(key_info, tuple) and isinstance(key_info[0], str) else None
     why = None if key is not None else str((cache_info or {}).get("cache_bypass_reason", "no FX graph cache key"))
     plan = once.offer(ticket, key, why[:300] if why else None, switches_on())
-    if plan.role == once.LOAD and not once.fetch(ticket):
+    if plan.role == once.LOAD and not _fetch(ticket):
         once.loaded(ticket, None)  # before compiling: nobody waits for this rank's compile
         return None, {"cache_state": "bypass", "cache_bypass_reason": "compiler_collectives refused the artifact"}
     return key_info, cache_info
@@ -304,6 +403,15 @@ def load_with_key(*args: Any, **kwargs: Any) -> Any:
     if ticket is not None and ticket.level == "fx" and ticket.plan is not None and not ticket.finished:
         if ticket.plan.role == once.LOAD:
             once.loaded(ticket, isinstance(result, tuple) and result[0] is not None)
+    return result
+
+
+def lookup_entry(*args: Any, **kwargs: Any) -> Any:
+    """AOTAutograd's lookup of one key's entries: which one hit (its pickle's digest is the
+    entry file's), so a loading rank knows whether it runs the entry it was sent."""
+    result = bound.originals["AOTAutogradCache._lookup"](*args, **kwargs)
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bytes):
+        once.note_hit(result[1])
     return result
 
 

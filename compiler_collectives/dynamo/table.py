@@ -116,6 +116,11 @@ def _has_local(name: str) -> Callable[[Any], bool]:
     return lambda fn: has_local(fn, name)
 
 
+def _takes_name_and_metadata(fn: Any) -> bool:
+    params = list(inspect.signature(fn).parameters.values())
+    return len(params) == 2 and params[0].name == "event_name" and params[1].kind is inspect.Parameter.VAR_KEYWORD
+
+
 def _is_bool(obj: Any) -> bool:
     return isinstance(obj, bool)
 
@@ -338,6 +343,18 @@ SEAMS: tuple[Seam, ...] = (
         "torch._dynamo.utils",
         "dynamo_timed",
         reads=(Read("takes log_pt2_compile_event=", _keywords("log_pt2_compile_event")),),
+    ),
+    Seam(
+        "try_add_pt2_compile",
+        "torch._dynamo.utils",
+        "CompileEventLogger.try_add_pt2_compile",
+        reads=(
+            Read(
+                "takes (event_name, **metadata)",
+                _takes_name_and_metadata,
+                degrades="compile once's dynamo_timed events do not say the rank's role",
+            ),
+        ),
     ),
     Seam(
         "CompileContext",
@@ -572,6 +589,20 @@ SEAMS: tuple[Seam, ...] = (
         required=False,
         level="once",
         reads=(Read("has _get_tmp_dir_for_key(key)", lambda c: callable(getattr(c, "_get_tmp_dir_for_key", None))),),
+    ),
+    Seam(
+        "AOTAutogradCache._lookup",
+        "torch._functorch._aot_autograd.autograd_cache",
+        "AOTAutogradCache._lookup",
+        replace="once_seam:lookup_entry",
+        required=False,
+        level="once-hit",
+        reads=(
+            Read(
+                "takes (key, local, remote, args, cache_info, aot_config) and returns (entry, pickled entry) or None",
+                _positional("key", "local", "remote", "args", "cache_info", "aot_config"),
+            ),
+        ),
     ),
     Seam(
         "AOTConfig",

@@ -1,8 +1,8 @@
 """What PT2's own tooling shows of us: structured-trace artifacts and recompile reasons.
 
-* ``torch._logging.trace_structured``: our ``compiler_collective`` and
-  ``guard_collective`` artifacts in ``TORCH_TRACE`` (tlparse shows them),
-  filed under the compile they belong to.
+* ``torch._logging.trace_structured``: our ``compiler_collective``,
+  ``guard_collective`` and ``compile_once`` artifacts in ``TORCH_TRACE``
+  (tlparse shows them), filed under the compile they belong to.
 * ``convert_frame.get_and_maybe_log_recompilation_reasons``: after an agreed
   guard miss, every rank's reasons, recorded where Dynamo records its own
   (its ``recompiles`` log, the ``recompile_reasons`` artifact, the metrics).
@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from ..agreements import guard, reasons
+import torch
+
+from ..agreements import guard, once, reasons
 from ..instrument import artifacts
 from ..state import DistributedState, FrameId
 from . import bound
 
 _compiler_log = logging.getLogger("compiler_collectives.compiler")
+_once_log = logging.getLogger("compiler_collectives.once")
 
 
 def structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
@@ -65,6 +69,35 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
     level = logging.INFO if result.phase == "trace" else logging.DEBUG
     if _compiler_log.isEnabledFor(level):
         _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
+
+
+def trace_once(ticket: once.Ticket, record: dict[str, Any]) -> None:
+    """The ``compile_once`` artifact for one graph this rank finished (``once.set_on_record``)."""
+    # Called as the graph's last exchange ended, inside its compile: torch files it there.
+    rank = ticket.rank if ticket.rank >= 0 else torch.distributed.get_rank()  # -1: no exchange taken
+    finished_ns = time.time_ns()
+
+    def payload() -> dict[str, Any]:
+        return artifacts.compile_once(
+            rank=rank,
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+            level=ticket.level,
+            key=ticket.key,
+            state=record["state"],
+            why=record["why"],
+            outcome=ticket.outcome,
+            outcome_why=ticket.outcome_why,
+            roles={r: (p.role, p.source) for r, p in ticket.plans.items()},
+            bytes_received=ticket.bytes_in,
+            waited_s=ticket.waited_s,
+            elapsed_s=(finished_ns - ticket.started_ns) / 1e9,
+        )
+
+    try:
+        structured_artifact("compile_once", payload)
+    except Exception as e:  # noqa: BLE001 - the graph is compiled and every exchange taken: only the trace lacks it
+        _once_log.warning("compile once #%s: could not write its compile_once artifact: %s", ticket.seq, e)
 
 
 def guard_collective(shared: reasons.Shared, frame: str | None) -> dict[str, Any]:

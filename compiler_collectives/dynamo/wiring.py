@@ -18,15 +18,18 @@ each offers setters and registries, and ``wire()`` fills every one of them:
 * agreements.compiler: ``set_compile_id_source``;
 * agreements.guard: ``set_frame_sources`` and ``set_profiler_probe``;
 * agreements.audit: ``set_artifact_sink`` (torch's structured trace);
+* agreements.once: ``set_on_record`` (each finished graph's ``compile_once``
+  artifact in torch's structured trace);
 * agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
   (torch's operator types and ``normalize_function``).
 
 ``install`` calls ``wire()`` once torch is patched; it is idempotent (a source
 registered twice is kept once). ``unwire()`` (uninstall) drops what only
 makes sense while we are patched into torch: the audit's artifact sink and
-group resolver. Nothing wired here is dropped by ``compiler_collectives.reset()``,
-a destroyed default group or a fork (``agreements/lifecycle.py`` clears
-failures, groups and sequence numbers only), so none of them wires again.
+group resolver, and compile once's artifact. Nothing wired here is dropped
+by ``compiler_collectives.reset()``, a destroyed default group or a fork
+(``agreements/lifecycle.py`` clears failures, groups and sequence numbers
+only), so none of them wires again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import functools
 
 from ..agreements import audit, compiler, failure, fingerprint, guard, scope, setup
+from ..agreements.once import protocol as once_protocol
 from ..health import watchdog
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
@@ -58,6 +62,7 @@ def wire() -> None:
         owner, attr = table.place(table.named("profiler_enabled"))
         guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
     audit.set_artifact_sink(tooling.emit_artifact)
+    once_protocol.set_on_record(tooling.trace_once)
     fingerprint.set_group_resolver(audit_seam.group_text)
     fingerprint.set_operators(
         originals["OpOverload"],
@@ -70,3 +75,4 @@ def unwire() -> None:
     """Uninstall: drop what only holds while we are patched into torch."""
     fingerprint.set_group_resolver(None)
     audit.set_artifact_sink(None)
+    once_protocol.set_on_record(None)

@@ -1,6 +1,6 @@
 """What we write into PT2's structured trace (``TORCH_TRACE``, read by ``tlparse``).
 
-Two artifacts, both JSON, each filed under the compile it belongs to:
+Three artifacts, all JSON, each filed under the compile it belongs to:
 
 * ``compiler_collective``: one per exchange (``phase`` "inputs" before the
   first trace, "trace" at its end): every rank's entries, which sizes,
@@ -9,19 +9,23 @@ Two artifacts, both JSON, each filed under the compile it belongs to:
 * ``guard_collective``: one per recompile the guard collective agreed on,
   on every rank: which ranks missed and each one's guard-failure reason, and
   whether this rank's recompile was forced.
+* ``compile_once``: one per graph compile once took part in, on every rank:
+  the plan (which ranks compiled, served, loaded or compiled locally), this
+  rank's role, source and outcome, the bytes it received and its wait.
 
 Plain data in, plain data out: the seams module decides when to emit and
 hands the result to torch's structured trace. ``ARTIFACT_VERSION`` changes
-whenever a field of either artifact changes meaning or disappears. The
+whenever a field of any of them changes meaning or disappears. The
 ``guard_collective`` artifact is built from the agreements' ``reasons.Shared``,
 so it is built above them, in ``dynamo/tooling.py``; this module knows only
-the base modules' types.
+the base modules' types (``compile_once`` takes each rank's plan as plain (role, source)
+pairs for that reason).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
@@ -186,6 +190,59 @@ def compiler_collective(
         last_rank=last_rank,
     )
     return payload
+
+
+def compile_once(
+    *,
+    rank: int,
+    seq: int | None,
+    frame: str,
+    level: str,
+    key: str | None,
+    state: str,
+    why: str | None,
+    outcome: str,
+    outcome_why: str | None,
+    roles: Mapping[int, tuple[str, int | None]],
+    bytes_received: int,
+    waited_s: float,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """The ``compile_once`` artifact for one graph on one rank.
+
+    ``roles``: every rank's plan (global rank -> (role, source)); empty when no exchange was
+    taken (the graph was never looked up in a cache). The other ranks' outcomes are in their own
+    artifacts: a rank planned to load reports here whether its lookup hit (``outcome``).
+    """
+    mine = roles.get(rank, ("local", None))
+
+    def having(role: str) -> list[int]:
+        return sorted(r for r, (each, _) in roles.items() if each == role)
+
+    return {
+        "artifact_version": ARTIFACT_VERSION,
+        "seq": seq,
+        "frame": frame,
+        "level": level,
+        "key": key,
+        "rank": rank,
+        "world_size": len(roles) or None,  # the ranks that took the graph's exchanges
+        # compiled, served, loaded, or compiled locally (a load that missed or was refused too)
+        "state": state,
+        "why": why,
+        "role": mine[0],
+        "source": mine[1],
+        "outcome": outcome,
+        "outcome_why": outcome_why,
+        "compiled_by": having("compile"),
+        "served_by": having("serve"),
+        "loaders": having("load"),
+        "compiled_locally": having("local"),
+        "plan": {str(r): {"role": each, "source": source} for r, (each, source) in sorted(roles.items())},
+        "bytes_received": bytes_received,
+        "wait_ms": round(waited_s * 1e3, 3),
+        "time_ms": round(elapsed_s * 1e3, 3),
+    }
 
 
 def summary_line(payload: dict[str, Any]) -> str:

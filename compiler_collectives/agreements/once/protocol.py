@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -15,7 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ... import config, health
-from ...errors import CollectiveDesyncError, CompileOnceError, PeerFailureError, SetupMismatchError, ranks_text
+from ...errors import (
+    CollectiveDesyncError,
+    CollectiveError,
+    CompileOnceError,
+    PeerFailureError,
+    SetupMismatchError,
+    ranks_text,
+)
 from ...instrument import timing
 from ...state import FrameId
 from ...stats import counters
@@ -24,16 +32,13 @@ from ...transport import (
     PHASE_ONCE_LOADED,
     PHASE_ONCE_RESULT,
     groups,
-    recv_bytes,
-    send_bytes,
-    wait,
 )
 from .. import audit
 from .. import exchange as exchange_frame
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
 from ..wire.once import Loaded, ManifestFile, Offer, OnceEnvelope, Result, decode_once, encode_once
-from . import artifact, sidecar
+from . import artifact, sidecar, transfer
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 
 log = logging.getLogger("compiler_collectives.once")
@@ -87,6 +92,15 @@ class Ticket:
     fx_allowed: bool = False  # aot level: its FX compiles share at the fallback level
     started_ns: int = dataclasses.field(default_factory=time.time_ns)
     bytes_in: int = 0
+    # The compile group, its members (global ranks) and this rank, captured once at the key
+    # exchange: every later step of this graph uses the same ones.
+    pg: Any = None
+    members: tuple[int, ...] = ()
+    rank: int = -1
+    # A loading rank: the digests of the entry files it was sent, and of the entry its lookup hit
+    # (None where the seam cannot tell).
+    sent_entries: frozenset[bytes] = frozenset()
+    hit: bytes | None = None
 
 
 # ------------------------------------------------------------------ seam entry points
@@ -120,12 +134,22 @@ def note_source(path: str) -> None:
         ticket.sources.append(path)
 
 
+def note_hit(entry: bytes) -> None:
+    """The current compile's cache lookup hit the entry whose bytes are ``entry``."""
+    ticket = current()
+    if ticket is not None and ticket.plan is not None and ticket.plan.role == LOAD:
+        ticket.hit = hashlib.sha256(entry).digest()
+
+
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
     """The key exchange; returns this rank's plan."""
     global _seq
     _seq += 1
     ticket.seq = _seq
     ticket.key = key
+    ticket.pg = groups.compile_pg()
+    ticket.members = tuple(groups.member_ranks(ticket.pg))
+    ticket.rank = ticket.members[ticket.pg.rank()]
     cache_root = ticket.cache.root()
     mine = Offer(
         key,
@@ -138,7 +162,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     )
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
-    rank = _rank()
+    rank = ticket.rank
     try:
         ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
     except SetupMismatchError:
@@ -174,12 +198,12 @@ def fetch(ticket: Ticket) -> bool:
         _load_report(ticket)  # the serving rank takes it too before raising its own error
         counters.errors += 1
         raise CompileOnceError(
-            f"rank {_rank()}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
+            f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
             f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
             f"{plan.source}'s log for the traceback. COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank "
             "compile its own graphs.",
             kind="compile_once",
-            rank=_rank(),
+            rank=ticket.rank,
             seq=ticket.seq,
             frame=str(ticket.frame),
             ranks=(plan.source,),
@@ -194,12 +218,14 @@ def fetch(ticket: Ticket) -> bool:
             "itself, without the cache",
             ticket.seq,
             ticket.frame,
-            _rank(),
+            ticket.rank,
             plan.source,
             why,
         )
         return False
     ticket.fingerprints = result.fingerprints  # taken as this rank's own once the lookup hits
+    prefix = _entry_prefix(ticket)
+    ticket.sent_entries = frozenset(f.sha256 for f in result.manifest if f.relpath.startswith(prefix))
     return True
 
 
@@ -209,13 +235,35 @@ def loaded(ticket: Ticket, hit: bool | None) -> None:
     if hit is True:
         ticket.outcome = "hit"
         counters.once_loaded += 1
-        # Only on a hit: a rank whose lookup missed compiles, and fingerprints its own levels.
-        _import_fingerprints(ticket.fingerprints)
-        sidecar.write(ticket.cache.root(), ticket.key, ticket.fingerprints)
+        if ticket.hit is not None and ticket.sent_entries and ticket.hit not in ticket.sent_entries:
+            _own_entry_hit(ticket)
+        else:
+            # Only on a hit: a rank whose lookup missed compiles, and fingerprints its own levels.
+            _import_fingerprints(ticket.fingerprints)
+            sidecar.write(ticket.cache.root(), ticket.key, ticket.fingerprints)
     elif hit is False:
         ticket.outcome, ticket.outcome_why = "miss", "the entry's guards fail this rank's size hints"
         counters.once_load_misses += 1
     _load_report(ticket)
+
+
+def _own_entry_hit(ticket: Ticket) -> None:
+    """The lookup hit an entry of this rank's own cache for its key, not the one it was sent
+    (torch looks at every entry of the key, in name order): this rank runs its own cache hit, and
+    the audit takes the fingerprints kept with it, or compares it at Dynamo's level."""
+    plan = ticket.plan
+    assert plan is not None
+    kept = sidecar.read(ticket.cache.root(), ticket.key, ticket.rank)
+    ticket.outcome_why = (
+        f"the lookup hit an entry this rank's cache already held for its key, not the one rank {plan.source} sent; "
+        + (
+            "audited with the fingerprints kept with it"
+            if kept
+            else "no fingerprints kept with it: audited at Dynamo's level"
+        )
+    )
+    log.info("compile once #%d of %s: rank %d: %s", ticket.seq, ticket.frame, ticket.rank, ticket.outcome_why)
+    _import_fingerprints(kept)
 
 
 NO_LOOKUP = (
@@ -259,7 +307,7 @@ def finish(
                 manifest, bundle = _collect(ticket)
                 fingerprints = _own_fingerprints(ticket)
                 if plan.role == SERVE and not fingerprints:
-                    fingerprints = sidecar.read(ticket.cache.root(), ticket.key, _rank())
+                    fingerprints = sidecar.read(ticket.cache.root(), ticket.key, ticket.rank)
                     _import_fingerprints(fingerprints)
                 elif fingerprints:
                     sidecar.write(ticket.cache.root(), ticket.key, fingerprints)
@@ -267,7 +315,7 @@ def finish(
             except Exception as e:  # noqa: BLE001 - its loaders must hear of it, never wait for it
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
-        groups.post(_notice(ticket, _rank()), b"1")
+        groups.post(_notice(ticket, ticket.rank), b"1")
     _wait_for_sources(ticket)
     results = _results(ticket, mine)
     if plan.role in (COMPILE, SERVE):
@@ -303,19 +351,13 @@ def clear_records() -> None:
 # ------------------------------------------------------------------ exchanges
 
 
-def _rank() -> int:
-    pg = groups.compile_pg()
-    return groups.member_ranks(pg)[pg.rank()]
-
-
 def _where(ticket: Ticket, what: str) -> Callable[[], str]:
-    return lambda: f"compile once #{ticket.seq} ({what}) of {ticket.frame} on rank {_rank()}"
+    return lambda: f"compile once #{ticket.seq} ({what}) of {ticket.frame} on rank {ticket.rank}"
 
 
 def _gather(ticket: Ticket, body: Offer | Result | Loaded, phase: int, what: str) -> list[OnceEnvelope]:
-    pg = groups.compile_pg()
-    members = groups.member_ranks(pg)
-    rank, world = members[pg.rank()], pg.size()
+    pg = ticket.pg
+    rank, world = ticket.rank, pg.size()
     seq = ticket.seq or 0
     payload = encode_once(rank=rank, world_size=world, seq=seq, body=body)
 
@@ -353,7 +395,7 @@ def _notice(ticket: Ticket, rank: int) -> str:
 def _wait_for_sources(ticket: Ticket) -> None:
     """Wait until every serving rank (but this one) posted that it is done; while each is alive, up
     to COMPILER_COLLECTIVES_COMPILE_TIMEOUT, logging every ``LOG_EVERY_S``."""
-    me = _rank()
+    me = ticket.rank
     pending = sorted({r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE) and r != me})
     if not pending:
         return
@@ -448,7 +490,7 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
                 f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
                 f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
                 kind="compile_once",
-                rank=_rank(),
+                rank=ticket.rank,
                 seq=ticket.seq,
                 frame=str(ticket.frame),
                 ranks=(r,),
@@ -473,9 +515,19 @@ def _load_report(ticket: Ticket) -> None:
                 body.outcome,
                 body.why,
             )
-            if e.rank != _rank():
+            if e.rank != ticket.rank:
                 counters.once_peer_local_compiles += 1
     _record(ticket)
+
+
+# What else hears of each graph this rank finished (the seam's tlparse artifact); set by wiring.
+_on_record: Callable[[Ticket, dict[str, Any]], None] | None = None
+
+
+def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
+    """Call ``fn(ticket, record)`` with each finished graph's record (``records()``'s item)."""
+    global _on_record
+    _on_record = fn
 
 
 def _record(ticket: Ticket) -> None:
@@ -485,7 +537,7 @@ def _record(ticket: Ticket) -> None:
     rec = timing.recorder
     if plan.role == LOAD:
         state = "loaded" if ticket.outcome == "hit" else "compiled locally"
-        why = plan.why if ticket.outcome == "hit" else f"{ticket.outcome}: {ticket.outcome_why}"
+        why = (ticket.outcome_why or plan.why) if ticket.outcome == "hit" else f"{ticket.outcome}: {ticket.outcome_why}"
     else:
         state = {COMPILE: "compiled", SERVE: "served", LOCAL: "compiled locally"}[plan.role]
         why = plan.why
@@ -501,6 +553,8 @@ def _record(ticket: Ticket) -> None:
             "waited_s": round(ticket.waited_s, 3),
         }
     )
+    if _on_record is not None:
+        _on_record(ticket, _records[-1])
     if rec is not None and ticket.seq is not None:
         rec.once(
             start_ns=ticket.started_ns,
@@ -555,45 +609,20 @@ def _collect(ticket: Ticket) -> tuple[list[ManifestFile], bytes]:
     return artifact.collect(ticket.cache.root(), dirs, ticket.sources)
 
 
-def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = b"") -> None:
-    """The source sends its bytes to each of its loaders that has another cache dir (and accepts
-    that size); such loaders receive them. Everyone else does nothing here."""
-    me = _rank()
-    plan = ticket.plan
-    assert plan is not None
-    if plan.role not in (COMPILE, SERVE):
-        return
-    result = results[me]
-    total = sum(f.size for f in result.manifest)
-    pg = groups.compile_pg()
-    members = list(groups.member_ranks(pg))
-    works = []
-    for r, p in sorted(ticket.plans.items()):
-        if p.role == LOAD and p.source == me and _travels(result, p, ticket.offers[r], ticket.level):
-            works.append(send_bytes(pg, bundle, members.index(r), _tag(ticket), _where(ticket, "artifact")))
-            counters.once_bytes_sent += total
+def _link(ticket: Ticket) -> transfer.Link:
     where = _where(ticket, "artifact")
-    try:
-        for w in works:
-            wait(w, where)
-    except RuntimeError as e:
-        raise _transfer_failed(e, ticket, where) from e
-
-
-def _travels(result: Result, plan: Plan, offer: Offer, level: str) -> bool:
-    """Whether the source sends its bytes to a loading rank: decided from what both sides know
-    (the manifest, the plan, the loader's limit), so a send is never left without its receive."""
-    total = sum(f.size for f in result.manifest)
-    return (
-        plan.source is not None
-        and not plan.shares_dir
-        and 0 < total <= offer.max_artifact_bytes
-        and artifact.manifest_problem(result, plan.source, level) is None
+    return transfer.Link(
+        ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, lambda e: _transfer_failed(e, ticket, where)
     )
 
 
-def _tag(ticket: Ticket) -> int:
-    return 0x0CC00000 + ((ticket.seq or 0) & 0xFFFFF)
+def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = b"") -> None:
+    """The source sends its bytes to each of its loaders that has another cache dir (and accepts
+    that size); such loaders receive them. Everyone else does nothing here."""
+    plan = ticket.plan
+    assert plan is not None
+    if plan.role in (COMPILE, SERVE):
+        transfer.Gloo().send(_link(ticket), bundle, results[ticket.rank], ticket.plans, ticket.offers, ticket.level)
 
 
 def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
@@ -601,35 +630,22 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     install them. None on success, else why they were refused (nothing was written then)."""
     plan = ticket.plan
     assert plan is not None and plan.source is not None
-    total = sum(f.size for f in result.manifest)
-    root = ticket.cache.root()
     problem = artifact.manifest_problem(result, plan.source, ticket.level)
     if problem is not None:
         return problem
-    prefix = _entry_prefix(ticket)
-    refusal = artifact.foreign_entry(result.manifest, prefix, ticket.key, ticket.level)
-    if refusal is None and plan.shares_dir:
-        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
+    refusal = artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level)
     if refusal is not None:
         return _refused(refusal)
-    if not _travels(result, plan, ticket.offers[_rank()], ticket.level):
+    mine = ticket.offers[ticket.rank]
+    if not plan.shares_dir and not transfer.travels(result, plan, mine, ticket.level):
+        total = sum(f.size for f in result.manifest)
         return (
-            f"the artifact is {total} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
-            f"({ticket.offers[_rank()].max_artifact_bytes})"
+            f"the artifact is {total} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES ({mine.max_artifact_bytes})"
         )
-    pg = groups.compile_pg()
-    members = list(groups.member_ranks(pg))
-    where = _where(ticket, "artifact")
-    try:
-        data = recv_bytes(pg, total, members.index(plan.source), _tag(ticket), where)
-    except RuntimeError as e:
-        raise _transfer_failed(e, ticket, where) from e
-    counters.once_bytes_received += total
-    ticket.bytes_in = total
-    pieces, refusal = artifact.split_verified(result.manifest, data, plan.source)
-    if refusal is not None:
-        return _refused(refusal)
-    return _taken(ticket, artifact.install(root, pieces))
+    received = counters.once_bytes_received
+    outcome = transfer.for_loader(plan).take(_link(ticket), ticket.cache.root(), result, plan.source)
+    ticket.bytes_in = counters.once_bytes_received - received
+    return _taken(ticket, outcome)
 
 
 def _taken(ticket: Ticket, outcome: artifact.Accepted | artifact.Refusal) -> str | None:
@@ -659,8 +675,8 @@ def _refused(refusal: artifact.Refusal | None) -> str | None:
     return refusal.why
 
 
-def _transfer_failed(error: RuntimeError, ticket: Ticket, where: Callable[[], str]) -> BaseException:
+def _transfer_failed(error: RuntimeError, ticket: Ticket, where: Callable[[], str]) -> CollectiveError:
     counters.errors += 1
     return failure_procedure.exchange_failed(
-        error, kind="compile_once", rank=_rank(), seq=ticket.seq, frame=str(ticket.frame), where=where
+        error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
     )
