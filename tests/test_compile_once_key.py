@@ -47,6 +47,7 @@ def job(rank: int, world: int, service: bool) -> dict:
             k for d in os.listdir(os.path.join(root, "fxgraph")) for k in os.listdir(os.path.join(root, "fxgraph", d))
         ),
         "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+        "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
         "records": cc.stats()["compile_once"] if service else [],
     }
 
@@ -105,4 +106,23 @@ def test_a_loader_whose_lookup_hits_its_own_entry_runs_it_as_its_own_cache_hit(t
     assert (loader["state"], loader["source"]) == ("loaded", 0)
     assert "hit an entry this rank's cache already held for its key, not the one rank 0 sent" in loader["why"]
     assert results[1]["aot_hits"] == 1
+    assert results[1]["grad"] == pytest.approx(results[0]["grad"], rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_where_no_rank_holds_the_entry_the_rank_whose_fx_graph_cache_is_warm_compiles(tmp_path):
+    """Rank 0's dir lost its AOTAutograd entries but keeps the FX graph compiles the key took
+    there; rank 1's is empty. Rank 0 compiles (from its FX graph cache), not the rank whose
+    turn it is (rank 1, for the first graph), and rank 1 loads."""
+    first = _run([str(tmp_path / "a0"), str(tmp_path / "a1")], service=True)
+    compiled = next(r for r, res in enumerate(first) if res["records"][-1]["state"] == "compiled")
+    assert compiled == 1, "the turn changed: this test needs the rank that compiles a first graph cold"
+    warm = tmp_path / "warm"
+    shutil.copytree(tmp_path / "a1", warm, symlinks=True)
+    shutil.rmtree(warm / "aotautograd")
+    results = _run([str(warm), str(tmp_path / "empty")], service=True)
+    rank0, rank1 = (r["records"][-1] for r in results)
+    assert rank0["state"] == "compiled" and "warm FX graph cache" in rank0["why"]
+    assert (rank1["state"], rank1["source"]) == ("loaded", 0)
+    assert results[0]["fx_hits"] > 0
     assert results[1]["grad"] == pytest.approx(results[0]["grad"], rel=1e-6)

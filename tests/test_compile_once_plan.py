@@ -7,6 +7,7 @@ import pytest
 
 from compiler_collectives.agreements import once
 from compiler_collectives.agreements.fingerprint import Collective, GraphFingerprint
+from compiler_collectives.agreements.once import sidecar
 from compiler_collectives.agreements.wire.once import (
     Loaded,
     ManifestFile,
@@ -18,8 +19,10 @@ from compiler_collectives.agreements.wire.once import (
 from compiler_collectives.errors import SetupMismatchError, WireFormatError
 
 
-def offer(key: str | None, *, holds: bool = False, dir: str = "host:1:1", switches=(), why=None) -> Offer:
-    return Offer(key, why, holds, dir, list(switches), 1 << 30)
+def offer(
+    key: str | None, *, holds: bool = False, dir: str = "host:1:1", switches=(), why=None, fx_warm: bool = False
+) -> Offer:
+    return Offer(key, why, holds, dir, list(switches), 1 << 30, "", fx_warm)
 
 
 def test_one_rank_compiles_each_shared_key_and_the_others_load_it():
@@ -41,6 +44,18 @@ def test_a_rank_whose_cache_holds_the_entry_serves_it_instead_of_anyone_compilin
     plans = once.decide({0: offer("k"), 1: offer("k", holds=True), 2: offer("k", holds=True)}, seq=1)
     assert plans[1].role == once.SERVE
     assert plans[0].role == plans[2].role == once.LOAD and plans[0].source == plans[2].source == 1
+
+
+def test_where_no_rank_holds_the_entry_a_rank_whose_fx_graph_cache_is_warm_compiles():
+    for seq in (1, 2, 3):
+        plans = once.decide({0: offer("k"), 1: offer("k"), 2: offer("k", fx_warm=True)}, seq=seq)
+        assert plans[2].role == once.COMPILE and "warm FX graph cache" in plans[2].why
+        assert plans[0].source == plans[1].source == 2
+
+
+def test_a_rank_that_holds_the_entry_serves_it_before_a_rank_whose_fx_graph_cache_is_warm():
+    plans = once.decide({0: offer("k", fx_warm=True), 1: offer("k", holds=True)}, seq=1)
+    assert plans[1].role == once.SERVE and plans[0].role == once.LOAD
 
 
 def test_a_key_no_other_rank_has_and_an_uncacheable_graph_compile_locally():
@@ -87,6 +102,7 @@ def _fingerprint() -> GraphFingerprint:
     "body",
     [
         offer("k", holds=True, switches=["_sync_decision_cross_ranks"]),
+        offer("k", fx_warm=True),
         Result("ok", None, [ManifestFile("aotautograd/k/e", b"s" * 32, 10)], [_fingerprint()]),
         Result("failed", "RuntimeError: boom", [], []),
         Loaded("miss", "the entry's guards fail this rank's size hints"),
@@ -139,3 +155,20 @@ def test_an_artifact_without_an_aotautograd_entry_or_with_a_stray_path_is_loaded
     assert "no AOTAutograd cache entry" in once.manifest_problem(_result("fxgraph/ab/fk/x"), 1)
     assert "outside the cache layout" in once.manifest_problem(_result("aotautograd/k/e", "../../etc/x"), 1)
     assert "failed" in once.manifest_problem(_result(status="failed"), 1)
+
+
+# ---------------------------------------------------------------- the FX keys kept with an entry
+
+
+def test_the_fx_graph_keys_a_compile_took_are_kept_and_read_back(tmp_path):
+    sidecar.write_fx_keys(str(tmp_path), "akey", ["fa", "fb"])
+    assert sidecar.read_fx_keys(str(tmp_path), "akey", rank=0) == ["fa", "fb"]
+    assert sidecar.read_fx_keys(str(tmp_path), "other", rank=0) == []
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x93\x01", b"not msgpack at all", b"\x92\x01\x91\xa2.."])
+def test_a_damaged_fx_key_file_reads_as_none_kept(tmp_path, damage):
+    sidecar.write_fx_keys(str(tmp_path), "akey", ["fa"])
+    path = tmp_path / "compiler_collectives" / "fx" / "akey"
+    path.write_bytes(damage)
+    assert sidecar.read_fx_keys(str(tmp_path), "akey", rank=0) == []

@@ -67,8 +67,12 @@ def decide(offers: dict[int, Offer], seq: int, me: int | None = None) -> dict[in
             plans[members[0]] = Plan(LOCAL, None, "no other rank has this graph's cache key", False)
             continue
         holders = [r for r in members if offers[r].holds]
+        warm = [r for r in members if offers[r].fx_warm]
         if holders:
             source, role, done = holders[0], SERVE, "serves the entry its cache holds"
+        elif warm:
+            # No entry anywhere, but this rank's FX graph cache holds the compiles: it compiles fast.
+            source, role, done = warm[(seq + turn) % len(warm)], COMPILE, "compiles from its warm FX graph cache"
         else:
             source, role, done = members[(seq + turn) % len(members)], COMPILE, "compiles"
         plans[source] = Plan(role, source, f"{done} for {ranks_text([r for r in members if r != source])}", False)

@@ -151,14 +151,16 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     ticket.members = tuple(groups.member_ranks(ticket.pg))
     ticket.rank = ticket.members[ticket.pg.rank()]
     cache_root = ticket.cache.root()
+    holds = key is not None and artifact.holds(_entry_dir(ticket, key))
     mine = Offer(
         key,
         why,
-        key is not None and artifact.holds(_entry_dir(ticket, key)),
+        holds,
         artifact.dir_identity(cache_root),
         sorted(switches),
         config.settings.max_artifact_bytes,
         ticket.graph,
+        not holds and ticket.level == "aot" and _fx_warm(ticket, key),
     )
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
@@ -178,6 +180,12 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     else:
         log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
     return ticket.plan
+
+
+def _fx_warm(ticket: Ticket, key: str | None) -> bool:
+    """Whether this rank's FX graph cache holds every compile ``key`` took the last time it ran here."""
+    fx_keys = sidecar.read_fx_keys(ticket.cache.root(), key, ticket.rank)
+    return bool(fx_keys) and all(artifact.holds(ticket.cache.fx_dir(k)) for k in fx_keys)
 
 
 def fetch(ticket: Ticket) -> bool:
@@ -534,6 +542,8 @@ def _record(ticket: Ticket) -> None:
     plan = ticket.plan
     if plan is None:
         return
+    if ticket.level == "aot" and ticket.fx_keys:
+        sidecar.write_fx_keys(ticket.cache.root(), ticket.key, ticket.fx_keys)
     rec = timing.recorder
     if plan.role == LOAD:
         state = "loaded" if ticket.outcome == "hit" else "compiled locally"

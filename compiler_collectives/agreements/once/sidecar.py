@@ -1,6 +1,11 @@
-"""Compile once's audit sidecar: the program audit's fingerprints of a cached compile, kept
-beside its cache entry (``<cache dir>/compiler_collectives/audit/<key>``), so that a rank whose
-cache is warm can serve them with the entry, and a rank that loaded one audits it as its own.
+"""Compile once's sidecars, kept in the cache dir beside torch's entries:
+
+* the program audit's fingerprints of a cached compile (``<cache dir>/compiler_collectives/
+  audit/<key>``), so that a rank whose cache is warm can serve them with the entry, and a rank
+  that loaded one audits it as its own;
+* the FX graph cache keys an AOTAutograd key's compile took (``.../fx/<key>``), so that where no
+  rank holds the AOTAutograd entry, a rank whose FX graph cache still holds those compiles is the
+  one that compiles (``fx_warm``).
 """
 
 from __future__ import annotations
@@ -59,5 +64,50 @@ def read(root: str, key: str | None, rank: int) -> list[GraphFingerprint]:
             return []
         return [fingerprint_in(g) for g in obj[1]]
     except Exception as e:  # noqa: BLE001 - a damaged file only costs the audit's comparison
+        log.debug("compile once: ignoring %s: %s", where, e)
+        return []
+
+
+FX_VERSION = 1
+
+
+def _fx_path(root: str, key: str) -> str:
+    return os.path.join(root, "compiler_collectives", "fx", key)
+
+
+def write_fx_keys(root: str, key: str | None, fx_keys: list[str]) -> None:
+    """Keep the FX graph cache keys the compile of AOTAutograd key ``key`` took."""
+    if key is None or not fx_keys:
+        return
+    where = _fx_path(root, key)
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        tmp = f"{where}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(pack([FX_VERSION, list(fx_keys)]))
+        os.replace(tmp, where)
+    except OSError as e:
+        log.debug("compile once: could not keep the FX graph keys at %s: %s", where, e)
+
+
+def read_fx_keys(root: str, key: str | None, rank: int) -> list[str]:
+    """The FX graph cache keys kept for ``key``; [] when none (or the file is damaged)."""
+    if key is None:
+        return []
+    where = _fx_path(root, key)
+    try:
+        with open(where, "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    fail = failure("compile-once FX key file", "compile_once", rank, "compiler_collectives version")
+    try:
+        with reading(data, config.settings.max_payload_bytes, fail) as r:
+            obj: Any = r.value()
+            r.end()
+        if type(obj) is not list or len(obj) != 2 or obj[0] != FX_VERSION or type(obj[1]) is not list:
+            return []
+        return [k for k in obj[1] if type(k) is str and 0 < len(k) <= 256 and os.sep not in k and k not in (".", "..")]
+    except Exception as e:  # noqa: BLE001 - a damaged file only costs the preference
         log.debug("compile once: ignoring %s: %s", where, e)
         return []

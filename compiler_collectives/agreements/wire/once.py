@@ -1,18 +1,20 @@
 """Compile once's payloads: the key exchange, the result exchange and the load report of one
 graph (``agreements/once.py``).
 
-Layout (``ONCE_FORMAT_VERSION``, now 1; its own version, apart from the envelope's)::
+Layout (``ONCE_FORMAT_VERSION``, now 2; its own version, apart from the envelope's)::
 
     [ONCE_FORMAT_VERSION, "compile_once", tag, sender_rank, world_size, seq, body]
 
 ``tag`` and ``body``:
 
-* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph]``: this rank's cache
+* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, fx_warm]``: this rank's cache
   key (AOTAutograd's, or the FX graph cache's at the fallback level; nil when the graph is not
   cacheable here, ``why`` then says why), whether its cache holds an entry for it, the identity
   of its cache dir (ranks with equal identities share the dir), the names of torch's
   compile-time collectives switched on, the largest artifact it accepts, and a digest of the
-  graph handed to AOTAutograd (ranks whose graphs are equal compile the same FX graphs);
+  graph handed to AOTAutograd (ranks whose graphs are equal compile the same FX graphs), and
+  whether its FX graph cache holds every inductor compile this key took the last time it ran here
+  (then it compiles fast, from its own FX graph cache);
 * ``"result"``: ``[status, failure, manifest, fingerprints]``: ``status`` is ``"none"`` (this
   rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``: "ExcType: message");
   ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the artifact relative to the
@@ -34,7 +36,7 @@ from typing import Any
 from ..fingerprint import Collective, GraphFingerprint
 from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
 
-ONCE_FORMAT_VERSION = 1
+ONCE_FORMAT_VERSION = 2
 ONCE_TAG = "compile_once"
 ONCE_KINDS = ("keys", "result", "loaded")
 RESULT_STATUSES = ("none", "ok", "failed")
@@ -55,6 +57,7 @@ class Offer:
     switches: list[str]
     max_artifact_bytes: int
     graph: str = ""
+    fx_warm: bool = False  # no entry, but its FX graph cache holds the compiles this key took here
 
 
 @dataclasses.dataclass
@@ -114,6 +117,7 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             list(body.switches)[:MAX_SWITCHES],
             int(body.max_artifact_bytes),
             body.graph[:128],
+            bool(body.fx_warm),
         ]
     elif isinstance(body, Result):
         kind = "result"
@@ -138,10 +142,11 @@ def _text(v: Any, what: str, *, optional: bool = False) -> str | None:
 
 
 def _offer(body: Any) -> Offer:
-    expect(type(body) is list and len(body) == 7, "a keys body must have 7 items")
-    key, why, holds, cache_dir, switches, max_bytes, graph = body
+    expect(type(body) is list and len(body) == 8, "a keys body must have 8 items")
+    key, why, holds, cache_dir, switches, max_bytes, graph, fx_warm = body
     expect(key is None or (type(key) is str and 0 < len(key) <= 256), "the cache key must be nil or a short string")
     expect(type(holds) is bool, "holds must be a bool")
+    expect(type(fx_warm) is bool, "fx_warm must be a bool")
     expect(type(switches) is list and len(switches) <= MAX_SWITCHES, "switches must be a short list")
     names = [_text(s, "a switch name") or "" for s in switches]
     return Offer(
@@ -152,6 +157,7 @@ def _offer(body: Any) -> Offer:
         names,
         int_in(max_bytes, "max artifact bytes", lo=1),
         _text(graph, "graph digest") or "",
+        fx_warm,
     )
 
 
