@@ -38,18 +38,43 @@ Cases (``--cases``, comma-separated; default all):
   2agents      2 torchrun agents x 2 ranks on 127.0.0.1 (--nnodes 2, static
                rendezvous), a cache dir per agent
 
+Cache states (issue 29: the caches real jobs have), a table of their own; each
+case is held to its floor, one cold compile plus a warm start for every other
+rank (CPU: the 1rank row + (ranks - 1) x the 1rank-warm row), and, compile once
+on, to its target (printed with it, and whether it is met):
+  1rank-warm   1 rank over a dir warmed by an untimed 1-rank run: a warm start
+               (a floor; run whenever a cache state is)
+  2shared      2 ranks, one cold dir: the job alone (run with two-jobs, truncated)
+  warm1-empty  2 ranks, a dir each: rank 0's warmed by an untimed 1-rank run,
+               rank 1's empty. Target: each rank <= 0.35x a cold compile, the
+               warm rank <= 1.1x its CPU with COMPILE_ONCE=0
+  warm-off     2 ranks, a dir each, both warmed by an untimed run of the same
+               2-rank job with the service off (none of its variables set but
+               COMPILER_COLLECTIVES_COMPILE_ONCE=0). Target: each rank <= 0.35x
+               a cold compile, 0 refused
+  two-jobs     two 2-rank jobs (two torchrun agents, their own ports) on one
+               cold dir, started together. Target: each job's CPU <= 1.1x the
+               same job alone (2shared), 0 refused
+  truncated    2 ranks, one dir warmed by an untimed run of the same job, then
+               every file under its aotautograd/ and fxgraph/ cut to half its
+               size. Target: finishes, CPU <= 1.1x a cold job (2shared)
+Refusals are counted per run: the ranks' once_refused stats, summed.
+
 Settings, side by side in one run: "off" (COMPILER_COLLECTIVES_COMPILE_ONCE=0)
 and "default" (the variable unset). If the installed compiler_collectives does
 not know the variable (the feature is absent: setting it would fail the import
 with ConfigError), neither setting sets it and both measure the same thing; the
-header says so. An untimed 1-rank run comes first (``--no-prime`` skips it), so
-that reading inductor's modules, gcc and its headers from disk is not charged
-to whichever run is first. ``--repeat N`` runs every case and setting N times, interleaved,
-and reports medians. Every run has a hard ``--timeout``; a failed run is
-reported in the table with the tail of its log, and every process the script
-started is ended when it exits.
+header says so. Every run of one invocation shares a fresh TMPDIR under the
+work dir, where inductor keeps its precompiled header whatever the cache dir
+(4-5 CPU-s to build). An untimed 1-rank run comes first (``--no-prime`` skips
+it), so that building that header and reading inductor's modules, gcc and its
+headers from disk is not charged to whichever run is first. ``--repeat N``
+runs every case and setting N times, interleaved, and reports medians. Every
+run has a hard ``--timeout``; a failed run is reported in the table with the
+tail of its log, and every process the script started is ended when it exits.
 
 Run:  scripts/dev bench-compile-once [--cases 1rank,4shared] [--repeat 1] [--json]
+      scripts/dev bench-compile-once --cases warm1-empty,warm-off,two-jobs,truncated
       [--blocks 6] [--width 256] [--timeout 900]
 """
 
@@ -93,10 +118,20 @@ class Case:
     agents: tuple[int, ...]  # ranks per torchrun agent
     cache: str  # "shared", "per-rank" or "per-agent"
     warm_rank0: bool = False
+    # The cache states table: how the dirs are readied, untimed, before the measured run (None:
+    # cold); how many copies of the job start together on the same dirs; what it is held to.
+    warm: str | None = None  # "1rank", "1rank-rank0", "service-off" or "truncated"
+    jobs: int = 1
+    target: str = ""
+    needs: tuple[str, ...] = ()  # reference cases its ratios are to (run whenever it is)
 
     @property
     def world(self) -> int:
         return sum(self.agents)
+
+    @property
+    def cache_states(self) -> bool:
+        return self.name in CACHE_STATES
 
 
 CASES = {
@@ -107,9 +142,51 @@ CASES = {
         Case("4per-rank", "4 ranks, a cache dir each", (4,), "per-rank"),
         Case("warm-cold", "2 ranks, rank 0's cache warm, rank 1's cold", (2,), "per-rank", warm_rank0=True),
         Case("2agents", "2 agents x 2 ranks, a cache dir per agent", (2, 2), "per-agent"),
+        # The cache states table (issue 29): the floors first, then the states.
+        Case("1rank-warm", "1 rank, its dir warmed by a 1-rank run (warm start)", (1,), "shared", warm="1rank"),
+        Case("2shared", "2 ranks, one cold dir (the job alone)", (2,), "shared"),
+        Case(
+            "warm1-empty",
+            "2 ranks, rank 0's dir warmed by a 1-rank run, rank 1's empty",
+            (2,),
+            "per-rank",
+            warm="1rank-rank0",
+            target="each rank ≤ 0.35× a cold compile; warm rank ≤ 1.1× its CPU with COMPILE_ONCE=0",
+            needs=("1rank-warm",),
+        ),
+        Case(
+            "warm-off",
+            "2 ranks, both dirs warmed by the 2-rank job with the service off",
+            (2,),
+            "per-rank",
+            warm="service-off",
+            target="each rank ≤ 0.35× a cold compile; 0 refused",
+            needs=("1rank-warm",),
+        ),
+        Case(
+            "two-jobs",
+            "two 2-rank jobs on one cold dir, started together",
+            (2,),
+            "shared",
+            jobs=2,
+            target="each job ≤ 1.1× its CPU alone (2shared); 0 refused",
+            needs=("1rank-warm", "2shared"),
+        ),
+        Case(
+            "truncated",
+            "2 ranks, one dir whose entries are all truncated",
+            (2,),
+            "shared",
+            warm="truncated",
+            target="finishes; ≤ 1.1× a cold job (2shared)",
+            needs=("1rank-warm", "2shared"),
+        ),
     )
 }
 BASELINE = "1rank"
+CACHE_STATES = ("1rank", "1rank-warm", "2shared", "warm1-empty", "warm-off", "two-jobs", "truncated")
+WARM_START = "1rank-warm"
+ALONE = "2shared"
 
 
 # ------------------------------------------------------------------ the rank
@@ -393,6 +470,8 @@ def _base_env(args: argparse.Namespace, setting: str, set_var: bool) -> dict[str
         COMPILER_COLLECTIVES_TIMEOUT=str(float(args.timeout)),
         PYTHONUNBUFFERED="1",
     )
+    if getattr(args, "tmpdir", None):
+        env["TMPDIR"] = args.tmpdir
     if setting == "off" and set_var:
         env[COMPILE_ONCE_ENV] = "0"
     return env
@@ -447,6 +526,96 @@ def _read_ranks(out: str, world: int) -> tuple[list[dict[str, Any]], str | None]
     return ranks, None
 
 
+def _cache_env(cache_dir: str) -> dict[str, str]:
+    return {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+
+
+def _job(args: argparse.Namespace, case: Case, base: dict[str, str], cache: str, out: str) -> list[Any]:
+    """The torchrun agents of one job of ``case`` over ``cache``: (command, env) each."""
+    port = _free_port()
+    agents = []
+    for node_rank, nproc in enumerate(case.agents):
+        env = dict(base)
+        if case.cache == "shared":
+            env.update(_cache_env(cache))
+        elif case.cache == "per-rank":
+            env["BENCH_CACHE_PER_RANK"] = cache
+        else:
+            env.update(_cache_env(os.path.join(cache, f"agent{node_rank}")))
+        agents.append((_agent_cmd(args, len(case.agents), node_rank, nproc, port, out), env))
+    return agents
+
+
+def _service_off(base: dict[str, str]) -> dict[str, str]:
+    """``base`` without the service: none of its variables set (one would import and install
+    it), COMPILER_COLLECTIVES_COMPILE_ONCE=0 (an off value: it installs nothing)."""
+    env = {k: v for k, v in base.items() if not k.startswith("COMPILER_COLLECTIVES_")}
+    env.pop("TORCH_COMPILER_COLLECTIVES", None)
+    env[COMPILE_ONCE_ENV] = "0"
+    return env
+
+
+def truncate_entries(cache: str) -> int:
+    """Cut every file under ``cache``'s aotautograd/ and fxgraph/ to half its size; how many."""
+    count = 0
+    for level in ("aotautograd", "fxgraph"):
+        for d, _, files in os.walk(os.path.join(cache, level)):
+            for f in files:
+                path = os.path.join(d, f)
+                os.truncate(path, os.path.getsize(path) // 2)
+                count += 1
+    return count
+
+
+def _warm_up(
+    case: Case, args: argparse.Namespace, base: dict[str, str], cache: str, rundir: str, log_path: str
+) -> tuple[float, str | None]:
+    """Untimed: ready ``case``'s dirs as its row says. (seconds, None) or (seconds, why it failed)."""
+    out = os.path.join(rundir, "warmup")
+    os.makedirs(out, exist_ok=True)
+    if case.warm_rank0:
+        # The same 2-rank job over one dir fills <cache>/rank0, the dir rank 0 uses. (Before
+        # issue 29 a 1-rank run would not do: AOTAutograd's key held the backward lowering the
+        # service sets at 2+ ranks. The warm1-empty row measures that case now.)
+        agents = [
+            (_agent_cmd(args, 1, 0, 2, _free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))
+        ]
+    elif case.warm == "1rank":
+        agents = [(_agent_cmd(args, 1, 0, 1, _free_port(), out), dict(base, **_cache_env(cache)))]
+    elif case.warm == "1rank-rank0":
+        agents = [
+            (_agent_cmd(args, 1, 0, 1, _free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))
+        ]
+    elif case.warm == "service-off":
+        agents = _job(args, case, _service_off(base), cache, out)
+    elif case.warm == "truncated":
+        agents = _job(args, case, base, cache, out)
+    else:
+        return 0.0, None
+    rcs, timed_out, secs = _launch(agents, log_path, args.timeout)
+    if timed_out or any(rc != 0 for rc in rcs):
+        return secs, "warm-up run " + ("timed out" if timed_out else f"failed (exit {rcs})")
+    if case.warm == "truncated" and truncate_entries(cache) == 0:
+        return secs, "warm-up run left no entry to truncate"
+    return secs, None
+
+
+def _job_result(ranks: list[dict[str, Any]], out: str) -> dict[str, Any]:
+    states: dict[str, int] = {}
+    for r in ranks:
+        for record in (r["cc_stats"] or {}).get("compile_once", []):
+            states[record["state"]] = states.get(record["state"], 0) + 1
+    return {
+        "wall_s": max(r["wall_s"] for r in ranks),
+        "cpu_s": sum(r["cpu_s"] for r in ranks),
+        "params_sha256": ranks[0]["params_sha256"],
+        "params_path": os.path.join(out, "params.pt"),
+        "ranks_identical": all(r["params_identical_across_ranks"] for r in ranks),
+        "refused": sum(int((r["cc_stats"] or {}).get("once_refused", 0)) for r in ranks),
+        "once_states": states,
+    }
+
+
 def run_once(case: Case, setting: str, rep: int, args: argparse.Namespace, root: str, set_var: bool) -> dict[str, Any]:
     rundir = os.path.join(root, case.name, setting, f"rep{rep}")
     cache = os.path.join(rundir, "cache")
@@ -456,35 +625,18 @@ def run_once(case: Case, setting: str, rep: int, args: argparse.Namespace, root:
     base = _base_env(args, setting, set_var)
     result: dict[str, Any] = {"case": case.name, "setting": setting, "rep": rep, "ok": False, "log": log_path}
 
-    if case.warm_rank0:
-        # Untimed: the same 2-rank job over one dir fills <cache>/rank0, the dir rank 0 uses
-        # below. A 1-rank run would not do: the service lowers backwards with their forward
-        # where it applies (2+ ranks), and AOTAutograd's cache key includes that switch.
-        warm_out = os.path.join(rundir, "warmup")
-        os.makedirs(warm_out, exist_ok=True)
-        warm_dir = os.path.join(cache, "rank0")
-        env = dict(base, TORCHINDUCTOR_CACHE_DIR=warm_dir, TRITON_CACHE_DIR=os.path.join(warm_dir, "triton"))
-        rcs, timed_out, secs = _launch(
-            [(_agent_cmd(args, 1, 0, 2, _free_port(), warm_out), env)], log_path, args.timeout
-        )
-        result["warmup_s"] = secs
-        if rcs != [0]:
-            result["error"] = "warm-up run " + ("timed out" if timed_out else f"failed (exit {rcs[0]})")
-            result["log_tail"] = _tail(log_path)
-            return result
+    result["warmup_s"], error = _warm_up(case, args, base, cache, rundir, log_path)
+    if error:
+        result["error"] = error
+        result["log_tail"] = _tail(log_path)
+        return result
 
-    port = _free_port()
+    # Every job of the case at once, over the same dirs, each with its own port and results.
+    outs = [out] if case.jobs == 1 else [os.path.join(out, f"job{j}") for j in range(case.jobs)]
     agents = []
-    for node_rank, nproc in enumerate(case.agents):
-        env = dict(base)
-        if case.cache == "shared":
-            env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-        elif case.cache == "per-rank":
-            env["BENCH_CACHE_PER_RANK"] = cache
-        else:
-            agent_cache = os.path.join(cache, f"agent{node_rank}")
-            env.update(TORCHINDUCTOR_CACHE_DIR=agent_cache, TRITON_CACHE_DIR=os.path.join(agent_cache, "triton"))
-        agents.append((_agent_cmd(args, len(case.agents), node_rank, nproc, port, out), env))
+    for job_out in outs:
+        os.makedirs(job_out, exist_ok=True)
+        agents += _job(args, case, base, cache, job_out)
     rcs, timed_out, secs = _launch(agents, log_path, args.timeout)
     result["run_s"] = secs
     if timed_out or any(rc != 0 for rc in rcs):
@@ -492,20 +644,27 @@ def run_once(case: Case, setting: str, rep: int, args: argparse.Namespace, root:
         result["error"] = f"failed: {why}"
         result["log_tail"] = _tail(log_path)
         return result
-    ranks, error = _read_ranks(out, case.world)
-    if error:
-        result["error"] = error
-        result["log_tail"] = _tail(log_path)
-        return result
+    jobs, ranks = [], []
+    for job_out in outs:
+        job_ranks, error = _read_ranks(job_out, case.world)
+        if error:
+            result["error"] = error
+            result["log_tail"] = _tail(log_path)
+            return result
+        jobs.append(_job_result(job_ranks, job_out))
+        ranks += job_ranks
     result.update(
         ok=True,
         ranks=ranks,
-        wall_s=max(r["wall_s"] for r in ranks),
-        cpu_s=sum(r["cpu_s"] for r in ranks),
-        params_sha256=ranks[0]["params_sha256"],
-        params_path=os.path.join(out, "params.pt"),
-        ranks_identical=all(r["params_identical_across_ranks"] for r in ranks),
+        jobs=jobs,
+        wall_s=max(j["wall_s"] for j in jobs),
+        cpu_s=sum(j["cpu_s"] for j in jobs),
+        params_sha256=jobs[0]["params_sha256"],
+        params_path=jobs[0]["params_path"],
+        ranks_identical=all(j["ranks_identical"] for j in jobs),
+        jobs_identical=len({j["params_sha256"] for j in jobs}) == 1,
         service_on=all(r["compiler_collectives_on"] for r in ranks),
+        refused=sum(j["refused"] for j in jobs),
     )
     if not args.keep:
         shutil.rmtree(cache, ignore_errors=True)
@@ -555,8 +714,13 @@ def summarize(runs: list[dict[str, Any]], cases: list[Case]) -> list[dict[str, A
                 continue
             row["wall_s"] = statistics.median(r["wall_s"] for r in ok)
             row["cpu_s"] = statistics.median(r["cpu_s"] for r in ok)
-            row["rank_cpu_s"] = [statistics.median(r["ranks"][i]["cpu_s"] for r in ok) for i in range(case.world)]
-            row["rank_wall_s"] = [statistics.median(r["ranks"][i]["wall_s"] for r in ok) for i in range(case.world)]
+            n = len(ok[0]["ranks"])  # every job's ranks, in job order
+            row["rank_cpu_s"] = [statistics.median(r["ranks"][i]["cpu_s"] for r in ok) for i in range(n)]
+            row["rank_wall_s"] = [statistics.median(r["ranks"][i]["wall_s"] for r in ok) for i in range(n)]
+            row["jobs"] = case.jobs
+            row["job_cpu_s"] = [statistics.median(r["jobs"][j]["cpu_s"] for r in ok) for j in range(case.jobs)]
+            row["refused"] = [r["refused"] for r in ok]  # per run, summed over its ranks
+            row["once_states"] = [j["once_states"] for j in ok[-1]["jobs"]]
             if setting in baseline:
                 b_wall, b_cpu = baseline[setting]
                 row["wall_ratio"] = row["wall_s"] / b_wall
@@ -568,6 +732,8 @@ def summarize(runs: list[dict[str, Any]], cases: list[Case]) -> list[dict[str, A
             problems = []
             if not all(r["ranks_identical"] for r in ok):
                 problems.append("ranks differ")
+            if not all(r["jobs_identical"] for r in ok):
+                problems.append("the jobs' parameters differ")
             if reference is None:
                 problems.append("no COMPILE_ONCE=0 run to compare")
             else:
@@ -578,7 +744,49 @@ def summarize(runs: list[dict[str, Any]], cases: list[Case]) -> list[dict[str, A
             row["params_identical"] = not problems
             row["params_problems"] = problems
             row["ranks_detail"] = [r["ranks"] for r in ok]
+    _check_cache_states(rows)
     return rows
+
+
+def _check_cache_states(rows: list[dict[str, Any]]) -> None:
+    """The cache states rows: each job's CPU against its floor (one cold compile, a warm start
+    for every other rank), and, with compile once on, the row's target."""
+    by = {(r["case"], r["setting"]): r for r in rows if "cpu_s" in r}
+    for row in rows:
+        case = CASES[row["case"]]
+        if not case.cache_states or "cpu_s" not in row:
+            continue
+        setting = row["setting"]
+        cold, warm, alone = (by.get((name, setting)) for name in (BASELINE, WARM_START, ALONE))
+        if cold is not None:
+            row["rank_cpu_cold_ratio"] = [c / cold["cpu_s"] for c in row["rank_cpu_s"]]
+            if warm is not None:
+                row["floor_cpu_s"] = cold["cpu_s"] + (case.world - 1) * warm["cpu_s"]
+                row["job_cpu_floor_ratio"] = [c / row["floor_cpu_s"] for c in row["job_cpu_s"]]
+        if setting != "default" or not case.target:
+            continue
+        checks: list[tuple[str, bool | None]] = []
+        none_refused = ("0 refused", not any(row["refused"]))
+        if case.name in ("warm1-empty", "warm-off"):
+            ratios = row.get("rank_cpu_cold_ratio")
+            checks.append(("each rank ≤ 0.35× cold", None if ratios is None else max(ratios) <= 0.35))
+        if case.name == "warm1-empty":
+            off = by.get((case.name, "off"))
+            ratio = None if off is None else row["rank_cpu_s"][0] / off["rank_cpu_s"][0]
+            row["warm_rank_vs_off"] = ratio
+            checks.append(("warm rank ≤ 1.1× off", None if ratio is None else ratio <= 1.1))
+        if case.name == "warm-off":
+            checks.append(none_refused)
+        if case.name == "two-jobs":
+            ratios = None if alone is None else [c / alone["cpu_s"] for c in row["job_cpu_s"]]
+            row["job_cpu_alone_ratio"] = ratios
+            checks += [("each job ≤ 1.1× alone", None if ratios is None else max(ratios) <= 1.1), none_refused]
+        if case.name == "truncated":
+            ratio = None if alone is None else row["cpu_s"] / alone["cpu_s"]
+            row["cpu_cold_job_ratio"] = ratio
+            checks += [("finishes", row["failed"] == 0), ("≤ 1.1× a cold job", None if ratio is None else ratio <= 1.1)]
+        row["target"] = case.target
+        row["target_checks"] = checks
 
 
 def _fmt(row: dict[str, Any], key: str, spec: str, suffix: str = "") -> str:
@@ -586,6 +794,8 @@ def _fmt(row: dict[str, Any], key: str, spec: str, suffix: str = "") -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """The first step's table: the 1-rank baseline and the cases outside the cache states table."""
+    rows = [r for r in rows if r["case"] == BASELINE or not CASES[r["case"]].cache_states]
     print(
         "| case | setting | ranks | wall, slowest rank (s) | wall / 1-rank | CPU, summed (s) | CPU / 1-rank "
         "| CPU per rank / 1-rank | cache hit/miss (fx; aot) | params identical |"
@@ -617,6 +827,92 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: parameters: {problem}")
         if not row.get("service_on", True):
             print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: compiler collectives were OFF on some rank")
+        for err in row["errors"]:
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]} rep {err['rep']}: {err['error']}; log tail:")
+            print("    " + err["log_tail"].rstrip().replace("\n", "\n    "))
+
+
+REFERENCE_ROLE = {BASELINE: "floor: the cold compile", WARM_START: "floor: a warm start", ALONE: "the job alone"}
+
+
+def _ratios(values: list[float] | None, prefix: str) -> str:
+    if values is None:
+        return "-"
+    return ", ".join(f"{prefix}{i} {x:.2f}x" for i, x in enumerate(values)) if len(values) > 1 else f"{values[0]:.2f}x"
+
+
+def _states_text(states: list[dict[str, int]]) -> str:
+    parts = []
+    for j, counts in enumerate(states):
+        text = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
+        parts.append(f"job {j}: {text}" if len(states) > 1 else text)
+    return "; ".join(parts)
+
+
+def print_cache_states(rows: list[dict[str, Any]]) -> None:
+    """The cache states table (issue 29): its floors, then each state side by side with
+    COMPILE_ONCE=0, each against its floor and, compile once on, its target."""
+    rows = [r for r in rows if CASES[r["case"]].cache_states]
+    if not any(r["case"] not in REFERENCE_ROLE for r in rows):
+        return
+    print("Cache states: CPU is the first step's, summed over a job's ranks; floor = a 1-rank cold compile")
+    print("+ a 1-rank warm start for every other rank; per-rank ratios are to the 1-rank cold compile.")
+    print()
+    print(
+        "| case | setting | wall, slowest rank (s) | CPU per job (s) | CPU / floor | each rank's CPU / cold compile "
+        "| refused | compile once, all ranks | params identical | target | met |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        label = SETTING_LABEL[row["setting"]]
+        if "wall_s" not in row:
+            print(f"| {row['case']} | {label} | FAILED ({row['errors'][0]['error']}) | | | | | | | | |")
+            continue
+        case = CASES[row["case"]]
+        several = row["ranks"] > 1 or row["jobs"] > 1  # a 1-rank row is a floor itself
+        per_rank = _ratios(row.get("rank_cpu_cold_ratio"), "r") if several else "-"
+        to_floor = _ratios(row.get("job_cpu_floor_ratio"), "job ") if several else "-"
+        params = "yes" if row["params_identical"] else "no"
+        if row["failed"]:
+            params += f" ({row['failed']} of {row['runs']} runs failed)"
+        target = REFERENCE_ROLE.get(row["case"], case.target if row["setting"] == "default" else "")
+        met = "-"
+        if row.get("target_checks"):
+            missed = [what for what, ok in row["target_checks"] if ok is False]
+            unknown = [what for what, ok in row["target_checks"] if ok is None]
+            met = "no: " + "; ".join(missed) if missed else "?: " + "; ".join(unknown) if unknown else "yes"
+        job_cpu = ", ".join(f"{c:.2f}" for c in row["job_cpu_s"])
+        refused = ", ".join(map(str, row["refused"]))
+        print(
+            f"| {row['case']} | {label} | {row['wall_s']:.2f} | {job_cpu} | "
+            f"{to_floor} | {per_rank} | "
+            f"{refused} | {_states_text(row['once_states'])} | {params} | {target} | {met} |"
+        )
+    for row in rows:
+        extra = []
+        if row.get("warm_rank_vs_off") is not None:
+            extra.append(f"warm rank's CPU / its CPU with COMPILE_ONCE=0: {row['warm_rank_vs_off']:.2f}x")
+        if row.get("job_cpu_alone_ratio") is not None:
+            extra.append("each job's CPU / alone: " + ", ".join(f"{x:.2f}x" for x in row["job_cpu_alone_ratio"]))
+        if row.get("cpu_cold_job_ratio") is not None:
+            extra.append(f"CPU / a cold job (2shared): {row['cpu_cold_job_ratio']:.2f}x")
+        if extra:
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: " + "; ".join(extra))
+    for setting in SETTINGS:
+        floors = {
+            r["case"]: r["cpu_s"]
+            for r in rows
+            if r["setting"] == setting and r["case"] in REFERENCE_ROLE and "cpu_s" in r
+        }
+        if BASELINE in floors and WARM_START in floors:
+            cold, warm = floors[BASELINE], floors[WARM_START]
+            print(
+                f"\nfloors, {SETTING_LABEL[setting]}: a cold compile {cold:.2f} CPU-s, a warm start "
+                f"{warm:.2f} CPU-s; a 2-rank job's floor {cold + warm:.2f} CPU-s"
+            )
+    for row in rows:
+        for problem in row.get("params_problems", []):
+            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: parameters: {problem}")
         for err in row["errors"]:
             print(f"\n{row['case']} {SETTING_LABEL[row['setting']]} rep {err['rep']}: {err['error']}; log tail:")
             print("    " + err["log_tail"].rstrip().replace("\n", "\n    "))
@@ -696,6 +992,7 @@ def main() -> int:
         parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}" if unknown else "nothing to run")
     if BASELINE not in names:
         names.insert(0, BASELINE)  # every ratio is to it
+    names += [need for n in list(names) for need in CASES[n].needs]  # the floors and references it is held to
     cases = [CASES[n] for n in CASES if n in names]
 
     def log(msg: str) -> None:
@@ -707,15 +1004,19 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     root = args.workdir or tempfile.mkdtemp(prefix="bench_compile_once_")
     os.makedirs(root, exist_ok=True)
+    # Inductor keeps its precompiled headers under TMPDIR whatever the cache dir (4-5 CPU-s to
+    # build): a fresh TMPDIR for this invocation, built by the priming run, untimed.
+    args.tmpdir = tempfile.mkdtemp(prefix="tmp-", dir=root)
     load_start = _uptime()
-    log(f"work dir {root}; {load_start}")
+    log(f"work dir {root}; TMPDIR {args.tmpdir}; {load_start}")
     set_var, feature_note = _feature_known(args)
     log(feature_note)
     runs: list[dict[str, Any]] = []
     try:
         if not args.no_prime:
             # The first compile of a session also reads torch's inductor modules, gcc and
-            # its headers from disk: pay that untimed, not in whichever run comes first.
+            # its headers from disk, and builds the precompiled header in the fresh TMPDIR:
+            # pay that untimed, not in whichever run comes first.
             log("priming: an untimed 1-rank run")
             prime = run_once(CASES[BASELINE], "default", -1, args, os.path.join(root, "prime"), set_var)
             log("  ok" if prime["ok"] else f"  {prime['error']} (log: {prime['log']}); going on")
@@ -753,8 +1054,12 @@ def main() -> int:
         print(feature_note)
         print(f"load at start: {load_start}")
         print()
-        print_table(rows)
-        print()
+        if any(not c.cache_states for c in cases):
+            print_table(rows)
+            print()
+        if any(c.cache_states and c.name not in REFERENCE_ROLE for c in cases):
+            print_cache_states(rows)
+            print()
         print(f"load at end: {load_end}")
     if args.json:
         print(json.dumps({**header, "rows": rows}, indent=1, default=str))

@@ -9,6 +9,7 @@ from compiler_collectives.agreements import once
 from compiler_collectives.agreements.fingerprint import Collective, GraphFingerprint
 from compiler_collectives.agreements.once import sidecar
 from compiler_collectives.agreements.wire.once import (
+    WARMTH_FX,
     Loaded,
     ManifestFile,
     Offer,
@@ -20,9 +21,9 @@ from compiler_collectives.errors import SetupMismatchError, WireFormatError
 
 
 def offer(
-    key: str | None, *, holds: bool = False, dir: str = "host:1:1", switches=(), why=None, fx_warm: bool = False
+    key: str | None, *, holds: bool = False, dir: str = "host:1:1", switches=(), why=None, warmth: int = 0
 ) -> Offer:
-    return Offer(key, why, holds, dir, list(switches), 1 << 30, "", fx_warm)
+    return Offer(key, why, holds, dir, list(switches), 1 << 30, "", warmth)
 
 
 def test_one_rank_compiles_each_shared_key_and_the_others_load_it():
@@ -48,13 +49,31 @@ def test_a_rank_whose_cache_holds_the_entry_serves_it_instead_of_anyone_compilin
 
 def test_where_no_rank_holds_the_entry_a_rank_whose_fx_graph_cache_is_warm_compiles():
     for seq in (1, 2, 3):
-        plans = once.decide({0: offer("k"), 1: offer("k"), 2: offer("k", fx_warm=True)}, seq=seq)
+        plans = once.decide({0: offer("k", warmth=9), 1: offer("k"), 2: offer("k", warmth=WARMTH_FX)}, seq=seq)
         assert plans[2].role == once.COMPILE and "warm FX graph cache" in plans[2].why
         assert plans[0].source == plans[1].source == 2
 
 
+def test_where_no_rank_holds_the_entry_nor_its_fx_compiles_the_rank_with_the_fullest_cache_dir_compiles():
+    for seq in (1, 2, 3):
+        plans = once.decide({0: offer("k", warmth=2), 1: offer("k", warmth=5), 2: offer("k")}, seq=seq)
+        assert plans[1].role == once.COMPILE and "warmest cache dir (5 FX graph entries)" in plans[1].why
+
+
+def test_ranks_equally_warm_take_turns_to_compile():
+    chosen = {
+        next(
+            r
+            for r, p in once.decide({0: offer("k", warmth=1), 1: offer("k", warmth=1)}, seq=s).items()
+            if p.role == once.COMPILE
+        )
+        for s in (1, 2)
+    }
+    assert chosen == {0, 1}
+
+
 def test_a_rank_that_holds_the_entry_serves_it_before_a_rank_whose_fx_graph_cache_is_warm():
-    plans = once.decide({0: offer("k", fx_warm=True), 1: offer("k", holds=True)}, seq=1)
+    plans = once.decide({0: offer("k", warmth=WARMTH_FX), 1: offer("k", holds=True)}, seq=1)
     assert plans[1].role == once.SERVE and plans[0].role == once.LOAD
 
 
@@ -102,7 +121,7 @@ def _fingerprint() -> GraphFingerprint:
     "body",
     [
         offer("k", holds=True, switches=["_sync_decision_cross_ranks"]),
-        offer("k", fx_warm=True),
+        offer("k", warmth=WARMTH_FX),
         Result("ok", None, [ManifestFile("aotautograd/k/e", b"s" * 32, 10)], [_fingerprint()]),
         Result("failed", "RuntimeError: boom", [], []),
         Loaded("miss", "the entry's guards fail this rank's size hints"),

@@ -180,6 +180,27 @@ def test_the_diagnosis_gives_up_on_a_stopped_or_wedged_peer_the_compile_wait_wai
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
+def test_a_peer_resumed_after_a_long_stop_is_alive_not_wedged_before_its_next_beat(sleeper):
+    """Silence counts only while the process runs: right after SIGCONT, before its heartbeat
+    thread beats again, a peer stopped for longer than the staleness window is alive (it was
+    called wedged, a second warning in compile once's wait)."""
+    now = [100.0]
+    watch = PeerWatch(here=HERE, probe=process_identity, heartbeat_s=0.5, clock=lambda: now[0])
+    record = _record_of(sleeper.pid, n=7)
+    assert watch.read(record, failed=False).liveness is Liveness.ALIVE
+    sleeper.send_signal(signal.SIGSTOP)
+    _until(lambda: process_identity(sleeper.pid)[0] in ("T", "t"))
+    for _ in range(10):  # stopped for 10 s of this rank's clock, its beat counter standing still
+        now[0] += 1.0
+        assert watch.read(record, failed=False).liveness is Liveness.STOPPED
+    sleeper.send_signal(signal.SIGCONT)
+    _until(lambda: process_identity(sleeper.pid)[0] not in ("T", "t"))
+    now[0] += 0.1
+    assert watch.read(record, failed=False).liveness is Liveness.ALIVE
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
 def test_a_same_host_process_stopped_is_stopped_resumed_is_alive_and_killed_is_gone(sleeper):
     record = _record_of(sleeper.pid)
     assert _judge(record).liveness is Liveness.ALIVE

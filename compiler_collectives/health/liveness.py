@@ -146,7 +146,7 @@ class PeerWatch:
         beat = None if record is None else record.get("n")
         if record is not None and beat != self._beat:
             self._beat, self._moved_at = beat, now
-        return judge(
+        verdict = judge(
             record,
             failed=failed,
             silent_s=now - self._moved_at,
@@ -154,6 +154,11 @@ class PeerWatch:
             probe=self._probe,
             heartbeat_s=self._heartbeat_s,
         )
+        if verdict.liveness is Liveness.STOPPED:
+            # Silence counts only while the process runs: once resumed, its heartbeat thread gets a
+            # beat in before the silence says wedged.
+            self._moved_at = now
+        return verdict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,10 +11,10 @@ or cold, so the exchanges never depend on cache state):
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
-   keys, the lowest rank that holds the entry serves it; otherwise a rank whose FX graph cache
-   holds the compiles the key took there (``sidecar``) compiles, fast; otherwise one rank
-   compiles, chosen in turn across graphs so that the work spreads over ranks and hosts. The
-   others load.
+   keys, the lowest rank that holds the entry serves it; otherwise the warmest rank compiles: one
+   whose FX graph cache holds the compiles the key took there (``sidecar``), else the one whose
+   cache dir holds the most FX graph entries; among equals (cold ranks too) one rank is chosen in
+   turn across graphs so that the work spreads over ranks and hosts. The others load.
 2. **Compile**: the serving or compiling rank runs AOTAutograd as usual (backward lowered with
    the forward, so the entry exists when the compile ends); local ranks compile; loading ranks
    wait inside the backend, for this graph only (waiting around a whole step would deadlock on

@@ -98,6 +98,23 @@ def _stem(name: str) -> str:
     return name.split(".", 1)[0]
 
 
+def count_entries(cache_dir: str, cap: int) -> int:
+    """How many keys a two-level cache dir (``fxgraph/<bucket>/<key>``) holds, up to ``cap``."""
+    count = 0
+    try:
+        buckets = [b for b in os.listdir(cache_dir) if not b.startswith(".")]
+    except OSError:
+        return 0
+    for bucket in buckets:
+        try:
+            count += sum(1 for k in os.listdir(os.path.join(cache_dir, bucket)) if not k.startswith("."))
+        except OSError:
+            continue
+        if count >= cap:
+            return cap
+    return count
+
+
 def collect(root: str, dirs: list[str], sources: list[str]) -> tuple[list[ManifestFile], bytes]:
     """Every file of a compile's artifact under ``root``: the files of the cache entry ``dirs``,
     and of each kernel source in ``sources`` the files that share its stem (its binaries).

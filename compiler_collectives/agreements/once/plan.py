@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...errors import SetupMismatchError, ranks_text
-from ..wire.once import Offer
+from ..wire.once import WARMTH_COLD, WARMTH_FX, Offer
 
 COMPILE, SERVE, LOAD, LOCAL = "compile", "serve", "load", "local"
 
@@ -67,12 +67,19 @@ def decide(offers: dict[int, Offer], seq: int, me: int | None = None) -> dict[in
             plans[members[0]] = Plan(LOCAL, None, "no other rank has this graph's cache key", False)
             continue
         holders = [r for r in members if offers[r].holds]
-        warm = [r for r in members if offers[r].fx_warm]
+        warmest = max(offers[r].warmth for r in members)
+        warm = [r for r in members if offers[r].warmth == warmest]
         if holders:
             source, role, done = holders[0], SERVE, "serves the entry its cache holds"
-        elif warm:
-            # No entry anywhere, but this rank's FX graph cache holds the compiles: it compiles fast.
-            source, role, done = warm[(seq + turn) % len(warm)], COMPILE, "compiles from its warm FX graph cache"
+        elif warmest > WARMTH_COLD:
+            # No entry anywhere: the warmest cache compiles fastest (its FX graph cache holds the
+            # compiles, or the fullest dir, likely with kernels this graph needs); in turn among equals.
+            source, role = warm[(seq + turn) % len(warm)], COMPILE
+            done = (
+                "compiles from its warm FX graph cache"
+                if warmest == WARMTH_FX
+                else f"compiles in the warmest cache dir ({warmest} FX graph entries)"
+            )
         else:
             source, role, done = members[(seq + turn) % len(members)], COMPILE, "compiles"
         plans[source] = Plan(role, source, f"{done} for {ranks_text([r for r in members if r != source])}", False)

@@ -37,7 +37,17 @@ from .. import audit
 from .. import exchange as exchange_frame
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
-from ..wire.once import Loaded, ManifestFile, Offer, OnceEnvelope, Result, decode_once, encode_once
+from ..wire.once import (
+    WARMTH_FX,
+    WARMTH_MAX_ENTRIES,
+    Loaded,
+    ManifestFile,
+    Offer,
+    OnceEnvelope,
+    Result,
+    decode_once,
+    encode_once,
+)
 from . import artifact, sidecar, transfer
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 
@@ -160,7 +170,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
         sorted(switches),
         config.settings.max_artifact_bytes,
         ticket.graph,
-        not holds and ticket.level == "aot" and _fx_warm(ticket, key),
+        0 if holds else _warmth(ticket, key),
     )
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
@@ -182,10 +192,15 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     return ticket.plan
 
 
-def _fx_warm(ticket: Ticket, key: str | None) -> bool:
-    """Whether this rank's FX graph cache holds every compile ``key`` took the last time it ran here."""
-    fx_keys = sidecar.read_fx_keys(ticket.cache.root(), key, ticket.rank)
-    return bool(fx_keys) and all(artifact.holds(ticket.cache.fx_dir(k)) for k in fx_keys)
+def _warmth(ticket: Ticket, key: str | None) -> int:
+    """How warm this rank's cache is for compiling ``key`` without its entry (``WARMTH_*``)."""
+    root = ticket.cache.root()
+    if ticket.level == "aot" and key is not None:
+        fx_keys = sidecar.read_fx_keys(root, key, ticket.rank)
+        if fx_keys and all(artifact.holds(ticket.cache.fx_dir(k)) for k in fx_keys):
+            return WARMTH_FX
+    # Entries of earlier graphs: the kernels they built are likely to serve this one too.
+    return artifact.count_entries(os.path.join(root, "fxgraph"), WARMTH_MAX_ENTRIES)
 
 
 def fetch(ticket: Ticket) -> bool:

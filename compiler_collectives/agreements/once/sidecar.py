@@ -5,7 +5,7 @@
   that loaded one audits it as its own;
 * the FX graph cache keys an AOTAutograd key's compile took (``.../fx/<key>``), so that where no
   rank holds the AOTAutograd entry, a rank whose FX graph cache still holds those compiles is the
-  one that compiles (``fx_warm``).
+  one that compiles (``WARMTH_FX``).
 """
 
 from __future__ import annotations

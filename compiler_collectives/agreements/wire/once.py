@@ -7,14 +7,16 @@ Layout (``ONCE_FORMAT_VERSION``, now 2; its own version, apart from the envelope
 
 ``tag`` and ``body``:
 
-* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, fx_warm]``: this rank's cache
+* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, warmth]``: this rank's cache
   key (AOTAutograd's, or the FX graph cache's at the fallback level; nil when the graph is not
   cacheable here, ``why`` then says why), whether its cache holds an entry for it, the identity
   of its cache dir (ranks with equal identities share the dir), the names of torch's
   compile-time collectives switched on, the largest artifact it accepts, and a digest of the
-  graph handed to AOTAutograd (ranks whose graphs are equal compile the same FX graphs), and
-  whether its FX graph cache holds every inductor compile this key took the last time it ran here
-  (then it compiles fast, from its own FX graph cache);
+  graph handed to AOTAutograd (ranks whose graphs are equal compile the same FX graphs), and how
+  warm its cache is for a compile of this key: ``WARMTH_FX`` when its FX graph cache holds every
+  inductor compile this key took the last time it ran here, else how many FX graph entries its
+  cache dir holds (up to ``WARMTH_MAX_ENTRIES``: the fuller dir likely holds kernels this graph
+  needs), 0 when cold;
 * ``"result"``: ``[status, failure, manifest, fingerprints]``: ``status`` is ``"none"`` (this
   rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``: "ExcType: message");
   ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the artifact relative to the
@@ -44,6 +46,9 @@ LOAD_OUTCOMES = ("none", "hit", "miss", "refused")
 MAX_TEXT = 4096
 MAX_FILES = 100_000
 MAX_SWITCHES = 16
+WARMTH_COLD = 0
+WARMTH_MAX_ENTRIES = 1 << 20
+WARMTH_FX = 1 << 30
 
 
 @dataclasses.dataclass
@@ -57,7 +62,7 @@ class Offer:
     switches: list[str]
     max_artifact_bytes: int
     graph: str = ""
-    fx_warm: bool = False  # no entry, but its FX graph cache holds the compiles this key took here
+    warmth: int = 0  # how fast this rank would compile the key without its entry (see the layout)
 
 
 @dataclasses.dataclass
@@ -117,7 +122,7 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             list(body.switches)[:MAX_SWITCHES],
             int(body.max_artifact_bytes),
             body.graph[:128],
-            bool(body.fx_warm),
+            int(body.warmth),
         ]
     elif isinstance(body, Result):
         kind = "result"
@@ -143,10 +148,13 @@ def _text(v: Any, what: str, *, optional: bool = False) -> str | None:
 
 def _offer(body: Any) -> Offer:
     expect(type(body) is list and len(body) == 8, "a keys body must have 8 items")
-    key, why, holds, cache_dir, switches, max_bytes, graph, fx_warm = body
+    key, why, holds, cache_dir, switches, max_bytes, graph, warmth = body
     expect(key is None or (type(key) is str and 0 < len(key) <= 256), "the cache key must be nil or a short string")
     expect(type(holds) is bool, "holds must be a bool")
-    expect(type(fx_warm) is bool, "fx_warm must be a bool")
+    expect(
+        type(warmth) is int and (WARMTH_COLD <= warmth <= WARMTH_MAX_ENTRIES or warmth == WARMTH_FX),
+        "warmth must be an entry count or WARMTH_FX",
+    )
     expect(type(switches) is list and len(switches) <= MAX_SWITCHES, "switches must be a short list")
     names = [_text(s, "a switch name") or "" for s in switches]
     return Offer(
@@ -157,7 +165,7 @@ def _offer(body: Any) -> Offer:
         names,
         int_in(max_bytes, "max artifact bytes", lo=1),
         _text(graph, "graph digest") or "",
-        fx_warm,
+        warmth,
     )
 
 
