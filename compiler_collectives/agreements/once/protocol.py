@@ -320,6 +320,7 @@ def finish(
         # The loader's own compile after a refused or missed load: its exchanges are done
         # (it reported before compiling, so nobody waited for its compile).
         return
+    _raise_if_a_loader_gave_up(ticket)
     mine = Result("none", None, [], [])
     bundle = b""
     if plan.role in (COMPILE, SERVE):
@@ -349,6 +350,23 @@ def finish(
     else:
         counters.once_local += 1
     _load_report(ticket)
+
+
+def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
+    """A peer published while this rank compiled (a loader's compile timeout, say): its report,
+    as a ``PeerFailureError`` naming this graph, instead of an exchange nobody else takes."""
+    heard = health.poisoned()
+    if isinstance(heard, PeerFailureError) and heard.reported_by:
+        counters.errors += 1
+        raise PeerFailureError(
+            f"compile once #{ticket.seq} of {ticket.frame} on rank {ticket.rank}: while this rank compiled, {heard}",
+            kind="compile_once",
+            rank=ticket.rank,
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+            ranks=heard.ranks,
+            reported_by=heard.reported_by,
+        ) from heard
 
 
 def abandon(ticket: Ticket) -> None:
