@@ -27,9 +27,26 @@ ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "18
 # Where a test measures how fast a failure is noticed: far from any timeout.
 LONG_TIMEOUT_S = 60.0
 LONG_ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(LONG_TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
-# Survivors stay alive this long after their error, so that no rank learns of a
-# failure from a peer's closed connection: only from our own propagation.
-STAY_S = 4.0
+
+
+def _stay_until_every_survivor_has_its_error(survivors: int) -> None:
+    """Survivors stay alive until each of them holds its error, so that no rank learns of a
+    failure from a peer's closed connection: only from our own propagation."""
+    release("has-its-error")
+    stay_until(survivors, 60, "has-its-error")
+
+
+def _until_gone(pid: int) -> None:
+    """Return once process ``pid`` (a rank killed by a timer) is dead: a zombie or reaped."""
+    from compiler_collectives.transport.segment import process_identity
+
+    give_up = time.monotonic() + 30.0
+    while time.monotonic() < give_up:
+        ident = process_identity(pid)
+        if ident is None or ident[0] in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank process {pid} still runs 30 s after its kill")
 
 
 # Every guard-path failure runs on both mechanisms; each rank reports which one it used.
@@ -64,26 +81,28 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
     f = torch.compile(_step, backend="eager")
     f(torch.ones(2))  # compile; our groups exist from here on
     f(torch.ones(2))  # one guard collective with everyone present
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
     if rank == 1:
-        # Die while blocked inside the next guard collective.
+        # Die while blocked inside the next guard collective: its word for that call is
+        # stored (its first act in the call) 0.5 s before the kill.
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         f(torch.ones(2))
         return {"type": "survived?"}
-    time.sleep(1.5)  # rank 1 is dead by the time we enter
-    # On shared memory rank 1 published its word for this call before it died,
-    # so this call may still agree; the next one must fail.
+    _until_gone(pids[1])  # rank 1 is dead by the time we enter
     start = time.monotonic()
     for call in range(2):  # noqa: B007 - read after the loop: which call failed
         result = caught(lambda: f(torch.ones(2)))
         if result["type"]:
             break
     result = _with_transport({**result, "call": call, "seconds": time.monotonic() - start})
-    time.sleep(STAY_S)
+    _stay_until_every_survivor_has_its_error(world - 1)
     return result
 
 
 @GUARD_TRANSPORTS
 def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor_within_5_seconds(transport):
+    """No timeout is waited for (ours is 60 s): the survivors enter once rank 1 is dead."""
     outcome = run_ranks(
         peer_killed_inside_guard_collective,
         4,
@@ -99,7 +118,10 @@ def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor_wi
         assert r["type"] == "PeerFailureError", r
         assert r["ranks"] == [1], r
         assert "rank 1: absent, its process" in r["message"], r["message"]
-        assert r["call"] == (0 if transport == "gloo" else 1) or r["call"] == 0, r
+        # Shared memory: every word of the call rank 1 died in is in (its own came before
+        # its kill), so that call agrees and the next one fails. Gloo: rank 1 never completed
+        # its part of that all-reduce, so that call fails.
+        assert r["call"] == (1 if transport == "shm" else 0), r
         # Noticed by our own means (a closed connection, /proc, a peer's report), not the timeout.
         assert r["seconds"] < 5.0, r
 
@@ -113,11 +135,12 @@ def peer_killed_before_a_compile(rank: int, world: int) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1.0)
     result = caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
-    time.sleep(STAY_S)
+    _stay_until_every_survivor_has_its_error(world - 1)
     return result
 
 
 def test_a_peer_killed_before_a_compile_is_named_by_every_survivor_within_5_seconds():
+    """No timeout is waited for (ours is 60 s): rank 1 dies 1 s before the others compile."""
     # The compiler collective runs on gloo: the survivors that do not exchange
     # with rank 1 directly hear of it from the others' reports, in seconds.
     outcome = run_ranks(
@@ -148,11 +171,12 @@ def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
     else:
         time.sleep(0.5)
     result = caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
-    time.sleep(STAY_S)
+    _stay_until_every_survivor_has_its_error(world - 1)
     return result
 
 
 def test_a_survivor_that_hears_of_a_failure_before_its_collective_still_names_the_failed_rank_and_cause():
+    """No timeout is waited for (ours is 60 s): rank 2 waits for a heartbeat to bring rank 0's report."""
     outcome = run_ranks(
         hears_of_a_failure_before_its_compile,
         3,
@@ -293,18 +317,28 @@ def test_a_stopped_peer_is_named_after_the_timeout_and_the_others_hear_of_it_at_
 def peer_wedged_holding_the_gil(rank: int, world: int) -> dict:
     import ctypes
 
+    unwedge = os.path.join(os.environ["HARNESS_JOB_DIR"], "unwedge")
+    if rank == 1:
+        os.mkfifo(unwedge)  # before the groups exist: there when rank 0 writes to it
     f, pids = _compiled_with_every_pid(world)
     if rank == 1:
         _just_after_a_heartbeat()
         # A native call that keeps the GIL (PyDLL does not release it): alive and running, but
-        # no Python thread of this process, its heartbeat thread included, runs until it returns.
-        ctypes.PyDLL(None).sleep(int(TIMEOUT_S) + 6)
+        # no Python thread of this process, its heartbeat thread included, runs until it returns,
+        # once rank 0 holds its error and writes a byte.
+        fd = os.open(unwedge, os.O_RDWR)
+        ctypes.PyDLL(None).read(fd, ctypes.create_string_buffer(1), 1)
+        os.close(fd)
         return {"type": "wedged"}
-    return _with_transport({**caught(lambda: f(torch.ones(2))), "wedged_pid": pids[1]})
+    result = _with_transport({**caught(lambda: f(torch.ones(2))), "wedged_pid": pids[1]})
+    with open(unwedge, "wb") as w:
+        w.write(b"x")
+    return result
 
 
 @GUARD_TRANSPORTS
 def test_a_peer_wedged_in_a_native_call_holding_the_gil_is_named_as_wedged_with_its_pid(transport):
+    """Rank 0 waits out our timeout (TIMEOUT_S); rank 1 stays wedged until rank 0 holds its error."""
     outcome = run_ranks(peer_wedged_holding_the_gil, 2, env=_env(transport), timeout=60)
     first = outcome.results[0]
     assert first["transport"] == transport, first
@@ -320,13 +354,16 @@ def absent_before_groups_exist(rank: int, world: int) -> dict:
 
     cc.enable()
     if rank == 1:
-        time.sleep(TIMEOUT_S + 6)  # never compiles in time
+        stay_until(1, TIMEOUT_S + 10)  # never compiles: alive until rank 0 holds its error
         return {"type": "absent"}
     f = torch.compile(_step, backend="eager")
-    return caught(lambda: f(torch.ones(2)))
+    result = caught(lambda: f(torch.ones(2)))
+    release()
+    return result
 
 
 def test_our_timeout_bounds_group_creation_even_with_a_30_minute_default_group():
+    """Rank 0 waits out our timeout (TIMEOUT_S) for rank 1, which stays away until rank 0 has its error."""
     # HARNESS_PG_TIMEOUT=1800: init_process_group(timeout=30 min), as in many jobs
     outcome = run_ranks(absent_before_groups_exist, 2, env=ENV, timeout=60)
     r = outcome.results[0]
@@ -696,27 +733,33 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
     if rank == 1:
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         try:
-            f(torch.ones(2))  # waits for rank 0 (asleep): Ctrl-C lands inside the guard hook
+            f(torch.ones(2))  # rank 0 enters only after: Ctrl-C lands inside the guard hook
             out = {"raised": None}
         except KeyboardInterrupt:
             out = {"raised": "KeyboardInterrupt"}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out = {"raised": type(e).__name__, "message": str(e)}
         out["refuses_afterwards"] = health.poisoned() is not None
-        time.sleep(4.0)  # stay while rank 0 runs its call and listens for reports
+        release("interrupted")
+        stay_until(1, 30)  # stay while rank 0 runs its call and listens for reports
         return out
-    time.sleep(2.0)
+    stay_until(1, 30, "interrupted")
     result = _with_transport(caught(lambda: f(torch.ones(2))))
-    time.sleep(3.0)  # three heartbeats: any failure report would have poisoned this rank by now
+    beats = groups.side.beats
+    while groups.side.beats < beats + 3:  # three heartbeats: any failure report would have poisoned us
+        time.sleep(0.01)
     first = health.poisoned()
     result["poisoned"] = None if first is None else str(first)
     result["failure_reports"] = int(groups.side.store.add("failures", 0))
+    release()
     return result
 
 
 @GUARD_TRANSPORTS
 def test_ctrl_c_inside_the_guard_hook_stays_a_keyboard_interrupt_and_does_not_poison_other_ranks(transport):
-    outcome = run_ranks(interrupted_inside_the_guard_collective, 2, env=_env(transport), timeout=60)
+    """Rank 0 listens for failure reports for three heartbeats, 0.25 s apart here."""
+    env = {**_env(transport), "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.25"}
+    outcome = run_ranks(interrupted_inside_the_guard_collective, 2, env=env, timeout=60)
     interrupted, other = outcome.results[1], outcome.results[0]
     assert interrupted["raised"] == "KeyboardInterrupt", interrupted
     assert interrupted["refuses_afterwards"], interrupted  # this rank left a collective half-done

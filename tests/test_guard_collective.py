@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from tests.harness import release, run_ranks, stay_until
 from tests.rankside import GraphRecorder, summary
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -17,7 +25,7 @@ def _step(x: torch.Tensor) -> torch.Tensor:
     return x.sin() * 2
 
 
-def _train_like_loop(rank: int, guards: bool) -> dict:
+def _train_like_loop(rank: int, guards: bool, before_call: Callable[[int], None] = lambda call: None) -> dict:
     """Compiled step, then a user all-reduce; on call 2 only rank 1's dtype changes."""
     import compiler_collectives as cc
 
@@ -26,6 +34,7 @@ def _train_like_loop(rank: int, guards: bool) -> dict:
     f = torch.compile(_step, backend=rec)
     totals = []
     for call in range(3):
+        before_call(call)
         dtype = torch.float64 if (rank == 1 and call == 1) else torch.float32
         y = f(torch.ones(4, dtype=dtype))
         total = y.sum().float().reshape(1)
@@ -40,8 +49,39 @@ def one_rank_misses_with_guards(rank: int, world: int) -> dict:
     return _train_like_loop(rank, guards=True)
 
 
+# How long each rank must stay in the call where rank 1's dtype changes before its stack is
+# read: both ranks then wait on each other there, which only a hang explains. The ranks
+# met in call 1's all-reduce just before, so no start-up skew counts against it.
+STUCK_S = 3.0
+
+
+def _where(thread_id: int) -> list[str]:
+    """The stack of a thread of this process, innermost last, as "folder/file.py:function"."""
+    frame = sys._current_frames()[thread_id]
+    return [
+        f"{os.path.basename(os.path.dirname(f.filename))}/{os.path.basename(f.filename)}:{f.name}"
+        for f in traceback.extract_stack(frame)
+    ]
+
+
 def one_rank_misses_without_guards(rank: int, world: int) -> dict:
-    return _train_like_loop(rank, guards=False)
+    """The guard-collective loop without guard collectives; a watchdog thread writes where
+    this rank is STUCK_S after it began the call where rank 1's dtype changes, and ends
+    the process once both ranks have written (the loop never returns when it hangs)."""
+    entered = threading.Event()
+    main = threading.get_ident()
+
+    def watch() -> None:
+        entered.wait()
+        time.sleep(STUCK_S)
+        with open(os.path.join(os.environ["HARNESS_JOB_DIR"], f"stuck.{rank}.json"), "w") as out:
+            json.dump(_where(main), out)
+        release("stuck")
+        stay_until(world, 30, "stuck")  # both stacks read while both ranks still wait
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return _train_like_loop(rank, guards=False, before_call=lambda call: call == 1 and entered.set())
 
 
 def test_when_one_rank_misses_its_guards_every_rank_recompiles_and_the_job_finishes():
@@ -63,16 +103,23 @@ def test_without_the_desync_check_every_rank_still_recompiles_together():
     assert outcome.results[0]["forced_recompiles"] == 1
 
 
-def test_without_guard_collectives_the_same_loop_hangs():
+def test_without_guard_collectives_the_same_loop_hangs(tmp_path):
+    """A hang is both ranks waiting on each other: each rank's stack is read STUCK_S after it
+    began call 2, while our timeout (120 s) and the default group's are far off."""
     outcome = run_ranks(
         one_rank_misses_without_guards,
         2,
-        timeout=20,
+        timeout=60,
         check=False,
-        env={"COMPILER_COLLECTIVES_TIMEOUT": "120", "HARNESS_PG_TIMEOUT": "120"},
+        env={"COMPILER_COLLECTIVES_TIMEOUT": "120", "HARNESS_PG_TIMEOUT": "120", "HARNESS_JOB_DIR": str(tmp_path)},
     )
-    # Rank 1 waits in the compiler collective, rank 0 in the user's all-reduce.
-    assert sorted(outcome.timed_out) == [0, 1], outcome
+    assert outcome.results == [None, None] and not outcome.timed_out, outcome  # neither finished its loop
+    stuck = {rank: json.loads((tmp_path / f"stuck.{rank}.json").read_text()) for rank in (0, 1)}
+    # Rank 1 waits in the compiler collective of its recompile, rank 0 in the user's all-reduce.
+    assert "agreements/compiler.py:exchange" in stuck[1], stuck[1]
+    assert stuck[0][-1] == "distributed/distributed_c10d.py:all_reduce", stuck[0]
+    for rank in (0, 1):  # ... each from the loop's own call
+        assert "tests/test_guard_collective.py:_train_like_loop" in stuck[rank], stuck[rank]
 
 
 def in_flight_user_collective(rank: int, world: int) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import _free_port, run_ranks
+from tests.harness import _free_port, release, run_ranks, stay_until
 from tests.rankside import caught
 
 # Every test here starts rank processes: the multi-process tier.
@@ -279,7 +279,7 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
         start = time.monotonic()
         try:
-            f(torch.ones(2))  # waits for rank 0 (asleep): the handler raises inside the guard hook
+            f(torch.ones(2))  # rank 0 enters only after we left: the handler raises inside the guard hook
             out = {"raised": None}
         except Preempted:
             out = {"raised": "Preempted"}
@@ -287,20 +287,24 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
             out = {"raised": type(e).__name__, "message": str(e)}
         out["seconds"] = time.monotonic() - start
         out["afterwards"] = caught(lambda: f(torch.ones(2)))["type"]  # this rank left a collective half-done
-        time.sleep(6.0)  # alive while rank 0 hears of it
+        release("left")
+        stay_until(1, 30)  # alive while rank 0 hears of it
         return out
-    time.sleep(2.0)
+    stay_until(1, 30, "left")
     # Rank 1's part of this call was in before it left: the call may still agree, the next cannot.
     first = caught(lambda: f(torch.ones(2)))
     give_up = time.monotonic() + 10.0
     while health.poisoned() is None and time.monotonic() < give_up:
         time.sleep(0.05)
     second = caught(lambda: f(torch.ones(2))) if first["type"] is None else first
+    release()
     return {"second": second, "transport": cc.stats()["guard_transport"]}
 
 
 @GUARD_TRANSPORTS
 def test_an_exception_from_a_users_signal_handler_stays_itself_and_peers_hear_that_the_rank_left(transport):
+    """No timeout is waited for (ours is TIMEOUT_S): rank 0 enters once rank 1 left, and hears
+    of it through the failure word (shm) or a heartbeat (gloo)."""
     outcome = run_ranks(preempted_inside_the_guard_collective, 2, env=_env(transport), timeout=90)
     left, peer = outcome.results[1], outcome.results[0]
     assert left["raised"] == "Preempted", left
