@@ -822,6 +822,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{_fmt(row, 'wall_ratio', '.2f', 'x')} | {_fmt(row, 'cpu_s', '.2f')} | "
             f"{_fmt(row, 'cpu_ratio', '.2f', 'x')} | {per_rank} | {cache} | {params} |"
         )
+    _print_problems(rows)
+
+
+def _print_problems(rows: list[dict[str, Any]]) -> None:
+    """Under a table: each row's parameter problems, a service that was off, failed runs' log tails."""
     for row in rows:
         for problem in row.get("params_problems", []):
             print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: parameters: {problem}")
@@ -910,12 +915,7 @@ def print_cache_states(rows: list[dict[str, Any]]) -> None:
                 f"\nfloors, {SETTING_LABEL[setting]}: a cold compile {cold:.2f} CPU-s, a warm start "
                 f"{warm:.2f} CPU-s; a 2-rank job's floor {cold + warm:.2f} CPU-s"
             )
-    for row in rows:
-        for problem in row.get("params_problems", []):
-            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]}: parameters: {problem}")
-        for err in row["errors"]:
-            print(f"\n{row['case']} {SETTING_LABEL[row['setting']]} rep {err['rep']}: {err['error']}; log tail:")
-            print("    " + err["log_tail"].rstrip().replace("\n", "\n    "))
+    _print_problems(rows)
 
 
 def _uptime() -> str:
