@@ -38,9 +38,8 @@ from .errors import (
     UnsupportedTorchError,
     WireFormatError,
 )
-from .state import DistributedState, LocalState, SizeEntry, register_field
+from .observations import DistributedState, LocalState, SizeEntry, register_field
 from .stats import counters as _counters
-from .stats import reset_counters as _reset_counters
 from .version import __version__
 
 
@@ -215,10 +214,8 @@ def stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
-    from .agreements.once import clear_records
-
-    _reset_counters()
-    clear_records()
+    """Zero the counters of ``stats()`` and drop its records (``process_state.STATS`` lists them)."""
+    _lifecycle.reset_stats()
 
 
 def reset() -> None:

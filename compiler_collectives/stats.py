@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from . import process_state
+
 
 @dataclasses.dataclass
 class Counters:
@@ -98,6 +100,7 @@ class Counters:
 counters = Counters()
 
 
+@process_state.clears(process_state.STATS, names=("counters",), what="every counter of stats()")
 def reset_counters() -> None:
     global counters
     fresh = Counters()

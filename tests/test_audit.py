@@ -494,7 +494,7 @@ def _summary(**overrides):
 
 def _audit_bytes(body, rank=1):
     from compiler_collectives.agreements import wire
-    from compiler_collectives.state import FrameId
+    from compiler_collectives.observations import FrameId
 
     return wire.encode_audit(body, rank=rank, world_size=2, frame=FrameId("f", "/a/b.py", 3), seq=4, sent_at=1.5)
 
@@ -514,7 +514,7 @@ def test_audit_summaries_and_details_round_trip():
 def test_an_audit_payload_and_a_compiler_payload_meeting_in_one_all_gather_are_a_desync_not_corruption():
     import compiler_collectives as cc
     from compiler_collectives.agreements import wire
-    from compiler_collectives.state import FrameId, LocalState
+    from compiler_collectives.observations import FrameId, LocalState
 
     compiler = wire.encode(LocalState(), rank=1, world_size=2, frame=FrameId("g", "/a/c.py", 7), seq=9, sent_at=2.0)
     with pytest.raises(cc.CollectiveDesyncError, match=r"rank 1 is in a compiler collective \(#9, frame 'g'"):

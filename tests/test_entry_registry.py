@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from compiler_collectives.agreements import entry
 from compiler_collectives.agreements.fingerprint import Collective
-from compiler_collectives.state import FrameId
+from compiler_collectives.observations import FrameId
 
 FRAME = FrameId("step", "/job/train.py", 10)
 

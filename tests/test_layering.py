@@ -232,7 +232,7 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
 
 # ---------------------------------------------------------------- the layers
 
-BASE = ("config", "errors", "state", "stats", "version")
+BASE = ("config", "errors", "observations", "process_state", "stats", "version")
 RANKS = {
     # the root package's __init__ (the public API) and __main__: above everything
     "package": 7,
@@ -244,7 +244,7 @@ RANKS = {
     "health": 2,
     # timing and the artifacts' plain data: what every layer records into
     "instrument": 1,
-    # config, errors, state, stats, version
+    # config, errors, observations, process_state, stats, version
     "base": 0,
 }
 

@@ -16,7 +16,7 @@ import torch
 from compiler_collectives.agreements import reasons as recompile_reasons
 from compiler_collectives.agreements.compiler import restart_decision
 from compiler_collectives.instrument import artifacts
-from compiler_collectives.state import DYNAMIC, InferStride, LocalState, SizeEntry
+from compiler_collectives.observations import DYNAMIC, InferStride, LocalState, SizeEntry
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
 from tests.test_compile_once import ENV as ONCE_ENV

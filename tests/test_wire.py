@@ -18,7 +18,7 @@ import compiler_collectives  # noqa: F401  (installs the Dynamo seams used by en
 from compiler_collectives import __version__, dynamo
 from compiler_collectives.agreements import wire
 from compiler_collectives.errors import WireFormatError
-from compiler_collectives.state import (
+from compiler_collectives.observations import (
     DYNAMIC,
     UNSET,
     FrameId,

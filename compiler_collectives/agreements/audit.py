@@ -47,9 +47,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import health
+from .. import health, process_state
 from ..errors import CollectiveError, ProgramDivergenceError, describe, ours_within, program_divergence, ranks_text
-from ..state import FrameId
+from ..observations import FrameId
 from ..stats import counters
 from ..transport import groups
 from . import exchange as exchange_frame
@@ -82,12 +82,14 @@ def progress() -> dict[str, Any]:
     return {"audit_seq": _seq}
 
 
+@process_state.wired(names=("_artifact_sink",), what="torch's structured trace, for the audit's artifacts")
 def set_artifact_sink(sink: Callable[[str, Callable[[], str]], None] | None) -> None:
     """Where each audit's JSON summary goes (the seams module points this at torch's structured trace)."""
     global _artifact_sink
     _artifact_sink = sink
 
 
+@process_state.clears(*process_state.EVERY_GENERATION, names=("_seq",), what="the audit's sequence number")
 def reset_sequence() -> None:
     global _seq
     _seq = 0
@@ -96,6 +98,11 @@ def reset_sequence() -> None:
 def reports() -> list[dict[str, Any]]:
     """The latest report-only differences on this rank (at most 64), oldest first."""
     return list(_reports)
+
+
+@process_state.clears(process_state.STATS, names=("_reports",), what="the audit's report-only differences")
+def clear_reports() -> None:
+    _reports.clear()
 
 
 # ------------------------------------------------------------------ records
@@ -166,6 +173,7 @@ def current() -> GraphAudit | None:
     return getattr(_local, "record", None)
 
 
+@process_state.kept(names=("_local",), why="the graph audited on this thread, set and restored by its compile")
 @contextlib.contextmanager
 def _open(record: GraphAudit | None, stage: str | None) -> Iterator[None]:
     saved = (getattr(_local, "record", None), getattr(_local, "stage", None))

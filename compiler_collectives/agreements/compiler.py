@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import config, health
+from .. import config, health, process_state
 from ..errors import describe
 from ..instrument import timing
-from ..state import DistributedState, FrameId, LocalState
+from ..observations import DistributedState, FrameId, LocalState
 from ..stats import counters
 from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
 from . import exchange as exchange_frame
@@ -35,6 +35,11 @@ def progress() -> dict[str, Any]:
     return {"compiler_seq": _seq, "frame": _last_frame}
 
 
+@process_state.clears(
+    *process_state.EVERY_GENERATION,
+    names=("_seq", "_last_frame"),
+    what="the compiler collective's sequence number and last frame",
+)
 def reset_sequence() -> None:
     global _seq, _last_frame
     _seq = 0
@@ -171,6 +176,7 @@ def _no_compile_id() -> str | None:
 _compile_id: Callable[[], str | None] = _no_compile_id
 
 
+@process_state.wired(names=("_compile_id",), what="the id of the compile in progress")
 def set_compile_id_source(source: Callable[[], str | None]) -> None:
     """Called by the Dynamo seam at install: how to read the current compile's id."""
     global _compile_id

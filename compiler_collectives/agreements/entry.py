@@ -54,9 +54,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import health
+from .. import health, process_state
 from ..errors import CollectiveError, ProgramDivergenceError, describe, program_divergence, ranks_text
-from ..state import FrameId
+from ..observations import FrameId
 from ..stats import counters
 from ..transport import groups
 from . import guard as guard_collective
@@ -257,6 +257,12 @@ _frames: weakref.WeakKeyDictionary[Any, Frame] = weakref.WeakKeyDictionary()
 _building: dict[Any, Entry] = {}  # code object -> the entry its running compile is building
 
 
+@process_state.clears(
+    process_state.RESET,
+    process_state.TORCH_RESET,
+    names=("_frames", "_building"),
+    what="entry agreement's registry of every frame's cache entries",
+)
 def reset() -> None:
     """Forget every frame (with ``torch._dynamo.reset()``, whose caches this mirrors)."""
     _frames.clear()

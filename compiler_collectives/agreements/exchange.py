@@ -20,7 +20,7 @@ import torch
 
 from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
-from ..state import FrameId
+from ..observations import FrameId
 from ..stats import counters
 from ..transport import all_gather_bytes, groups
 from . import failure

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from .. import process_state
+
 # Namespaces whose ops move data between ranks. Each has a row in the seam table
 # (``ops.<namespace>``) but ``c10d_functional``, which registers no op in the
 # supported releases and is kept so a graph naming it still counts.
@@ -58,6 +60,7 @@ def _default_group(name: Any) -> str:
 _resolve_group: Callable[[Any], str] = _default_group
 
 
+@process_state.wired(names=("_resolve_group",), what="how a group is named in a fingerprint")
 def set_group_resolver(resolver: Callable[[Any], str] | None) -> None:
     """How a ``group_name`` argument is shown and compared (default: the name itself)."""
     global _resolve_group
@@ -71,6 +74,10 @@ _op_overload_packet: type | tuple[type, ...] = ()
 _normalize: Callable[..., Any] | None = None
 
 
+@process_state.wired(
+    names=("_op_overload", "_op_overload_packet", "_normalize"),
+    what="torch's operator types and normalize_function",
+)
 def set_operators(overload: type, packet: type, normalize: Callable[..., Any] | None) -> None:
     """Called at install: torch's operator types, and how to bind an op's arguments to its
     schema's names (None: compare them by position)."""

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
-from .. import health
+from .. import health, process_state
 from ..errors import (
     SCOPE_HINT,
     CollectiveDesyncError,
@@ -119,6 +119,10 @@ _is_dynamo_output_code: Callable[[Any], bool] = _never
 _profiler_enabled: Callable[[], bool] = _off
 
 
+@process_state.wired(
+    names=("_wrapper_locals", "_is_dynamo_output_code"),
+    what="torch's wrapper frames and the test for Dynamo's output code",
+)
 def set_frame_sources(wrapper_locals: dict[Any, str], is_dynamo_output_code: Callable[[Any], bool]) -> None:
     """Called by the Dynamo seam at install: torch's wrapper frames, and a test for Dynamo's output code."""
     global _is_dynamo_output_code
@@ -127,6 +131,7 @@ def set_frame_sources(wrapper_locals: dict[Any, str], is_dynamo_output_code: Cal
     _code_kinds.clear()
 
 
+@process_state.wired(names=("_profiler_enabled",), what="whether torch's profiler is on")
 def set_profiler_probe(probe: Callable[[], bool]) -> None:
     """Called by the Dynamo seam at install: a cheap read of whether torch's profiler is on."""
     global _profiler_enabled
@@ -140,6 +145,7 @@ _code_kinds: dict[Any, tuple[str, Any]] = {}
 _stable_ids: dict[Any, int] = {}
 
 
+@process_state.kept(names=("_stable_ids",), why="a cache of code objects' ids, bounded")
 def _stable_id(code: Any) -> int:
     ident = _stable_ids.get(code)
     if ident is None:
@@ -151,6 +157,7 @@ def _stable_id(code: Any) -> int:
     return ident
 
 
+@process_state.kept(names=("_code_kinds",), why="a cache of code objects' kinds, bounded")
 def _classify(code: Any) -> tuple[str, Any]:
     if code in _wrapper_locals:
         kind: tuple[str, Any] = ("wrapper", _wrapper_locals[code])
@@ -195,6 +202,12 @@ def progress() -> dict[str, Any]:
     return {"guard_seq": _state.seq}
 
 
+@process_state.clears(
+    process_state.RESET,
+    process_state.GROUP_DESTROYED,
+    names=("_state",),
+    what="the guard collective's sequence number, channel and default group",
+)
 def reset_sequence() -> None:
     _state.seq = 0
     _state.apart = False
@@ -204,6 +217,11 @@ def reset_sequence() -> None:
     _state.solo_world = None
 
 
+@process_state.clears(
+    process_state.FORK,
+    names=("_state", "_claim_lock"),
+    what="the guard collective's state, its owning thread and claim lock",
+)
 def after_fork_in_child() -> None:
     """A forked child: a fresh state. The parent's channel (its segment mapping, its
     gloo group) stays referenced by ``groups`` and is never used here."""
@@ -408,6 +426,7 @@ def _claim() -> threading.Thread | None:
     return owner
 
 
+@process_state.kept(names=("_owner_mark",), why="each thread's own mark, ending its ownership when it ends")
 def _claim_or_park() -> bool:
     """The hook's thread check: True if this thread owns the rank's collectives; else park
     the refusal for this thread's compile to raise (the hook must not raise) and return False."""

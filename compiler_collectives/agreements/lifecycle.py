@@ -1,52 +1,56 @@
-"""The three moments every agreement's state is dropped together.
+"""Where each moment that clears the process's state is run: ``process_state`` holds the list.
+
+Every module declares what it holds in ``compiler_collectives/process_state.py``
+(``process_state.describe()`` lists it); here each moment runs that list:
 
 * ``reset()``: the user's ``compiler_collectives.reset()`` on every rank: clear
-  a failure, forget our groups, start every sequence again.
+  a failure, forget our groups, start every sequence again (a new generation).
+* ``torch_reset()``: ``torch.compiler.reset()`` (the Dynamo seam calls it):
+  Dynamo's caches went, entry agreement's registry of them goes too.
 * ``default_group_destroyed()``: ``destroy_process_group()`` of the default
-  group (the c10d seam calls it). The same, without destroying anything
-  (torch has shut our groups down with the default group), so that a later
-  ``init_process_group``, on the same port too, starts a new generation from
-  nothing.
+  group (the c10d seam calls it). The same as ``reset()``, without destroying
+  anything (torch has shut our groups down with the default group), so that a
+  later ``init_process_group``, on the same port too, starts a new generation
+  from nothing.
 * ``after_fork_in_child()``: a forked child (a DataLoader worker) gets a fresh
   state of its own; what it inherited from its parent is kept alive but
   never used (``transport.groups``).
+* ``reset_stats()``: ``compiler_collectives.reset_stats()``.
+
+This module imports every agreement that declares state, so that each has
+declared it before any moment runs.
 """
 
 from __future__ import annotations
 
 import gc
 
-from .. import health
+from .. import health, process_state, stats
 from ..transport import groups
-from . import audit, compiler, guard, once
+from . import audit, compiler, entry, guard, once
 
-
-def _restart_sequences() -> None:
-    compiler.reset_sequence()
-    guard.reset_sequence()
-    audit.reset_sequence()
-    once.reset_sequence()
+# Imported for their declarations (see the docstring), not called here.
+DECLARING = (health, stats, groups, audit, compiler, entry, guard, once)
 
 
 def reset() -> None:
-    health.clear()
-    groups.forget()
-    _restart_sequences()
+    process_state.run(process_state.RESET)
+
+
+def torch_reset() -> None:
+    process_state.run(process_state.TORCH_RESET)
 
 
 def default_group_destroyed() -> None:
-    groups.default_group_destroyed()
-    health.clear()
-    _restart_sequences()
+    process_state.run(process_state.GROUP_DESTROYED)
     # A guard channel sits in a reference cycle (its bound methods): collect it now, so
     # that the old store's server closes its port before a new init_process_group binds it.
     gc.collect()
 
 
 def after_fork_in_child() -> None:
-    groups.after_fork_in_child()
-    health.clear()
-    compiler.reset_sequence()
-    guard.after_fork_in_child()
-    audit.reset_sequence()
-    once.reset_sequence()
+    process_state.run(process_state.FORK)
+
+
+def reset_stats() -> None:
+    process_state.run(process_state.STATS)

@@ -117,7 +117,7 @@ def graph_break_site(output_graph: Any) -> str | None:
 
 
 def frame_of_unknown() -> Any:
-    from ..state import FrameId
+    from ..observations import FrameId
 
     return FrameId("<unknown>", "<unknown>", 0)
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from .. import config, health
-from ..agreements import compiler, entry, guard
+from ..agreements import compiler, entry, guard, lifecycle
 from ..errors import CollectiveError, ours_within
-from ..state import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
+from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
 from . import bound, guard_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
@@ -293,7 +293,7 @@ def wrap_reset(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(*args, **kwargs)
         finally:
-            entry.reset()
+            lifecycle.torch_reset()
 
     return reset
 
@@ -304,12 +304,13 @@ def forget_entries() -> None:
     Frames whose entries ran different programs lose their Dynamo cache
     entries too (``reset_code``), on every rank, since every rank resets
     together: the registry must mirror the cache, and a frame whose old
-    entries kept checking beside new ones that do not would desync.
+    entries kept checking beside new ones that do not would desync. The
+    registry itself goes with the ``RESET`` moment that follows
+    (``process_state``).
     """
     reset_code = bound.originals["reset_code"]
     for code in entry.mixed_codes():
         reset_code(code)
-    entry.reset()
 
 
 def current_compile_id() -> str | None:

@@ -1,8 +1,8 @@
 """Conversion between our ``SizeEntry`` and Dynamo's ``FrameStateSizeEntry``.
 
-Our state types (``compiler_collectives.state``) are plain Python and travel
-as msgpack; Dynamo's live in ``torch._dynamo.pgo``. The markers map one to
-one: ``auto_dynamic`` <-> ``DYNAMIC``, ``auto_unset`` <-> ``UNSET``,
+Our observation types (``compiler_collectives.observations``) are plain
+Python and travel as msgpack; Dynamo's live in ``torch._dynamo.pgo``. The
+markers map one to one: ``auto_dynamic`` <-> ``DYNAMIC``, ``auto_unset`` <-> ``UNSET``,
 ``InferStride`` <-> ``InferStride``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..state import DYNAMIC, UNSET, InferStride, Marker, SizeEntry
+from ..observations import DYNAMIC, UNSET, InferStride, Marker, SizeEntry
 from . import bound
 
 

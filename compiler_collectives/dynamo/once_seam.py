@@ -55,7 +55,7 @@ import torch
 from .. import config
 from ..agreements import audit, compiler, once
 from ..errors import CollectiveError, CompileOnceError
-from ..state import FrameId
+from ..observations import FrameId
 from . import bound, table
 
 log = logging.getLogger("compiler_collectives.dynamo")

@@ -20,7 +20,7 @@ import torch
 
 from ..agreements import guard, once, reasons
 from ..instrument import artifacts
-from ..state import DistributedState, FrameId
+from ..observations import DistributedState, FrameId
 from . import bound
 
 _compiler_log = logging.getLogger("compiler_collectives.compiler")

@@ -27,9 +27,9 @@ each offers setters and registries, and ``wire()`` fills every one of them:
 registered twice is kept once). ``unwire()`` (uninstall) drops what only
 makes sense while we are patched into torch: the audit's artifact sink and
 group resolver, and compile once's artifact. Nothing wired here is dropped
-by ``compiler_collectives.reset()``, a destroyed default group or a fork
-(``agreements/lifecycle.py`` clears failures, groups and sequence numbers
-only), so none of them wires again.
+by ``compiler_collectives.reset()``, a destroyed default group or a fork:
+each setter is declared ``process_state.wired`` (``process_state.describe()``
+lists what each moment clears), so none of them wires again.
 """
 
 from __future__ import annotations

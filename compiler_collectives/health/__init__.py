@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from .. import process_state
 from ..errors import CollectiveError, CollectivePoisonedError, PeerFailureError
 
 log = logging.getLogger("compiler_collectives.health")
@@ -48,6 +49,7 @@ _explained = False
 explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
 
 
+@process_state.wired(names=("explainer",), what="how a refusal after a peer's report names the failed rank")
 def set_explainer(explain: Callable[[PeerFailureError], PeerFailureError] | None) -> None:
     """How the first refusal after a peer's report names the failed rank(s) (wired at install)."""
     global explainer
@@ -124,6 +126,11 @@ def raise_parked() -> None:
         raise error
 
 
+@process_state.clears(
+    *process_state.EVERY_GENERATION,
+    names=("first_failure", "_parked", "_from_peer", "_explained"),
+    what="the first failure on this rank and every thread's parked error",
+)
 def clear() -> None:
     global first_failure, _parked, _from_peer, _explained
     first_failure = None

@@ -67,7 +67,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .. import config
+from .. import config, process_state
 from ..errors import StoreUnresponsive
 from .liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, Probe, WaitPolicy
 
@@ -264,6 +264,7 @@ def _str_or_none(value: Any) -> str | None:
 _default_store: Callable[[], Any] | None = None
 
 
+@process_state.wired(names=("_default_store",), what="how to reach the c10d store")
 def set_default_store_source(source: Callable[[], Any]) -> None:
     global _default_store
     _default_store = source

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..state import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
+from ..observations import DYNAMIC, UNSET, InferStride, LocalState, Marker, SizeEntry
 
 ARTIFACT_VERSION = 1
 

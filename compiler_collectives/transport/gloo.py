@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import config, health
+from .. import config, health, process_state
 from ..errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -70,6 +70,7 @@ HEADER_BYTES = _LEN.size + _PHASE.size
 _enqueue_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
+@process_state.wired(names=("_enqueue_context",), what="torch's no_python_dispatcher around our gloo calls")
 def set_enqueue_context(factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
     """What every operation of ours off the guard path is started in (wired at install: torch's
     ``no_python_dispatcher``; see the module's docstring)."""

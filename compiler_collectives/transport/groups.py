@@ -57,7 +57,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
-from .. import config, health
+from .. import config, health, process_state
 from ..errors import (
     SCOPE_HINT,
     CollectiveError,
@@ -97,7 +97,6 @@ class Groups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._world: object | None = None
-        self._generation = 0
         self._compile_pg: dist.ProcessGroup | None = None
         self._guard_pg: dist.ProcessGroup | None = None
         self._guard_channel: GuardChannel | None = None
@@ -112,10 +111,10 @@ class Groups:
     def _check_world(self) -> None:
         world = dist.group.WORLD
         if world is not self._world:
-            # A new init_process_group (or a destroy) invalidates our groups;
-            # a new generation keeps store keys from meeting the old ones.
+            # A new init_process_group (or a destroy we did not see) invalidates our
+            # groups; a new generation keeps store keys from meeting the old ones.
             if self._world is not None:
-                self._generation += 1
+                process_state.new_generation()
             self._drop()
             self._world = world
 
@@ -156,7 +155,8 @@ class Groups:
         self._told_child = False
 
     def default_group_destroyed(self) -> None:
-        """``destroy_process_group()`` ended the default group: drop this generation now.
+        """``destroy_process_group()`` ended the default group: drop this generation now
+        (the moment's run starts the next generation's number).
 
         Torch has shut our groups down with it. What is left holding the old
         store (the heartbeat, our group objects) goes now, not at the next
@@ -168,7 +168,6 @@ class Groups:
             side = self.side
             self._drop()
             self._world = None
-            self._generation += 1
         if side is not None and not side.stop(join_s=2.0):
             log.debug("the heartbeat thread did not end within 2s of destroy_process_group")
 
@@ -189,7 +188,7 @@ class Groups:
             side = SideChannel(
                 dist.get_rank(),
                 dist.get_world_size(),
-                self._generation,
+                process_state.generation(),
                 self._progress,
                 identity=_identity(),
                 probe=segment.process_identity,
@@ -423,11 +422,11 @@ class Groups:
         self._drop()
 
     def forget(self) -> None:
-        """Drop our groups; the next collective creates new ones (all ranks must do this together)."""
+        """Drop our groups; the next collective creates new ones (all ranks must do this together;
+        ``reset()``'s run of the moment starts the next generation's number)."""
         with self._lock:
             self._drop()
             self._world = None
-            self._generation += 1
 
     def leave(self, what: str, seq: int | None, kind: str = "guard") -> None:
         """This rank leaves mid-collective (its own code raised): tell the peers, in those words.
@@ -495,6 +494,7 @@ Rendezvous = Callable[[SideChannel, float], None]
 _first_rendezvous: Callable[[Any], Rendezvous] | None = None
 
 
+@process_state.wired(names=("_first_rendezvous",), what="the setup check, the first rendezvous of a generation")
 def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     """What every rank runs before the first group of a generation.
 
@@ -512,6 +512,7 @@ PeerReportHandler = Callable[[int, int, dict[str, Any]], None]
 _peer_report_handler: PeerReportHandler | None = None
 
 
+@process_state.wired(names=("_peer_report_handler",), what="the agreements' handler of a peer's failure report")
 def set_peer_report_handler(handler: PeerReportHandler | None) -> None:
     """Who hears a peer's failure report: the heartbeat thread calls ``handler(own_rank, peer,
     report)`` with the raw ``SideChannel.report_failure`` record of rank ``peer`` (a failure,
@@ -533,6 +534,7 @@ def _heard_report(own_rank: int, peer: int, report: dict[str, Any]) -> None:
 _exit_registered = False
 
 
+@process_state.kept(names=("_exit_registered",), why="our exit handler is registered once per process")
 def _register_exit() -> None:
     global _exit_registered
     if not _exit_registered:
@@ -545,6 +547,33 @@ def _at_exit() -> None:
         groups.shutdown()
     except Exception as e:  # noqa: BLE001 - never fail an exit
         log.debug("shutdown at exit: %s", e)
+
+
+# Every moment drops our groups. The groups go first: that stops the heartbeat
+# thread, which could otherwise poison ``health`` after it was cleared.
+_GROUPS = (
+    "our gloo groups, the guard channel, the side channel (its heartbeat thread and "
+    "StoreCaller: health.liveness and health.watchdog) and the scope they span; the "
+    "heartbeat's progress sources are wired by install and kept"
+)
+
+
+@process_state.clears(process_state.RESET, names=("groups",), what=_GROUPS, first=True)
+def forget() -> None:
+    groups.forget()
+
+
+@process_state.clears(process_state.GROUP_DESTROYED, names=("groups",), what=_GROUPS, first=True)
+def default_group_destroyed() -> None:
+    groups.default_group_destroyed()
+
+
+@process_state.clears(
+    process_state.FORK, names=("groups",), what=_GROUPS + " (the parent's are kept in _inherited)", first=True
+)
+@process_state.kept(names=("_inherited",), why="what a forked child inherited: kept alive, never used")
+def after_fork_in_child() -> None:
+    groups.after_fork_in_child()
 
 
 groups = Groups()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-from .. import config
+from .. import config, process_state
 from ..errors import ScopeError
 
 
@@ -67,6 +67,10 @@ def from_group(group: Any, rank: int, world: int) -> Scope | None:
     return chosen
 
 
+@process_state.kept(
+    names=("_explicit",),
+    why="the scope() choice, with the default group it was made under: a new default group ignores it",
+)
 def choose(chosen: Scope | None) -> None:
     """Remember an explicit choice (``scope()``) for the current default group."""
     import torch.distributed as dist

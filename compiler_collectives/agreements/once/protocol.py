@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ... import config, health
+from ... import config, health, process_state
 from ...errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -25,7 +25,7 @@ from ...errors import (
     ranks_text,
 )
 from ...instrument import timing
-from ...state import FrameId
+from ...observations import FrameId
 from ...stats import counters
 from ...transport import (
     PHASE_ONCE_KEYS,
@@ -116,6 +116,7 @@ class Ticket:
 # ------------------------------------------------------------------ seam entry points
 
 
+@process_state.kept(names=("_local",), why="the graph this thread compiles, set and restored by its compile")
 def begin(frame: FrameId, cache: Cache, level: str = "aot", graph: str = "") -> Ticket:
     """Open the ticket of one AOTAutograd compile (``level`` "aot"), or of one inductor compile
     inside it (``level`` "fx"), on this thread (its cache lookup may follow)."""
@@ -379,12 +380,14 @@ def records() -> list[dict[str, Any]]:
     return list(_records)
 
 
+@process_state.clears(*process_state.EVERY_GENERATION, names=("_seq",), what="compile once's graph numbers")
 def reset_sequence() -> None:
     """A new generation of our groups numbers its graphs from 1 again (every rank together)."""
     global _seq
     _seq = 0
 
 
+@process_state.clears(process_state.STATS, names=("_records",), what="compile once's record of each graph")
 def clear_records() -> None:
     _records.clear()
 
@@ -565,6 +568,7 @@ def _load_report(ticket: Ticket) -> None:
 _on_record: Callable[[Ticket, dict[str, Any]], None] | None = None
 
 
+@process_state.wired(names=("_on_record",), what="each finished graph's artifact in torch's structured trace")
 def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
     """Call ``fn(ticket, record)`` with each finished graph's record (``records()``'s item)."""
     global _on_record

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...state import FrameId
+from ...observations import FrameId
 from ..fingerprint import Collective
 from .codec import expect, failure, int_in, pack, reading, reject, show
 from .envelope import AUDIT, VERSIONS, envelope_head, header_in, header_out, out_of_step, peer_position

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...state import (
+from ...observations import (
     DYNAMIC,
     UNSET,
     FrameId,

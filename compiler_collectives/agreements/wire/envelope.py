@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CollectiveDesyncError
-from ...state import FrameId
+from ...observations import FrameId
 from ...version import __version__
 from .codec import Reader, expect, int_in, reject, sender_and_world, show, version_in
 
