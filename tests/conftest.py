@@ -1,18 +1,42 @@
-"""Two tiers: the unit tier starts no process and runs in seconds; the multi-process tier is the rest.
+"""Two tiers, run side by side: the unit tier starts no process and runs in seconds; the multi-process tier is the rest.
 
-* ``scripts/dev test`` runs both (CI does); ``scripts/dev test --fast`` runs
-  the unit tier only.
+* ``scripts/dev test`` runs both (CI does) on several pytest-xdist workers;
+  ``scripts/dev test --fast`` runs the unit tier only.
 * A test that starts a process (our rank harness, a subprocess, a
   multiprocessing pool) carries ``@pytest.mark.multiprocess``. An unmarked
   test that starts one fails at once, saying so: the tiers cannot drift.
+* Side by side, each test has its own ``TMPDIR`` (so its FileStores, job dirs
+  and its children's temp files are its own; ports come from the kernel and
+  /dev/shm segment names carry a pid and a random token). Inductor's default
+  cache and its precompiled header stay the ones a user's machine has, shared
+  by every test that does not set its own cache dir: per test, they would
+  rebuild the header (4-5 CPU-s) and every kernel in every test.
+* A test marked ``@pytest.mark.whole_machine`` (a time or memory bound that
+  other tests' load would break) runs alone: it waits for the tests running
+  on other workers to finish, and none starts beside it. Its marker says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import getpass
 import multiprocessing.process
+import os
 import subprocess
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+
+# What inductor's default cache dir is before any test moves TMPDIR (torch's
+# own rule: <tmp>/torchinductor_<user>), and where it keeps its precompiled
+# headers whatever TORCHINDUCTOR_CACHE_DIR says (always under TMPDIR).
+_INDUCTOR_HOME = f"torchinductor_{getpass.getuser()}"
+_INDUCTOR_DEFAULT_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+    tempfile.gettempdir(), _INDUCTOR_HOME
+)
+_SHARED_HEADERS = os.path.join(tempfile.gettempdir(), _INDUCTOR_HOME, "precompiled_headers")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,9 +52,27 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "multiprocess: the test starts processes (ranks, a subprocess): the multi-process tier"
     )
+    config.addinivalue_line(
+        "markers",
+        "whole_machine(reason): the test asserts a time or memory bound that other tests' load would break: "
+        "under xdist workers it runs alone",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        mark = item.get_closest_marker("whole_machine")
+        if mark is not None and not (mark.args or mark.kwargs.get("reason")):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.whole_machine needs a reason (why it runs alone)")
+    # Side by side, the tests that run alone go first (each waits for the machine
+    # once, before the others fill it), then the long multi-process tests; the
+    # unit tests come last and fill the workers' tails.
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("whole_machine") is None,
+            item.get_closest_marker("multiprocess") is None,
+        )
+    )
     if not config.getoption("--fast"):
         return
     keep = [item for item in items if item.get_closest_marker("multiprocess") is None]
@@ -59,3 +101,51 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
     yield
+
+
+@contextlib.contextmanager
+def _machine_lock(exclusive: bool) -> Iterator[None]:
+    """A fair readers-writer lock over every worker of this run (flock on two files).
+
+    A test holds ``machine`` shared while it runs; a whole-machine test holds it
+    exclusively. The ``gate`` is held by whoever is waiting for ``machine``, so a
+    waiting whole-machine test keeps new tests from starting and is not starved.
+    """
+    run = os.environ["PYTEST_XDIST_TESTRUNUID"]
+    base = os.path.join(_LOCK_DIR, f"cc-suite-{run}")
+    with open(base + ".gate", "a+") as gate, open(base + ".machine", "a+") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+_LOCK_DIR = tempfile.gettempdir()
+
+
+@pytest.fixture(autouse=True)
+def _side_by_side(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    tmpdir = tmp_path_factory.mktemp("tmpdir")  # beside tmp_path, which stays the test's own and empty
+    # Inductor's precompiled header (4-5 CPU-s to build) stays the machine's, as a
+    # user's does: built once per run, not once per test. Its builds are file-locked.
+    os.makedirs(_SHARED_HEADERS, exist_ok=True)
+    (tmpdir / _INDUCTOR_HOME).mkdir()
+    (tmpdir / _INDUCTOR_HOME / "precompiled_headers").symlink_to(_SHARED_HEADERS, target_is_directory=True)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DEFAULT_CACHE))
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        yield
+        return
+    with _machine_lock(exclusive=request.node.get_closest_marker("whole_machine") is not None):
+        yield

@@ -42,7 +42,10 @@ def _context(start_method: str) -> Any:
     if ctx is None:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tests.harness"])
+            ctx.set_forkserver_preload(
+                # compile_fx: 1.5 CPU-s a rank that uses inductor would pay again in every test
+                ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "tests.harness"]
+            )
         _CONTEXTS[start_method] = ctx
     return ctx
 
@@ -75,6 +78,7 @@ def _child(
     results: Any,
 ) -> None:
     os.environ.update(env)
+    tempfile.tempdir = None  # the forkserver's may be cached; this job's TMPDIR is its own
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
@@ -141,6 +145,11 @@ def run_ranks(
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
     env.setdefault("HARNESS_JOB_DIR", tmp)  # for release() / stay_until()
+    # Forkserver children see only ``env``: the test's own TMPDIR and inductor
+    # cache (tests/conftest.py sets both) go with it unless the test set them.
+    for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR"):
+        if name in os.environ:
+            env.setdefault(name, os.environ[name])
     if store == "tcp":
         init_method = f"tcp://127.0.0.1:{_free_port()}"
     else:
