@@ -388,7 +388,7 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -532,7 +532,7 @@ def _cache_env(cache_dir: str) -> dict[str, str]:
 
 def _job(args: argparse.Namespace, case: Case, base: dict[str, str], cache: str, out: str) -> list[Any]:
     """The torchrun agents of one job of ``case`` over ``cache``: (command, env) each."""
-    port = _free_port()
+    port = free_port()
     agents = []
     for node_rank, nproc in enumerate(case.agents):
         env = dict(base)
@@ -577,15 +577,11 @@ def _warm_up(
         # The same 2-rank job over one dir fills <cache>/rank0, the dir rank 0 uses. (Before
         # issue 29 a 1-rank run would not do: AOTAutograd's key held the backward lowering the
         # service sets at 2+ ranks. The warm1-empty row measures that case now.)
-        agents = [
-            (_agent_cmd(args, 1, 0, 2, _free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))
-        ]
+        agents = [(_agent_cmd(args, 1, 0, 2, free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))]
     elif case.warm == "1rank":
-        agents = [(_agent_cmd(args, 1, 0, 1, _free_port(), out), dict(base, **_cache_env(cache)))]
+        agents = [(_agent_cmd(args, 1, 0, 1, free_port(), out), dict(base, **_cache_env(cache)))]
     elif case.warm == "1rank-rank0":
-        agents = [
-            (_agent_cmd(args, 1, 0, 1, _free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))
-        ]
+        agents = [(_agent_cmd(args, 1, 0, 1, free_port(), out), dict(base, **_cache_env(os.path.join(cache, "rank0"))))]
     elif case.warm == "service-off":
         agents = _job(args, case, _service_off(base), cache, out)
     elif case.warm == "truncated":

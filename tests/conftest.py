@@ -18,8 +18,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import getpass
 import multiprocessing.process
 import os
@@ -28,6 +26,8 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+
+from tests.harness import machine_lock
 
 # What inductor's default cache dir is before any test moves TMPDIR (torch's
 # own rule: <tmp>/torchinductor_<user>), and where it keeps its precompiled
@@ -103,31 +103,7 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
     yield
 
 
-@contextlib.contextmanager
-def _machine_lock(exclusive: bool) -> Iterator[None]:
-    """A fair readers-writer lock over every worker of this run (flock on two files).
-
-    A test holds ``machine`` shared while it runs; a whole-machine test holds it
-    exclusively. The ``gate`` is held by whoever is waiting for ``machine``, so a
-    waiting whole-machine test keeps new tests from starting and is not starved.
-    """
-    run = os.environ["PYTEST_XDIST_TESTRUNUID"]
-    base = os.path.join(_LOCK_DIR, f"cc-suite-{run}")
-    with open(base + ".gate", "a+") as gate, open(base + ".machine", "a+") as machine:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            if not exclusive:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
-            if exclusive:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-
-
+# Where every worker of one run finds the machine lock (the TMPDIR before any test moves it).
 _LOCK_DIR = tempfile.gettempdir()
 
 
@@ -147,5 +123,6 @@ def _side_by_side(
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
         yield
         return
-    with _machine_lock(exclusive=request.node.get_closest_marker("whole_machine") is not None):
+    lock = os.path.join(_LOCK_DIR, f"cc-suite-{os.environ['PYTEST_XDIST_TESTRUNUID']}")
+    with machine_lock(lock, exclusive=request.node.get_closest_marker("whole_machine") is not None):
         yield

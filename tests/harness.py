@@ -21,7 +21,9 @@ signal for that rank in ``expect_signals``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import multiprocessing as mp
 import os
 import pickle
@@ -30,7 +32,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 _CONTEXTS: dict[str, Any] = {}
@@ -151,7 +153,7 @@ def run_ranks(
         if name in os.environ:
             env.setdefault(name, os.environ[name])
     if store == "tcp":
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         init_method = f"file://{os.path.join(tmp, 'store')}"
     expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
@@ -290,9 +292,33 @@ def _signal_name(signum: int) -> str:
         return str(signum)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def machine_lock(path: str, *, exclusive: bool) -> Iterator[None]:
+    """A fair readers-writer lock between processes (``flock`` on ``path``.gate and ``path``.machine).
+
+    Side by side, every test holds the machine shared while it runs and a
+    whole-machine test holds it exclusively (tests/conftest.py). The gate is
+    held by whoever waits for the machine, so a waiting exclusive holder keeps
+    new shared holders out and is never starved by a stream of them.
+    """
+    with open(path + ".gate", "a+") as gate, open(path + ".machine", "a+") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)

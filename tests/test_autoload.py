@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from tests.harness import _free_port
+from tests.fixtures import clean_env
+from tests.harness import free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -27,7 +28,7 @@ OUR_VARS = (
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in OUR_VARS and not k.startswith("COMPILER_COLLECTIVES_")}
+    env = {k: v for k, v in clean_env().items() if k not in OUR_VARS}
     env.update(extra)
     return env
 
@@ -244,7 +245,7 @@ def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_en
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             str(script),
         ],
         capture_output=True,
@@ -317,7 +318,7 @@ def test_doctor_under_torchrun_reports_the_default_group_and_our_gloo_groups():
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "compiler_collectives",
             "doctor",

@@ -11,14 +11,14 @@ half of the runs before the thread was stopped and joined at exit.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.harness import _free_port
+from tests.fixtures import clean_env
+from tests.harness import free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -39,8 +39,7 @@ dist.destroy_process_group()
 def test_a_torchrun_job_with_a_busy_heartbeat_exits_zero_on_every_rank_every_time(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
-    env.update(COMPILER_COLLECTIVES_HEARTBEAT_S="0.0001", OMP_NUM_THREADS="1")
+    env = clean_env(COMPILER_COLLECTIVES_HEARTBEAT_S="0.0001", OMP_NUM_THREADS="1")
     for attempt in range(5):
         proc = subprocess.run(
             [
@@ -52,7 +51,7 @@ def test_a_torchrun_job_with_a_busy_heartbeat_exits_zero_on_every_rank_every_tim
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
-                str(_free_port()),
+                str(free_port()),
                 str(script),
             ],
             capture_output=True,

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.fixtures import GUARD_TRANSPORTS, guard_env
 from tests.harness import release, run_ranks, stay_until
 from tests.rankside import caught
 
@@ -49,12 +50,11 @@ def _until_gone(pid: int) -> None:
     raise AssertionError(f"rank process {pid} still runs 30 s after its kill")
 
 
-# Every guard-path failure runs on both mechanisms; each rank reports which one it used.
-GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
+# Every guard-path failure runs on both mechanisms (GUARD_TRANSPORTS); each rank reports which one it used.
 
 
 def _env(transport: str, base: dict[str, str] = ENV) -> dict[str, str]:
-    return {**base, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+    return guard_env(transport, base)
 
 
 def _with_transport(result: dict) -> dict:

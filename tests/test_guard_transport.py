@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiler_collectives.transport import futex, segment, shm
-from tests.harness import _free_port, release, run_ranks, stay_until
+from tests.fixtures import clean_env
+from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import kept_logs
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -460,7 +461,7 @@ os._exit(0)  # as if killed between creating the segment and unlinking its name
 @pytest.mark.timeout(120)
 def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept():
     token = int.from_bytes(os.urandom(8), "little") >> 1
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    env = clean_env()
     child = subprocess.run(
         [sys.executable, "-c", LEAK, str(token)], capture_output=True, text=True, timeout=60, env=env
     )
@@ -538,8 +539,8 @@ def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_seco
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TWO_AGENTS_SCRIPT))
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    port = free_port()
+    env = clean_env()
     env.update(
         TORCH_COMPILER_COLLECTIVES="1",
         COMPILER_COLLECTIVES_GUARDS="1",

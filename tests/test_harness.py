@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing as mp
 import os
 import signal
+import time
 
 import pytest
 
-from tests.harness import RanksFailed, run_ranks
+from tests.harness import RanksFailed, machine_lock, run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -56,3 +59,62 @@ def test_a_ranks_tensor_result_arrives_by_value_not_through_its_process():
     for rank, result in enumerate(results):
         assert result["values"].tolist() == [rank + 0.0, rank + 1.0, rank + 2.0, rank + 3.0]
         assert not result["values"].is_shared()
+
+
+def _hold_machine(path: str, exclusive: bool, name: str, entered, release, order) -> None:
+    with machine_lock(path, exclusive=exclusive):
+        order.put(name)
+        entered.set()
+        release.wait(60)
+
+
+def _gate_is_held(path: str) -> bool:
+    with open(path + ".gate", "a+") as gate:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return False
+
+
+def test_a_whole_machine_test_waits_for_running_tests_and_no_new_test_starts_before_it(tmp_path):
+    """Side by side (tests/conftest.py): the exclusive holder gets the machine next, alone."""
+    ctx = mp.get_context("fork")
+    path = str(tmp_path / "suite")
+    order = ctx.Queue()
+    events = {name: (ctx.Event(), ctx.Event()) for name in ("running", "alone", "next")}
+    procs = []
+
+    def start(name: str, exclusive: bool) -> None:
+        entered, release = events[name]
+        procs.append(ctx.Process(target=_hold_machine, args=(path, exclusive, name, entered, release, order)))
+        procs[-1].start()
+
+    try:
+        start("running", exclusive=False)
+        assert events["running"][0].wait(30)
+        start("alone", exclusive=True)
+        deadline = time.monotonic() + 30
+        while not _gate_is_held(path):  # the whole-machine test is now waiting for the machine
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start("next", exclusive=False)
+        assert not events["alone"][0].wait(0.5)  # a test still runs
+        assert not events["next"][0].wait(0.5)  # and no new one starts ahead of the waiting one
+        events["running"][1].set()
+        assert events["alone"][0].wait(30)
+        assert not events["next"][0].wait(0.5)  # nothing beside it
+        events["alone"][1].set()
+        assert events["next"][0].wait(30)
+        events["next"][1].set()
+        assert [order.get(timeout=10) for _ in range(3)] == ["running", "alone", "next"]
+    finally:
+        for _, release in events.values():
+            release.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0]

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import _free_port, release, run_ranks, stay_until
+from tests.fixtures import GUARD_TRANSPORTS, guard_env
+from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import caught
 
 # Every test here starts rank processes: the multi-process tier.
@@ -22,11 +23,10 @@ pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
-GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
 
 
 def _env(transport: str, base: dict[str, str] = ENV) -> dict[str, str]:
-    return {**base, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+    return guard_env(transport, base)
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def test_destroy_then_init_on_the_same_port_works_again_and_again(transport, tmp
     outcome = run_ranks(
         reinit_on_the_same_port,
         2,
-        args=(_free_port(), generations, str(tmp_path / "coordination")),
+        args=(free_port(), generations, str(tmp_path / "coordination")),
         env=_env(transport),
         init=False,
         timeout=120,

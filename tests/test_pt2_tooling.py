@@ -17,6 +17,7 @@ from compiler_collectives.agreements import reasons as recompile_reasons
 from compiler_collectives.agreements.compiler import restart_decision
 from compiler_collectives.instrument import artifacts
 from compiler_collectives.observations import DYNAMIC, InferStride, LocalState, SizeEntry
+from tests.fixtures import clean_env
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
 from tests.test_compile_once import ENV as ONCE_ENV
@@ -342,7 +343,7 @@ def test_a_graph_compiled_without_any_exchange_has_an_artifact_saying_it_compile
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "COMPILER_COLLECTIVES_"))}
+    clean = clean_env(drop=("TORCH_",))
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**clean, **env}
     )

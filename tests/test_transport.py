@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from compiler_collectives.transport.gloo import HEADER_BYTES
+from tests.fixtures import GUARD_TRANSPORTS, guard_env
 from tests.harness import run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -254,12 +255,11 @@ def test_a_rank_announcing_more_than_max_bytes_makes_every_rank_raise_naming_it(
 
 # ---------------------------------------------------------------- guard channels
 
-# Each guard-channel test runs on both mechanisms: (env value, name the channel reports).
-GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
+# Each guard-channel test runs on both mechanisms (GUARD_TRANSPORTS).
 
 
 def _guard_env(transport: str) -> dict[str, str]:
-    return {"COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+    return guard_env(transport)
 
 
 @pytest.mark.timeout(60)

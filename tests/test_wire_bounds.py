@@ -20,6 +20,7 @@ import msgpack
 import pytest
 
 from compiler_collectives.agreements.wire import FORMAT_VERSION
+from tests.fixtures import clean_env
 
 # Every test here decodes in a child process under a memory limit: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -101,7 +102,7 @@ def _child_main(case: str, path: str) -> None:
 
 
 def _bounded(case: str, arg: str, timeout: float = 120) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILER_COLLECTIVES")}
+    env = clean_env()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     # One malloc arena: a thread whose first allocation comes after the cap (a
