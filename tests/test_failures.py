@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.fixtures import GUARD_TRANSPORTS, guard_env
+from tests.fixtures import GUARD_TRANSPORTS, NAMED_WITHIN_SECONDS, guard_env
 from tests.harness import release, run_ranks, stay_until
 from tests.rankside import caught
 
@@ -101,6 +101,7 @@ def peer_killed_inside_guard_collective(rank: int, world: int) -> dict:
 
 
 @GUARD_TRANSPORTS
+@NAMED_WITHIN_SECONDS
 def test_a_peer_killed_inside_the_guard_collective_is_named_by_every_survivor_within_5_seconds(transport):
     """No timeout is waited for (ours is 60 s): the survivors enter once rank 1 is dead."""
     outcome = run_ranks(
@@ -139,6 +140,7 @@ def peer_killed_before_a_compile(rank: int, world: int) -> dict:
     return result
 
 
+@NAMED_WITHIN_SECONDS
 def test_a_peer_killed_before_a_compile_is_named_by_every_survivor_within_5_seconds():
     """No timeout is waited for (ours is 60 s): rank 1 dies 1 s before the others compile."""
     # The compiler collective runs on gloo: the survivors that do not exchange
@@ -175,6 +177,7 @@ def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
     return result
 
 
+@NAMED_WITHIN_SECONDS
 def test_a_survivor_that_hears_of_a_failure_before_its_collective_still_names_the_failed_rank_and_cause():
     """No timeout is waited for (ours is 60 s): rank 2 waits for a heartbeat to bring rank 0's report."""
     outcome = run_ranks(
@@ -593,6 +596,7 @@ def guard_failure_reaches_user(rank: int, world: int) -> dict:
 
 
 @GUARD_TRANSPORTS
+@NAMED_WITHIN_SECONDS
 def test_a_guard_collective_failure_is_a_catchable_error_at_the_call_site_never_an_abort(transport):
     outcome = run_ranks(guard_failure_reaches_user, 2, env=_env(transport, LONG_ENV), timeout=60, check=False)
     assert outcome.exitcodes[0] == 0, outcome  # not -6 (SIGABRT from C++)
@@ -782,6 +786,7 @@ def phases_differ(rank: int, world: int) -> dict:
     return caught(lambda: torch.compile(_other, backend="eager")(torch.ones(2)))
 
 
+@NAMED_WITHIN_SECONDS
 def test_ranks_in_different_exchanges_of_a_compile_raise_a_desync_naming_each_ranks_exchange():
     outcome = run_ranks(phases_differ, 2, env=LONG_ENV, timeout=60)
     for r in outcome.results:

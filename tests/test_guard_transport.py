@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compiler_collectives.transport import futex, segment, shm
-from tests.fixtures import clean_env
+from tests.fixtures import NAMED_WITHIN_SECONDS, clean_env
 from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import kept_logs
 
@@ -269,6 +269,7 @@ def test_a_sleeping_rank_is_woken_by_the_arrival_not_by_the_bound_on_its_sleep()
 
 @needs_futex
 @pytest.mark.timeout(90)
+@NAMED_WITHIN_SECONDS
 def test_a_failure_published_on_the_host_wakes_a_sleeping_rank():
     outcome = run_ranks(
         sleeps_while_a_peer_fails,
@@ -337,6 +338,7 @@ def test_property_random_hit_patterns_give_every_rank_the_outcome_all_hit(layout
 
 
 @pytest.mark.timeout(90)
+@NAMED_WITHIN_SECONDS
 def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
     outcome = run_ranks(
         killed_mid_collective, 4, args=(2, 3), env=ENV, timeout=60, check=False, expect_signals={3: signal.SIGKILL}

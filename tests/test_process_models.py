@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.fixtures import GUARD_TRANSPORTS, guard_env
+from tests.fixtures import GUARD_TRANSPORTS, NAMED_WITHIN_SECONDS, guard_env
 from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import caught
 
@@ -302,6 +302,7 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
 
 
 @GUARD_TRANSPORTS
+@NAMED_WITHIN_SECONDS
 def test_an_exception_from_a_users_signal_handler_stays_itself_and_peers_hear_that_the_rank_left(transport):
     """No timeout is waited for (ours is TIMEOUT_S): rank 0 enters once rank 1 left, and hears
     of it through the failure word (shm) or a heartbeat (gloo)."""

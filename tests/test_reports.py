@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.fixtures import NAMED_WITHIN_SECONDS
 from tests.harness import release, run_ranks, stay_until
 from tests.rankside import caught
 
@@ -186,6 +187,7 @@ def leaves_while_its_same_host_peer_waits(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
+@NAMED_WITHIN_SECONDS
 def test_a_rank_that_left_reaches_its_same_host_peer_through_the_failure_word_at_once_as_left_not_as_a_crash():
     # Heartbeats 30 s apart (and a timeout past the 0.5 s rank 1 waits before it leaves): only
     # the failure word can tell rank 0 within a second.
