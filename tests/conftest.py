@@ -29,14 +29,14 @@ import pytest
 
 from tests.harness import machine_lock
 
-# What inductor's default cache dir is before any test moves TMPDIR (torch's
-# own rule: <tmp>/torchinductor_<user>), and where it keeps its precompiled
-# headers whatever TORCHINDUCTOR_CACHE_DIR says (always under TMPDIR).
+# The machine's temp dir, before any test moves TMPDIR: where every worker of a
+# run finds the machine lock, and where inductor keeps its default cache and its
+# precompiled headers (torch's rule: <tmp>/torchinductor_<user>; the headers stay
+# there whatever TORCHINDUCTOR_CACHE_DIR says).
+_MACHINE_TMP = tempfile.gettempdir()
 _INDUCTOR_HOME = f"torchinductor_{getpass.getuser()}"
-_INDUCTOR_DEFAULT_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-    tempfile.gettempdir(), _INDUCTOR_HOME
-)
-_SHARED_HEADERS = os.path.join(tempfile.gettempdir(), _INDUCTOR_HOME, "precompiled_headers")
+_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(_MACHINE_TMP, _INDUCTOR_HOME)
+_SHARED_HEADERS = os.path.join(_MACHINE_TMP, _INDUCTOR_HOME, "precompiled_headers")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -103,10 +103,6 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
     yield
 
 
-# Where every worker of one run finds the machine lock (the TMPDIR before any test moves it).
-_LOCK_DIR = tempfile.gettempdir()
-
-
 @pytest.fixture(autouse=True)
 def _side_by_side(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -119,10 +115,10 @@ def _side_by_side(
     (tmpdir / _INDUCTOR_HOME / "precompiled_headers").symlink_to(_SHARED_HEADERS, target_is_directory=True)
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DEFAULT_CACHE))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
         yield
         return
-    lock = os.path.join(_LOCK_DIR, f"cc-suite-{os.environ['PYTEST_XDIST_TESTRUNUID']}")
+    lock = os.path.join(_MACHINE_TMP, f"cc-suite-{os.environ['PYTEST_XDIST_TESTRUNUID']}")
     with machine_lock(lock, exclusive=request.node.get_closest_marker("whole_machine") is not None):
         yield

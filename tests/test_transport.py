@@ -258,15 +258,11 @@ def test_a_rank_announcing_more_than_max_bytes_makes_every_rank_raise_naming_it(
 # Each guard-channel test runs on both mechanisms (GUARD_TRANSPORTS).
 
 
-def _guard_env(transport: str) -> dict[str, str]:
-    return guard_env(transport)
-
-
 @pytest.mark.timeout(60)
 @GUARD_TRANSPORTS
 def test_guard_channel_agree_reports_all_hit_and_in_step_when_every_rank_hits(transport):
     rounds = [([True] * 3, [4] * 3)]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=guard_env(transport), timeout=45)
     assert outcome.results == [[(True, True)]] * 3
 
 
@@ -279,7 +275,7 @@ def test_guard_channel_agree_reports_a_miss_on_any_rank_to_every_rank(transport)
         ([True, True, False], [11, 11, 11]),
         ([True, True, True], [12, 12, 12]),  # nothing carries over from earlier calls
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=guard_env(transport), timeout=45)
     expected = [(False, True), (False, True), (False, True), (True, True)]
     assert outcome.results == [expected] * 3
 
@@ -293,7 +289,7 @@ def test_guard_channel_agree_reports_ranks_out_of_step_when_call_numbers_differ(
         ([False, True, True], [0, 1, 0]),
         ([True, True, True], [6, 6, 6]),
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=guard_env(transport), timeout=45)
     # out of step is never reported as "all hit"
     expected = [(False, False), (False, False), (False, False), (True, True)]
     assert outcome.results == [expected] * 3
@@ -307,7 +303,7 @@ def test_guard_channel_agree_reports_ranks_out_of_step_when_frames_differ(transp
         ([True] * 3, [2] * 3, [17, 17, 18]),
         ([True] * 3, [3] * 3, [0, 5, 5]),
     ]
-    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=_guard_env(transport), timeout=45)
+    outcome = run_ranks(guard_rounds, 3, args=(rounds, transport), env=guard_env(transport), timeout=45)
     expected = [(True, True), (False, False), (False, False)]
     assert outcome.results == [expected] * 3
 
@@ -335,7 +331,7 @@ def guard_describe_all(rank: int, world: int, transport: str) -> list:
 @pytest.mark.timeout(60)
 @GUARD_TRANSPORTS
 def test_guard_channel_describe_all_tells_every_rank_where_each_rank_was(transport):
-    outcome = run_ranks(guard_describe_all, 3, args=(transport,), env=_guard_env(transport), timeout=45)
+    outcome = run_ranks(guard_describe_all, 3, args=(transport,), env=guard_env(transport), timeout=45)
     assert outcome.results == [[(10, 0), (11, 7), (12, 14)]] * 3
 
 
