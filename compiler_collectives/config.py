@@ -61,6 +61,16 @@ def _parse_positive_int(name: str, raw: str) -> int:
     return _parse_number(name, raw, int, "a whole number", allow_zero=False)
 
 
+MIN_CHUNK_BYTES = 4096
+
+
+def _parse_chunk_bytes(name: str, raw: str) -> int:
+    value = _parse_positive_int(name, raw)
+    if value < MIN_CHUNK_BYTES:
+        raise ConfigError(f"{name}={raw!r}: must be {MIN_CHUNK_BYTES} or more")
+    return value
+
+
 def _parse_str(name: str, raw: str) -> str:
     return raw
 
@@ -256,6 +266,25 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "Largest compiled artifact (cache entries and kernel binaries of one graph) a rank "
         "accepts from the rank that compiled it; larger ones are refused before any buffer "
         "is allocated, and that rank compiles the graph itself.",
+    ),
+    Setting(
+        "once_fanout",
+        "COMPILER_COLLECTIVES_ONCE_FANOUT",
+        2,
+        _parse_positive_int,
+        "How many cache dirs one rank sends a compiled artifact to (compile once): the rank that "
+        "compiled it sends to this many, each of them forwards to this many, and so on: a tree over "
+        "the job's cache dirs, one receiving rank per dir. 1: a chain.",
+        must_match=True,
+    ),
+    Setting(
+        "once_chunk_bytes",
+        "COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES",
+        4 * 1024 * 1024,
+        _parse_chunk_bytes,
+        "Bytes per piece of a compiled artifact on its way down the tree (compile once): a rank "
+        "checks each piece's SHA-256 before it forwards it, so the tree's depth adds one piece's "
+        "time per level, not the artifact's. The sending rank's value is used; 4096 or more.",
     ),
     Setting(
         "heartbeat_s",

@@ -75,7 +75,8 @@ class Counters:
     # cacheable, torch's compile-time collectives); loads whose entry missed
     # this rank's guards and artifacts refused (digest, layout, size): both
     # then compiled here; peers that compiled locally after a miss or refusal;
-    # files whose SHA-256 did not match; bytes moved; time spent waiting
+    # files whose SHA-256 did not match; copies of an artifact this rank sent
+    # (as its source, or forwarding down the tree), bytes moved; time spent waiting
     once_exchanges: int = 0
     once_compiled: int = 0
     once_served: int = 0
@@ -85,6 +86,7 @@ class Counters:
     once_refused: int = 0
     once_peer_local_compiles: int = 0
     once_digest_mismatches: int = 0
+    once_copies_sent: int = 0
     once_bytes_sent: int = 0
     once_bytes_received: int = 0
     once_wait_s: float = 0.0

@@ -122,7 +122,7 @@ def _fingerprint() -> GraphFingerprint:
     [
         offer("k", holds=True, switches=["_sync_decision_cross_ranks"]),
         offer("k", warmth=WARMTH_FX),
-        Result("ok", None, [ManifestFile("aotautograd/k/e", b"s" * 32, 10)], [_fingerprint()]),
+        Result("ok", None, [ManifestFile("aotautograd/k/e", b"s" * 32, 10)], [_fingerprint()], 4096, [b"c" * 32]),
         Result("failed", "RuntimeError: boom", [], []),
         Loaded("miss", "the entry's guards fail this rank's size hints"),
     ],
@@ -134,10 +134,25 @@ def test_every_compile_once_message_survives_the_wire(body):
 
 
 def test_a_manifest_line_without_a_sha256_is_refused_naming_the_sender():
-    bad = Result("ok", None, [ManifestFile("aotautograd/k/e", b"short", 10)], [])
+    bad = Result("ok", None, [ManifestFile("aotautograd/k/e", b"short", 10)], [], 4096, [b"c" * 32])
     with pytest.raises(WireFormatError, match="rank 1") as e:
         decode_once(encode_once(rank=1, world_size=2, seq=1, body=bad), sender=1, max_bytes=1 << 20)
     assert "SHA-256" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "chunks", "says"),
+    [
+        (4096, [], "cover the artifact"),  # 10 000 bytes need 3 pieces of 4096
+        (4096, [b"c" * 32] * 4, "cover the artifact"),
+        (1024, [b"c" * 32] * 10, "chunk bytes"),  # under the least piece
+        (4096, [b"c" * 32, b"short", b"c" * 32], "chunk's SHA-256"),
+    ],
+)
+def test_chunk_digests_that_do_not_cover_the_artifact_exactly_are_refused(chunk_bytes, chunks, says):
+    bad = Result("ok", None, [ManifestFile("aotautograd/k/e", b"s" * 32, 10_000)], [], chunk_bytes, chunks)
+    with pytest.raises(WireFormatError, match=says):
+        decode_once(encode_once(rank=1, world_size=2, seq=1, body=bad), sender=1, max_bytes=1 << 20)
 
 
 def test_a_payload_claiming_another_sender_is_refused():

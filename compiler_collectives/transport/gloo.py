@@ -263,20 +263,28 @@ def all_gather_bytes(
     return [_tensor_to_bytes(t, length) for t, length in zip(recv2, lengths)], 2
 
 
-def send_bytes(pg: dist.ProcessGroup, data: bytes, dst: int, tag: int, describe: Callable[[], str]) -> Any:
-    """Start sending ``data`` to group rank ``dst``; returns the work (``wait`` it). The receiver
-    knows the length already (it came in an all-gather), so only the bytes travel."""
-    send = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return started(pg.send, [send], dst, tag)
+def byte_tensor(data: bytes | int) -> torch.Tensor:
+    """A contiguous uint8 CPU tensor: a copy of ``data``, or ``data`` bytes to receive into.
+    Its slices are what ``start_send``/``start_recv`` move piece by piece."""
+    if isinstance(data, int):
+        return torch.empty(data, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def recv_bytes(pg: dist.ProcessGroup, n: int, src: int, tag: int, describe: Callable[[], str]) -> bytes:
-    """Receive exactly ``n`` bytes from group rank ``src`` (``n`` agreed beforehand and bounded by the caller)."""
-    if n == 0:
-        return b""
-    buf = torch.empty(n, dtype=torch.uint8)
-    wait(started(pg.recv, [buf], src, tag), describe)
-    return _tensor_to_bytes(buf, n)
+def start_send(pg: dist.ProcessGroup, piece: torch.Tensor, dst: int, tag: int) -> Any:
+    """Start sending ``piece`` (a contiguous slice of a ``byte_tensor``) to group rank ``dst``."""
+    return started(pg.send, [piece], dst, tag)
+
+
+def start_recv(pg: dist.ProcessGroup, piece: torch.Tensor, src: int, tag: int) -> Any:
+    """Start receiving into ``piece`` (a contiguous slice of a ``byte_tensor``) from group rank ``src``."""
+    return started(pg.recv, [piece], src, tag)
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 CPU tensor, without a copy (hash them; copy with ``bytes()``)."""
+    n = t.numel()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
 
 _KEY_MASK = (1 << 61) - 1

@@ -336,7 +336,9 @@ def finish(
                     _import_fingerprints(fingerprints)
                 elif fingerprints:
                     sidecar.write(ticket.cache.root(), ticket.key, fingerprints)
-                mine = Result("ok", None, manifest, fingerprints)
+                chunk_bytes = config.settings.once_chunk_bytes if bundle else 0
+                chunks = transfer.chunk_digests(bundle, chunk_bytes) if bundle else []
+                mine = Result("ok", None, manifest, fingerprints, chunk_bytes, chunks)
             except Exception as e:  # noqa: BLE001 - its loaders must hear of it, never wait for it
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
@@ -436,27 +438,48 @@ def _notice(ticket: Ticket, rank: int) -> str:
     return f"once/{ticket.seq}/{rank}"
 
 
+def _installed(ticket: Ticket, rank: int) -> str:
+    return f"once/{ticket.seq}/in/{rank}"
+
+
 def _wait_for_sources(ticket: Ticket) -> None:
-    """Wait until every serving rank (but this one) posted that it is done; while each is alive, up
-    to COMPILER_COLLECTIVES_COMPILE_TIMEOUT, logging every ``LOG_EVERY_S``."""
+    """Wait until every serving rank (but this one) posted that it is done."""
     me = ticket.rank
     pending = sorted({r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE) and r != me})
-    if not pending:
-        return
+    if pending:
+        started = time.monotonic()
+        _wait_for_posts(ticket, pending, _notice, "compile this graph for this rank")
+        ticket.waited_s = time.monotonic() - started
+        counters.once_wait_s += ticket.waited_s
+
+
+def _wait_for_posts(
+    ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str
+) -> dict[int, bytes]:
+    """What each of ``ranks`` posted under ``notice``, once all have: waited for while each is
+    alive, up to COMPILER_COLLECTIVES_COMPILE_TIMEOUT, logging every ``LOG_EVERY_S``; a rank
+    that is gone, or a failure this rank heard of, ends the wait with ``PeerFailureError``."""
+    me = ticket.rank
+    pending = list(ranks)
+    posted: dict[int, bytes] = {}
     started = time.monotonic()
     deadline = started + config.settings.compile_timeout_s
     next_log = started + LOG_EVERY_S
     probes = {r: groups.watch_peer(r) for r in pending}
     sleep = _POLL_S[0]
     while pending:
-        pending = [r for r in pending if groups.read_post(_notice(ticket, r)) is None]
+        for r in pending:
+            value = groups.read_post(notice(ticket, r))
+            if value is not None:
+                posted[r] = value
+        pending = [r for r in pending if r not in posted]
         if not pending:
             break
         failure_seen = health.poisoned()
         if failure_seen is not None:
             raise PeerFailureError(
                 f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: stopped waiting for "
-                f"{ranks_text(pending)} to compile: {failure_seen}",
+                f"{ranks_text(pending)} to {doing}: {failure_seen}",
                 kind="compile_once",
                 rank=me,
                 seq=ticket.seq,
@@ -468,28 +491,28 @@ def _wait_for_sources(ticket: Ticket) -> None:
             gone = probes[r]()
             if gone is not None:
                 counters.errors += 1
-                raise _published(
-                    PeerFailureError(
-                        f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: rank {r} was compiling "
-                        f"this graph for this rank and is gone: {gone}. Check rank {r}'s log and exit "
-                        "status (killed by the OOM killer?).",
-                        kind="compile_once",
-                        rank=me,
-                        seq=ticket.seq,
-                        frame=str(ticket.frame),
-                        ranks=(r,),
-                    ),
-                    ticket,
+                error: CollectiveError = PeerFailureError(
+                    f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: rank {r} was to {doing} "
+                    f"and is gone: {gone}. Check rank {r}'s log and exit status (killed by the OOM killer?).",
+                    kind="compile_once",
+                    rank=me,
+                    seq=ticket.seq,
+                    frame=str(ticket.frame),
+                    ranks=(r,),
                 )
+                if groups.read_peer_report(r, me, wait_s=0.0) is not None:
+                    # It stopped on a failure of its own or one it heard of: its words name the rank.
+                    error = failure_procedure.as_reported(error, r, ticket.seq)
+                raise _published(error, ticket)
         now = time.monotonic()
         if now >= deadline:
             counters.errors += 1
             raise _published(
                 CompileOnceError(
                     f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: waited "
-                    f"{now - started:.0f}s for {ranks_text(pending)} to compile a graph for this rank, and they "
-                    "are alive. Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that "
-                    "long, or set COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
+                    f"{now - started:.0f}s for {ranks_text(pending)} to {doing}, and they are alive. Raise "
+                    "COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long, or set "
+                    "COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
                     kind="compile_once",
                     rank=me,
                     seq=ticket.seq,
@@ -501,20 +524,20 @@ def _wait_for_sources(ticket: Ticket) -> None:
         if now >= next_log:
             next_log = now + LOG_EVERY_S
             log.warning(
-                "rank %d: waiting for %s to compile graph #%d of %s (%.0f s)",
+                "rank %d: waiting for %s to %s (graph #%d of %s, %.0f s)",
                 me,
                 ranks_text(pending),
+                doing,
                 ticket.seq,
                 ticket.frame,
                 now - started,
             )
         time.sleep(sleep)
         sleep = min(sleep * 2, _POLL_S[1])
-    ticket.waited_s = time.monotonic() - started
-    counters.once_wait_s += ticket.waited_s
+    return posted
 
 
-def _published(error: CompileOnceError | PeerFailureError, ticket: Ticket) -> CompileOnceError | PeerFailureError:
+def _published(error: CollectiveError, ticket: Ticket) -> CollectiveError:
     """A loader's failure to wait (the compiling rank timed out or is gone), published through
     the failure policy: the compiling rank hears of it within a heartbeat and raises at its next
     exchange, instead of entering an exchange this rank will never take."""
@@ -659,40 +682,79 @@ def _collect(ticket: Ticket) -> tuple[list[ManifestFile], bytes]:
 def _link(ticket: Ticket) -> transfer.Link:
     where = _where(ticket, "artifact")
     return transfer.Link(
-        ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, lambda e: _transfer_failed(e, ticket, where)
+        ticket.pg,
+        ticket.members,
+        ticket.rank,
+        ticket.seq or 0,
+        where,
+        lambda e, peer, what: _transfer_failed(e, ticket, where, peer, what),
     )
 
 
+def _routes(ticket: Ticket, source: int, result: Result) -> dict[int, transfer.Route]:
+    return transfer.routes(source, result, ticket.plans, ticket.offers, ticket.level, config.settings.once_fanout)
+
+
 def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = b"") -> None:
-    """The source sends its bytes to each of its loaders that has another cache dir (and accepts
-    that size); such loaders receive them. Everyone else does nothing here."""
+    """A source sends its bytes to its children in the tree over the dirs of its loaders (the
+    receivers forward them on as they take them: ``_receive_and_install``)."""
     plan = ticket.plan
     assert plan is not None
     if plan.role in (COMPILE, SERVE):
-        transfer.Gloo().send(_link(ticket), bundle, results[ticket.rank], ticket.plans, ticket.offers, ticket.level)
+        result = results[ticket.rank]
+        transfer.send(_link(ticket), bundle, result, _routes(ticket, ticket.rank, result)[ticket.rank])
 
 
 def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
-    """Receive (or find in the shared dir) the source's files and check each against its SHA-256;
-    install them. None on success, else why they were refused (nothing was written then)."""
+    """Receive (or find in this dir) the source's files and check each against its SHA-256;
+    install them. None on success, else why they were refused (nothing was written then).
+
+    A dir's receiver takes every byte its parent sends and forwards it whatever it then decides
+    for itself: its subtree and its dir's readers must never wait on a decision only it made."""
     plan = ticket.plan
     assert plan is not None and plan.source is not None
     problem = artifact.manifest_problem(result, plan.source, ticket.level)
     if problem is not None:
-        return problem
-    refusal = artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level)
-    if refusal is not None:
-        return _refused(refusal)
-    mine = ticket.offers[ticket.rank]
-    if not plan.shares_dir and not transfer.travels(result, plan, mine, ticket.level):
-        total = sum(f.size for f in result.manifest)
+        return problem  # the same on every rank: no rank receives (``transfer.travels``)
+    route = _routes(ticket, plan.source, result)[ticket.rank]
+    data, received = b"", None
+    if route.mode == transfer.RECEIVE:
+        data, received = transfer.receive(_link(ticket), result, route, plan.source)
+        ticket.bytes_in = result.total()
+    why = _refused(artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level))
+    if why is None:
+        why = _place(ticket, result, route, data, received)
+    if route.mode == transfer.RECEIVE and route.readers:
+        groups.post(_installed(ticket, ticket.rank), b"ok" if why is None else why.encode()[:2000])
+    return why
+
+
+def _place(
+    ticket: Ticket, result: Result, route: transfer.Route, data: bytes, received: artifact.Refusal | None
+) -> str | None:
+    """The files in place under this rank's cache dir, by its route; None, or why not."""
+    plan = ticket.plan
+    assert plan is not None and plan.source is not None
+    root = ticket.cache.root()
+    if route.mode == transfer.NONE:
+        mine = ticket.offers[ticket.rank]
         return (
-            f"the artifact is {total} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES ({mine.max_artifact_bytes})"
+            f"the artifact is {result.total()} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
+            f"({mine.max_artifact_bytes})"
         )
-    received = counters.once_bytes_received
-    outcome = transfer.for_loader(plan).take(_link(ticket), ticket.cache.root(), result, plan.source)
-    ticket.bytes_in = counters.once_bytes_received - received
-    return _taken(ticket, outcome)
+    if route.mode == transfer.SHARED:
+        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
+    if route.mode == transfer.READ:
+        assert route.via is not None
+        said = _wait_for_posts(ticket, [route.via], _installed, "receive the artifact for this cache dir")[route.via]
+        if said != b"ok":
+            return f"rank {route.via}, which receives for this cache dir, did not install it: " + said.decode(
+                "utf-8", "replace"
+            )
+        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
+    if received is not None:
+        return _refused(received)
+    return _taken(ticket, transfer.install(root, result, data, plan.source))
 
 
 def _taken(ticket: Ticket, outcome: artifact.Accepted | artifact.Refusal) -> str | None:
@@ -722,8 +784,18 @@ def _refused(refusal: artifact.Refusal | None) -> str | None:
     return refusal.why
 
 
-def _transfer_failed(error: RuntimeError, ticket: Ticket, where: Callable[[], str]) -> CollectiveError:
+def _transfer_failed(
+    error: RuntimeError, ticket: Ticket, where: Callable[[], str], peer: int, what: str
+) -> CollectiveError:
+    """The error of a failed piece: gloo's own (a broken connection) names the one peer it was
+    with, which the whole subtree below then hears in this rank's report."""
     counters.errors += 1
+    if not isinstance(error, CollectiveError):
+        error = PeerFailureError(
+            f"{where()}: the connection to rank {peer} ({what}) broke: {error}. Rank {peer} most likely "
+            f"crashed or was killed; check its log and exit status.",
+            ranks=(peer,),
+        )
     return failure_procedure.exchange_failed(
         error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
     )

@@ -1,7 +1,7 @@
 """Compile once's payloads: the key exchange, the result exchange and the load report of one
 graph (``agreements/once.py``).
 
-Layout (``ONCE_FORMAT_VERSION``, now 2; its own version, apart from the envelope's)::
+Layout (``ONCE_FORMAT_VERSION``, now 3; its own version, apart from the envelope's)::
 
     [ONCE_FORMAT_VERSION, "compile_once", tag, sender_rank, world_size, seq, body]
 
@@ -17,12 +17,14 @@ Layout (``ONCE_FORMAT_VERSION``, now 2; its own version, apart from the envelope
   inductor compile this key took the last time it ran here, else how many FX graph entries its
   cache dir holds (up to ``WARMTH_MAX_ENTRIES``: the fuller dir likely holds kernels this graph
   needs), 0 when cold;
-* ``"result"``: ``[status, failure, manifest, fingerprints]``: ``status`` is ``"none"`` (this
-  rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``: "ExcType: message");
-  ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the artifact relative to the
-  cache dir, with its SHA-256 (32 bytes); ``fingerprints``: the program audit's graphs of the
-  compile, ``[[level, [[op, group, reduce_op, [tensor, ...], args, where], ...], graph_hash,
-  nodes], ...]``;
+* ``"result"``: ``[status, failure, manifest, fingerprints, chunk_bytes, chunks]``: ``status`` is
+  ``"none"`` (this rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``:
+  "ExcType: message"); ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the
+  artifact relative to the cache dir, with its SHA-256 (32 bytes); ``fingerprints``: the program
+  audit's graphs of the compile, ``[[level, [[op, group, reduce_op, [tensor, ...], args, where],
+  ...], graph_hash, nodes], ...]``; ``chunks``: the SHA-256 of each ``chunk_bytes`` piece of the
+  artifact's bytes (its files in manifest order), which a forwarding rank checks before it passes
+  a piece on (``chunk_bytes`` 0 and no chunks when the manifest is empty);
 * ``"loaded"``: ``[outcome, why]``: ``"none"``, ``"hit"``, ``"miss"`` (the entry's guards failed
   this rank's hints) or ``"refused"`` (``why`` says what did not match).
 
@@ -38,7 +40,7 @@ from typing import Any
 from ..fingerprint import Collective, GraphFingerprint
 from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
 
-ONCE_FORMAT_VERSION = 2
+ONCE_FORMAT_VERSION = 3
 ONCE_TAG = "compile_once"
 ONCE_KINDS = ("keys", "result", "loaded")
 RESULT_STATUSES = ("none", "ok", "failed")
@@ -46,6 +48,8 @@ LOAD_OUTCOMES = ("none", "hit", "miss", "refused")
 MAX_TEXT = 4096
 MAX_FILES = 100_000
 MAX_SWITCHES = 16
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNKS = 1 << 20
 WARMTH_COLD = 0
 WARMTH_MAX_ENTRIES = 1 << 20
 WARMTH_FX = 1 << 30
@@ -80,6 +84,12 @@ class Result:
     failure: str | None
     manifest: list[ManifestFile]
     fingerprints: list[GraphFingerprint]
+    chunk_bytes: int = 0
+    chunks: list[bytes] = dataclasses.field(default_factory=list)
+
+    def total(self) -> int:
+        """The artifact's bytes: its files, in manifest order."""
+        return sum(f.size for f in self.manifest)
 
 
 @dataclasses.dataclass
@@ -131,6 +141,8 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             _cut(body.failure),
             [[f.relpath, f.sha256, f.size] for f in body.manifest],
             [fingerprint_out(g) for g in body.fingerprints],
+            int(body.chunk_bytes),
+            list(body.chunks),
         ]
     else:
         kind = "loaded"
@@ -196,8 +208,8 @@ def fingerprint_in(item: Any) -> GraphFingerprint:
 
 
 def _result(body: Any) -> Result:
-    expect(type(body) is list and len(body) == 4, "a result body must have 4 items")
-    status, fail_text, manifest, fingerprints = body
+    expect(type(body) is list and len(body) == 6, "a result body must have 6 items")
+    status, fail_text, manifest, fingerprints, chunk_bytes, chunks = body
     expect(status in RESULT_STATUSES, f"unknown result status {show(status)}")
     expect(type(manifest) is list and len(manifest) <= MAX_FILES, "the manifest must be a list")
     files = []
@@ -207,7 +219,23 @@ def _result(body: Any) -> Result:
         expect(type(sha) is bytes and len(sha) == 32, "a file's SHA-256 must be 32 bytes")
         files.append(ManifestFile(_text(relpath, "a relative path") or "", sha, int_in(size, "file size", lo=0)))
     expect(type(fingerprints) is list, "fingerprints must be a list")
-    return Result(status, _text(fail_text, "failure", optional=True), files, [fingerprint_in(g) for g in fingerprints])
+    total = sum(f.size for f in files)
+    expect(type(chunks) is list and len(chunks) <= MAX_CHUNKS, f"chunks must be a list of at most {MAX_CHUNKS}")
+    if total == 0:
+        expect(chunk_bytes == 0 and not chunks, "an empty artifact has no chunks")
+    else:
+        int_in(chunk_bytes, "chunk bytes", lo=MIN_CHUNK_BYTES)
+        expect(len(chunks) == -(-total // chunk_bytes), "the chunk digests must cover the artifact's bytes")
+    for digest in chunks:
+        expect(type(digest) is bytes and len(digest) == 32, "a chunk's SHA-256 must be 32 bytes")
+    return Result(
+        status,
+        _text(fail_text, "failure", optional=True),
+        files,
+        [fingerprint_in(g) for g in fingerprints],
+        chunk_bytes,
+        chunks,
+    )
 
 
 def _loaded(body: Any) -> Loaded:

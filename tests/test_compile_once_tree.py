@@ -1,0 +1,125 @@
+"""Compile once across cache dirs (issue 30): one rank per dir receives the artifact, the others
+of the dir read its install, and the receivers form a tree rooted at the source (fan-out
+``COMPILER_COLLECTIVES_ONCE_FANOUT``, 2), forwarding each piece once its digest matched.
+
+Eight real ranks, four cache dirs of two ranks each (as four hosts would have), one inductor
+training step. Rank 1 compiles (the first graph's turn among cold ranks), so rank 0 reads in
+place; ranks 2, 4 and 6 receive for their dirs and ranks 3, 5 and 7 read their installs. The
+tree: rank 1 sends to 2 and 4; rank 2 forwards to 6. Pieces of 4 KiB make an artifact of many
+pieces, so a forwarder passes some on before the last arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD, PER_DIR = 8, 2
+SOURCE, FORWARDER, GRANDCHILD = 1, 2, 6
+ENV = {
+    "COMPILER_COLLECTIVES_TIMEOUT": "60",
+    "COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES": "4096",
+    "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w).sum()
+
+
+def _break(rank: int, fault: str | None) -> None:
+    """The forwarder misbehaves once it holds its first piece: it dies, or passes on other bytes."""
+    if fault is None or rank != FORWARDER:
+        return
+    from compiler_collectives.agreements.once import transfer
+
+    if fault == "kill":
+        view = transfer.tensor_view
+
+        def view_then_die(t: torch.Tensor) -> memoryview:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return view(t)
+
+        transfer.tensor_view = view_then_die
+    elif fault == "alter":
+        send = transfer.start_send
+
+        def send_altered(pg: object, piece: torch.Tensor, dst: int, tag: int) -> object:
+            return send(pg, torch.full_like(piece, 7), dst, tag)
+
+        transfer.start_send = send_altered
+
+
+def job(rank: int, world: int, fault: str | None) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+    _break(rank, fault)
+    x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1 + rank
+    w0 = torch.linspace(-1, 1, 16).reshape(4, 4)
+    w_ref = w0.clone().requires_grad_(True)
+    _step(x, w_ref).backward()
+    w = w0.clone().requires_grad_(True)
+    out: dict = {"error": None}
+    try:
+        torch.compile(_step, backend="inductor")(x, w).backward()
+        out["right"] = torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+    except Exception as e:  # noqa: BLE001 - the test asserts on what each rank raised
+        out["error"] = {"type": type(e).__name__, "message": str(e)}
+    stats = cc.stats()
+    out["stats"] = {k: v for k, v in stats.items() if k.startswith("once_")}
+    out["records"] = stats["compile_once"]
+    return out
+
+
+def _run(tmp_path, fault: str | None = None, **kw):
+    dirs = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"dir{r // PER_DIR}")} for r in range(WORLD)}
+    return run_ranks(job, WORLD, args=(fault,), env=ENV, rank_env=dirs, timeout=300, **kw)
+
+
+@pytest.mark.timeout(400)
+def test_the_source_sends_two_copies_and_each_other_dir_receives_one_that_all_its_ranks_load(tmp_path):
+    results = _run(tmp_path).results
+    assert all(r["error"] is None and r["right"] for r in results), results
+    states = [r["records"][-1]["state"] for r in results]
+    assert states == ["loaded", "compiled"] + ["loaded"] * (WORLD - 2)
+    sent = results[SOURCE]["stats"]
+    size = sent["once_bytes_sent"] // 2
+    assert sent["once_copies_sent"] == 2 and size > 4096 * 4  # many pieces
+    received = [sum(results[r]["stats"]["once_bytes_received"] for r in range(d, d + PER_DIR)) for d in (0, 2, 4, 6)]
+    assert received == [0, size, size, size]  # the source's dir reads in place; each other dir: one copy
+    assert results[FORWARDER]["stats"]["once_copies_sent"] == 1  # rank 2 forwards to rank 6
+    assert all(results[r]["stats"]["once_bytes_received"] == 0 for r in (3, 5, 7))  # they read the install
+
+
+@pytest.mark.timeout(300)
+def test_a_forwarder_killed_mid_transfer_is_named_by_every_rank_of_its_subtree_within_seconds(tmp_path):
+    outcome = _run(tmp_path, "kill", check=False, expect_signals={FORWARDER: signal.SIGKILL})
+    # Its child (rank 6), its dir's reader (rank 3) and rank 6's reader (rank 7): each stops, naming it.
+    for rank in (3, GRANDCHILD, 7):
+        result = outcome.results[rank]
+        assert result is not None and result["error"] is not None, (rank, outcome)
+        assert result["error"]["type"] == "PeerFailureError", (rank, result)
+        assert f"rank {FORWARDER}" in result["error"]["message"], (rank, result)
+    assert all(r is None or r["error"] is not None for r in outcome.results)  # nobody trains on alone
+    assert outcome.elapsed_s < 120
+
+
+@pytest.mark.timeout(400)
+def test_a_forwarder_that_passes_on_other_bytes_is_refused_below_it_and_the_job_trains_right(tmp_path):
+    results = _run(tmp_path, "alter").results
+    assert all(r["error"] is None and r["right"] for r in results), results
+    below = [results[r]["records"][-1] for r in (GRANDCHILD, 7)]
+    assert [b["state"] for b in below] == ["compiled locally", "compiled locally"]
+    assert f"forwarded by rank {FORWARDER}" in below[0]["why"] and "SHA-256" in below[0]["why"]
+    assert f"rank {GRANDCHILD}, which receives for this cache dir" in below[1]["why"]
+    assert [results[r]["records"][-1]["state"] for r in (2, 3, 4, 5)] == ["loaded"] * 4
