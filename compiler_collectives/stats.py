@@ -70,7 +70,8 @@ class Counters:
     # until its next call from its own code (agreements/guard.py, paths_diverged)
     diverged_paths: int = 0
     # compile once (agreements/once.py): key exchanges run (one per cacheable
-    # graph lookup); graphs this rank compiled for others, served from its
+    # graph lookup), of which settled by the fixed-size reduce alone (every key
+    # matched: no all-gather of offers); graphs this rank compiled for others, served from its
     # cache, loaded from another rank, compiled locally (no match, not
     # cacheable, torch's compile-time collectives); loads whose entry missed
     # this rank's guards and artifacts refused (digest, layout, size): both
@@ -78,6 +79,7 @@ class Counters:
     # files whose SHA-256 did not match; copies of an artifact this rank sent
     # (as its source, or forwarding down the tree), bytes moved; time spent waiting
     once_exchanges: int = 0
+    once_keys_reduced: int = 0
     once_compiled: int = 0
     once_served: int = 0
     once_loaded: int = 0

@@ -23,11 +23,13 @@ or cold, so the exchanges never depend on cache state):
 3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, one
    all-gather carries each serving rank's outcome: the manifest of its artifact (every file of
    the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
-   program audit's fingerprints of the compile. The manifest comes over the job's own gloo group;
-   the bytes travel over gloo point to point to ranks with another cache dir, and not at all to
-   ranks that share the serving rank's dir. A rank loads only files whose SHA-256 matches, only
-   for a key it computed itself; anything else is refused, named in the log, and that rank
-   compiles the graph itself, without the cache.
+   program audit's fingerprints of the compile, and the SHA-256 of each piece of its bundle. The
+   manifest comes over the job's own gloo group; the bytes do not travel to ranks that share the
+   serving rank's dir. In each other cache dir one rank receives them (``transfer``): those
+   receivers form a tree rooted at the serving rank (``COMPILER_COLLECTIVES_ONCE_FANOUT``), each
+   checks every piece before it forwards it, and the dir's other ranks read its install. A rank
+   loads only files whose SHA-256 matches, only for a key it computed itself; anything else is
+   refused, named in the log, and that rank compiles the graph itself, without the cache.
 4. **Loaded** (``loaded``): one all-gather of each loading rank's outcome, so every rank logs and
    counts who loaded, whose load missed (an entry's guards fail that rank's size hints: it
    compiled locally) and who refused.
@@ -35,11 +37,12 @@ or cold, so the exchanges never depend on cache state):
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
 ``CompileOnceError`` quoting it (the serving rank raises its own). A serving rank that dies is
 seen through its heartbeat or its broken gloo connection: the loaders raise ``PeerFailureError``
-naming it. Never a hang.
+naming it; so does the subtree of a receiver that dies while it forwards. Never a hang.
 
 Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
-install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry) and
-``protocol`` (the ticket, the exchanges, the wait and the transfer). Plain Python over
+install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
+``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks) and
+``protocol`` (the ticket, the exchanges and the waits). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 

@@ -58,6 +58,9 @@ _POLL_S = (0.005, 0.2)  # first and longest sleep between looks at the store whi
 
 _local = threading.local()  # ticket: Ticket | None
 _seq = 0
+# What the last full key exchange of this generation saw that stays from graph to graph: the
+# group's members, each rank's (cache dir identity, largest artifact it accepts), their digest.
+_known: tuple[tuple[int, ...], dict[int, tuple[str, int]], bytes] | None = None
 _records: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 
 
@@ -173,8 +176,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
         ticket.graph,
         0 if holds else _warmth(ticket, key),
     )
-    gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
-    ticket.offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
+    ticket.offers = _settle_keys(ticket, mine)
     rank = ticket.rank
     try:
         ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
@@ -191,6 +193,61 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     else:
         log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
     return ticket.plan
+
+
+def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
+    """Every rank's offer: from one fixed-size reduce when every rank has the same key (and the
+    same cache dirs as at the last full exchange), else from an all-gather of every offer.
+
+    The reduce carries a digest of what must match (graph number, level, key, why, switches,
+    graph, and the dirs and size limits the last all-gather saw), the lowest rank that holds the
+    entry, and the warmest rank (in turn among equals, as ``decide`` turns among cold ranks).
+    Every rank takes both steps or the first only, by the reduce's outcome: the same everywhere.
+    From it, every rank builds the same offers, and ``decide`` the same plans.
+    """
+    global _known
+    members = tuple(sorted(ticket.members))
+    n, me = len(members), members.index(ticket.rank)
+    seq = ticket.seq or 0
+    known = _known
+    valid = (
+        known is not None and known[0] == members and known[1].get(ticket.rank) == (mine.dir, mine.max_artifact_bytes)
+    )
+    digest = 0
+    if known is not None and valid:
+        same = (seq, ticket.level, mine.key, mine.why, tuple(sorted(mine.switches)), mine.graph, known[2])
+        digest = int.from_bytes(hashlib.sha256(repr(same).encode()).digest()[:8], "big") >> 1
+    turn = n - 1 - ((me - seq) % n)  # highest for the rank whose turn it is
+    low, neg_high, holder, neg_best, neg_invalid = exchange_frame.reduce_min(
+        ticket.pg,
+        [digest, -digest, me if mine.holds else n, -(mine.warmth * n + turn), 0 if valid else -1],
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+        where=_where(ticket, "keys"),
+    )
+    if known is not None and neg_invalid == 0 and low == -neg_high:
+        counters.once_keys_reduced += 1
+        best = -neg_best
+        warmest, chosen = best // n, (seq + n - 1 - best % n) % n
+        return {
+            r: Offer(
+                mine.key,
+                mine.why,
+                i == holder,
+                known[1][r][0],
+                list(mine.switches),
+                known[1][r][1],
+                mine.graph,
+                warmest if i == chosen and i != holder else 0,
+            )
+            for i, r in enumerate(members)
+        }
+    gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
+    offers: dict[int, Offer] = {e.rank: e.body for e in gathered}  # type: ignore[misc]
+    table = {r: (o.dir, o.max_artifact_bytes) for r, o in offers.items()}
+    _known = (members, table, hashlib.sha256(repr(sorted(table.items())).encode()).digest())
+    return offers
 
 
 def _warmth(ticket: Ticket, key: str | None) -> int:
@@ -382,11 +439,17 @@ def records() -> list[dict[str, Any]]:
     return list(_records)
 
 
-@process_state.clears(*process_state.EVERY_GENERATION, names=("_seq",), what="compile once's graph numbers")
+@process_state.clears(
+    *process_state.EVERY_GENERATION,
+    names=("_seq", "_known"),
+    what="compile once's graph numbers and the cache dirs its last key exchange saw",
+)
 def reset_sequence() -> None:
-    """A new generation of our groups numbers its graphs from 1 again (every rank together)."""
-    global _seq
+    """A new generation of our groups numbers its graphs from 1 again and gathers every offer
+    at its first graph (every rank together)."""
+    global _seq, _known
     _seq = 0
+    _known = None
 
 
 @process_state.clears(process_state.STATS, names=("_records",), what="compile once's record of each graph")
