@@ -1,4 +1,4 @@
-"""A MODEL of compile once's cost per graph at scale: today's transfer against issue 30's design.
+"""A MODEL of compile once's cost per graph at scale: the transfer before issue 30 against the tree.
 
 Nothing here runs at scale, and by default nothing is measured: every figure is an option with
 a stated default, so the script runs in pure Python in well under a second (``--calibrate``
@@ -19,47 +19,58 @@ Who shares a key (``--keys``):
       per host in each: D = H dirs, R = H-1 loaders with another dir than the source's.
   job: one key for all N ranks, and the L ranks of a host share one cache dir (the default
       TORCHINDUCTOR_CACHE_DIR): G = 1 group, D = H dirs, R = (H-1)*L loaders with another dir
-      (the source's own host reads in place: ``SharedDir``).
+      (the source's own host reads in place: ``transfer.SHARED``).
   The G groups have their sources on different ranks (``plan.decide`` rotates them), so they
   run side by side on different links; one graph costs one group's time.
 
-Today (``transfer.Gloo.send``, read from the code): the source posts one send of the whole
+Before issue 30 ("today" in the functions' and the JSON's names; the code up to commit 801e892,
+read from it: ``transfer.Gloo.send``, since removed): the source posts one send of the whole
 bundle to each of its R loaders at once; the sends share its one link; each loader checks every
 file's digest once all its bytes are in (``artifact.split_verified``), then installs:
   busiest link  R*S (the source's, outbound)          total  G*R*S
   time          R*S/B + o + hop + S/h
-  source RAM    R*S in flight (``send_bytes`` copies the bundle into a fresh buffer per send)
+  source RAM    R*S in flight (``send_bytes`` copied the bundle into a fresh buffer per send)
 
-New (issue 30): one receiver per cache dir; a tree of fan-out F (``--fanout``, 2; 1 = a
-pipelined chain) across the D dirs; the bundle cut into n = ceil(S/c) chunks of c bytes
-(``--chunk-mib``, 1); a receiver checks each chunk's digest (the digests come from the source
-over the job's group) before it forwards it, on another thread than the link:
+New (issue 30 items 1, 2 and 5, as ``agreements/once/transfer.py`` implements them since commit
+0849bbd): one receiver per cache dir; a tree of fan-out F (``--fanout``, 2, the default of
+COMPILER_COLLECTIVES_ONCE_FANOUT; 1 = a pipelined chain) across the D dirs; the bundle cut into
+n = ceil(S/c) pieces of c bytes (``--chunk-mib``, 4, the default of
+COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES); a receiver checks each piece's digest (the digests come
+from the source over the job's group) before it forwards it, while gloo's threads take the next
+piece (every piece's receive is posted at once):
   d   depth: the least d with 1 + F + ... + F^d >= D (chain: D-1);  W = min(F, D-1) children
-  t   c/B + o, one chunk over one link;  p = max(W*t, c/h), the pipeline's period
+  t   c/B + o, one piece over one link;  p = max(W*t, c/h), the pipeline's period
   time          (n-1)*p + d*(W*t + hop + c/h)
   busiest link  W*S (an inner receiver: S in, W*S out)  total  G*(D-1)*S
-  so with F = 2 and the link the bottleneck, about 2*S/B plus d = O(log2 H) chunk steps; where
-  one core's SHA-256 is slower than B/F (100 Gb/s), S/h bounds it instead (today pays S/h too).
+  so with F = 2 and the link the bottleneck, about 2*S/B plus d = O(log2 H) piece steps; where
+  one core's SHA-256 is slower than B/F (100 Gb/s), S/h bounds it instead (before paid S/h too).
+  Not counted, as the code does it: after its last piece a receiver checks every file's digest
+  again before it installs (``transfer.install``: S/h more), and its dir's other ranks check the
+  files in place once it posted its install (S/h more for them).
 
 Exchanges per graph (every rank; they do not depend on S):
-  today: three all-gathers (keys, result, load report; ``exchange.gather``), each one round of
-      fixed slots of 16 + 4096 bytes (COMPILER_COLLECTIVES_INLINE_SLOT_BYTES; an offer encodes to
-      ~210 bytes, ``wire/once.py``) on gloo's ring all-gather, and every rank decodes all N
-      payloads (``--decode-us``, 20 per payload; 72 measured here under load):
+  all-gathers (before issue 30, and at commit 0849bbd): three (keys, result, load report;
+      ``exchange.gather``), each one round of fixed slots of 16 + 4096 bytes
+      (COMPILER_COLLECTIVES_INLINE_SLOT_BYTES; an offer encodes to ~210 bytes, ``wire/once.py``)
+      on gloo's ring all-gather, and every rank decodes all N payloads (``--decode-us``, 20 per
+      payload; 72 measured here under load):
       bytes per rank (N-1)*slot each way; time AG = (N-1)*(hop + slot/B) + N*decode.
       (A result whose manifest and fingerprints pass 4,096 bytes takes a second round: not counted.)
-  new keys, every key matching: the ranks of a host meet in shared memory (``--shm-us``, 5) as the
-      guard's channel does; the host leaders reduce one fixed record up a tree of fan-out Fk
-      (``--key-fanout``, 2) and broadcast the verdict down. The record: SHA-256 of the host's
-      (local index, key, switches, graph) and, per local index, the best (holds, warmth, rank),
-      32 + 16*L bytes; dirs are elected on the host. With dk = depth(H, Fk):
+  reduced keys (issue 30 item 3 as designed here; commit 2bb40f3 built item 3 otherwise, as one
+      MIN all-reduce of a fixed record over the compile group, with the all-gather of offers at a
+      generation's first graph and on a mismatch: not modeled), every key matching: the ranks of a
+      host meet in shared memory (``--shm-us``, 5) as the guard's channel does; the host leaders
+      reduce one fixed record up a tree of fan-out Fk (``--key-fanout``, 2) and broadcast the
+      verdict down. The record: SHA-256 of the host's (local index, key, switches, graph) and,
+      per local index, the best (holds, warmth, rank), 32 + 16*L bytes; dirs are elected on the
+      host. With dk = depth(H, Fk):
       bytes per rank at most (Fk+1)*record each way; time 2*shm + 2*dk*(hop + o).
-  new keys, a mismatch: the above, then today's all-gather of every offer (AG).
-  The issue changes the keys only: the result and the load report stay all-gathers (2*AG),
+  reduced keys, a mismatch: the above, then the all-gather of every offer (AG).
+  Item 3 changes the keys only: the result and the load report stay all-gathers (2*AG),
   which the last table column shows; reduced the same way they would cost about the keys' time each.
 
 Run:  scripts/dev python scripts/once_scale_model.py [--hosts 1,8,128,1024,2048] [--sizes-mb 100]
-      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 1] [--hop-us 25] [--keys device|job] [--json]
+      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 4] [--hop-us 25] [--keys device|job] [--json]
 """
 
 from __future__ import annotations
@@ -93,7 +104,7 @@ class Figures:
     shm_us: float = 5.0
     fanout: int = 2
     key_fanout: int = 2
-    chunk_mib: float = 1.0
+    chunk_mib: float = 4.0
     keys: str = "device"  # or "job"
 
 
@@ -119,7 +130,7 @@ def groups(hosts: int, f: Figures) -> tuple[int, int, int]:
 
 
 def today(hosts: int, size: float, link: float, f: Figures) -> dict[str, float]:
-    """Today's transfer of one graph: ``size`` bytes, ``link`` bytes/s. Times in seconds."""
+    """The transfer of one graph before issue 30: ``size`` bytes, ``link`` bytes/s. Times in seconds."""
     g, _, r = groups(hosts, f)
     if r == 0:
         return {"busiest_bytes": 0.0, "total_bytes": 0.0, "time_s": 0.0, "source_ram_bytes": 0.0}
@@ -132,7 +143,7 @@ def today(hosts: int, size: float, link: float, f: Figures) -> dict[str, float]:
 
 
 def new(hosts: int, size: float, link: float, f: Figures) -> dict[str, float]:
-    """The new design's transfer of one graph: one receiver per dir, a chunked tree of ``f.fanout``."""
+    """The tree's transfer of one graph (``transfer.py``): one receiver per dir, pieces, fan-out ``f.fanout``."""
     g, dirs, _ = groups(hosts, f)
     d = depth(dirs, f.fanout)
     if dirs <= 1:
@@ -153,7 +164,7 @@ def new(hosts: int, size: float, link: float, f: Figures) -> dict[str, float]:
 
 
 def all_gather(hosts: int, link: float, f: Figures) -> dict[str, float]:
-    """Today's key exchange (and each of the two others): gloo's ring all-gather of fixed slots."""
+    """The key exchange before issue 30 (and each of the two others): gloo's ring all-gather of fixed slots."""
     n = f.ranks_per_host * hosts
     return {
         "bytes_per_rank": (n - 1) * SLOT_BYTES,
@@ -167,8 +178,8 @@ def record_bytes(f: Figures) -> int:
 
 
 def new_keys(hosts: int, link: float, f: Figures, match: bool = True) -> dict[str, float]:
-    """The new key exchange: a reduce of one fixed record per host up a tree, the verdict down;
-    on a mismatch, today's all-gather after it."""
+    """The reduced key exchange (issue 30 item 3 as designed here, not as built): a reduce of one
+    fixed record per host up a tree, the verdict down; on a mismatch, the all-gather after it."""
     dk = depth(hosts, f.key_fanout)
     rec = record_bytes(f)
     wide = min(f.key_fanout, max(hosts - 1, 0))
@@ -210,7 +221,8 @@ def row(hosts: int, size_mb: float, link_gbps: float, f: Figures) -> dict[str, A
             "new_result_and_report_s": 2 * ag["time_s"],
         },
         "today_graph_s": a["time_s"] + 3 * ag["time_s"],
-        "new_graph_s": b["time_s"] + keys["time_s"] + 2 * ag["time_s"],
+        "new_graph_s": b["time_s"] + keys["time_s"] + 2 * ag["time_s"],  # with the reduced keys
+        "new_graph_keys_gathered_s": b["time_s"] + 3 * ag["time_s"],  # the tree, the keys all-gathered
     }
 
 
@@ -259,7 +271,7 @@ def main() -> None:
     parser.add_argument("--links-gbps", default="10,100", help="link speeds in Gb/s")
     parser.add_argument("--ranks-per-host", type=int, default=Figures.ranks_per_host)
     parser.add_argument("--hop-us", type=float, default=Figures.hop_us, help="one message between hosts")
-    parser.add_argument("--send-us", type=float, default=Figures.send_us, help="overhead of one send call (chunk)")
+    parser.add_argument("--send-us", type=float, default=Figures.send_us, help="overhead of one send call (piece)")
     parser.add_argument("--hash-gbs", type=float, default=Figures.hash_gbs, help="SHA-256 of one core, GB/s")
     parser.add_argument("--decode-us", type=float, default=Figures.decode_us, help="decoding one rank's payload")
     parser.add_argument("--shm-us", type=float, default=Figures.shm_us, help="the host's shared-memory step")
@@ -297,12 +309,17 @@ def main() -> None:
         f"figures: {f.ranks_per_host} ranks per host, keys per {f.keys}, hop {f.hop_us:g} µs, send call "
         f"{f.send_us:g} µs, SHA-256 {f.hash_gbs:.2f} GB/s{' (measured here)' if args.calibrate else ''}, "
         f"decode {f.decode_us:g} µs a payload, shm {f.shm_us:g} µs; new: fan-out {f.fanout}, "
-        f"{f.chunk_mib:g} MiB chunks, key tree fan-out {f.key_fanout}\n"
+        f"{f.chunk_mib:g} MiB pieces, key tree fan-out {f.key_fanout}"
+    )
+    print(
+        "before: the transfer up to commit 801e892 (one copy per loader from the source); new: the tree "
+        "of agreements/once/transfer.py; reduced keys: issue 30 item 3 as designed here (commit 2bb40f3 "
+        "built it as one MIN all-reduce: not modeled)\n"
     )
     print("Artifact transfer per graph (busiest link: the busiest rank's; total: every link's bytes):\n")
     print(
-        "| hosts | ranks | size | link | S/B | today: busiest link | today: total | today: time | today ÷ S/B "
-        "| new: busiest link | new: total | new: depth | new: time | new ÷ S/B | today ÷ new |"
+        "| hosts | ranks | size | link | S/B | before: busiest link | before: total | before: time | before ÷ S/B "
+        "| new: busiest link | new: total | new: depth | new: time | new ÷ S/B | before ÷ new |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -316,8 +333,8 @@ def main() -> None:
         )
     print("\nExchanges per graph (they do not depend on the artifact's size):\n")
     print(
-        "| hosts | ranks | link | today: keys all-gather, bytes per rank | today: keys | today: 3 all-gathers "
-        "| new keys (match): bytes per rank | new keys (match) | new keys (mismatch) "
+        "| hosts | ranks | link | keys all-gather, bytes per rank | keys all-gather | 3 all-gathers "
+        "| reduced keys (as designed; match): bytes per rank | reduced keys (match) | reduced keys (mismatch) "
         "| result + load report (still all-gathers) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -337,13 +354,14 @@ def main() -> None:
     print(
         f"\nTarget (issue 30): {t['hosts']:,} hosts, {t['size_mb']:g} MB, {t['link_gbps']:g} Gb/s: "
         f"S/B = {_t(t['size_over_bw_s'])}; new {_t(t['new']['time_s'])} = {_x(t['new_over_floor'])} S/B "
-        f"(depth {t['new']['depth']}, {t['new']['chunks']} chunks; target ~2x plus log-depth latency: "
-        f"{'met' if (t['new_over_floor'] or 0) <= 2.5 else 'NOT met'}); today {_t(t['today']['time_s'])} = "
+        f"(depth {t['new']['depth']}, {t['new']['chunks']} pieces; target ~2x plus log-depth latency: "
+        f"{'met' if (t['new_over_floor'] or 0) <= 2.5 else 'NOT met'}); before {_t(t['today']['time_s'])} = "
         f"{_x(t['today_over_floor'])} S/B ({t['hosts'] - 1:,} copies on one link, then the check), with "
         f"{_b(t['today']['source_ram_bytes'])} of send buffers in flight on the source; "
-        f"{_x(t['speedup'])} faster. Per graph with the exchanges: today {_t(t['today_graph_s'])}, "
-        f"new {_t(t['new_graph_s'])} (of which {_t(t['exchanges']['new_result_and_report_s'])} the result "
-        f"and load-report all-gathers)."
+        f"{_x(t['speedup'])} faster. Per graph with the exchanges: before {_t(t['today_graph_s'])}, "
+        f"new {_t(t['new_graph_keys_gathered_s'])} with the keys all-gathered, "
+        f"{_t(t['new_graph_s'])} with the reduced keys (of which "
+        f"{_t(t['exchanges']['new_result_and_report_s'])} the result and load-report all-gathers)."
     )
 
 
