@@ -280,7 +280,7 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
     Setting(
         "once_chunk_bytes",
         "COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES",
-        4 * 1024 * 1024,
+        1024 * 1024,
         _parse_chunk_bytes,
         "Bytes per piece of a compiled artifact on its way down the tree (compile once): a rank "
         "checks each piece's SHA-256 before it forwards it, so the tree's depth adds one piece's "

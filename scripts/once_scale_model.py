@@ -34,7 +34,7 @@ file's digest once all its bytes are in (``artifact.split_verified``), then inst
 New (issue 30 items 1, 2 and 5, as ``agreements/once/transfer.py`` implements them since commit
 0849bbd): one receiver per cache dir; a tree of fan-out F (``--fanout``, 2, the default of
 COMPILER_COLLECTIVES_ONCE_FANOUT; 1 = a pipelined chain) across the D dirs; the bundle cut into
-n = ceil(S/c) pieces of c bytes (``--chunk-mib``, 4, the default of
+n = ceil(S/c) pieces of c bytes (``--chunk-mib``, 1, the default of
 COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES); a receiver checks each piece's digest (the digests come
 from the source over the job's group) before it forwards it, while gloo's threads take the next
 piece (every piece's receive is posted at once):
@@ -70,7 +70,7 @@ Exchanges per graph (every rank; they do not depend on S):
   which the last table column shows; reduced the same way they would cost about the keys' time each.
 
 Run:  scripts/dev python scripts/once_scale_model.py [--hosts 1,8,128,1024,2048] [--sizes-mb 100]
-      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 4] [--hop-us 25] [--keys device|job] [--json]
+      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 1] [--hop-us 25] [--keys device|job] [--json]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Figures:
     shm_us: float = 5.0
     fanout: int = 2
     key_fanout: int = 2
-    chunk_mib: float = 4.0
+    chunk_mib: float = 1.0
     keys: str = "device"  # or "job"
 
 

@@ -8,6 +8,7 @@ forward and a backward. Faults are injected on one rank by patching that rank's 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 from tests.rankside import kept_logs
 
 pytestmark = pytest.mark.multiprocess
@@ -369,39 +370,55 @@ import compiler_collectives as cc
 dist.init_process_group("gloo")
 w = torch.ones(4, 4, requires_grad=True)
 torch.compile(lambda x, w: torch.relu(x @ w).sum(), backend="inductor")(torch.ones(8, 4), w).backward()
-states = [r["state"] for r in cc.stats()["compile_once"]]
-print(f"RANK {dist.get_rank()} STATES {states} GRAD {w.grad.sum().item():.4f}", flush=True)
+stats = cc.stats()
+states = [r["state"] for r in stats["compile_once"]]
+moved = [stats["once_copies_sent"], stats["once_bytes_sent"], stats["once_bytes_received"]]
+print(f"RANK {dist.get_rank()} STATES {states} GRAD {w.grad.sum().item():.4f} MOVED {moved}", flush=True)
 dist.destroy_process_group()
 """
+AGENTS, PER_AGENT = 4, 2
 
 
-@pytest.mark.timeout(300)
-def test_two_torchrun_agents_with_a_cache_dir_each_compile_once_with_env_vars_only(tmp_path):
+@pytest.mark.timeout(420)
+def test_four_torchrun_agents_with_a_cache_dir_each_compile_once_and_each_dir_receives_one_copy(tmp_path):
+    """Issue 30's load test: 4 agents x 2 ranks on loopback, env vars only, a cache dir per agent.
+    One rank compiles; every other rank loads. The source sends at most 2 copies (the tree's
+    fan-out) and each other agent's dir receives one, which its second rank reads in place."""
     script = tmp_path / "train.py"
     script.write_text(_TORCHRUN_JOB)
-    port = str(29500 + os.getpid() % 2000)
+    port = str(free_port())
     env = dict(os.environ, **ENV, TORCH_COMPILER_COLLECTIVES="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     agents = []
-    for node in range(2):
+    for node in range(AGENTS):
         agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
-        cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--node-rank", str(node)]
+        cmd += ["--nproc-per-node", str(PER_AGENT), "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
         agents.append(subprocess.Popen(cmd, env=agent_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
-        outputs = [a.communicate(timeout=240)[0].decode() for a in agents]
+        outputs = [a.communicate(timeout=360)[0].decode() for a in agents]
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
                 a.wait()
-    assert [a.returncode for a in agents] == [0, 0], outputs
-    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RANK "))
-    assert len(lines) == 2, outputs
-    states = sorted(line.split("STATES ")[1].split(" GRAD")[0] for line in lines)
-    assert states == ["['compiled']", "['loaded']"], lines
-    assert len({line.split("GRAD ")[1] for line in lines}) == 1
+    assert [a.returncode for a in agents] == [0] * AGENTS, outputs
+    ranks = {}
+    for line in (line for out in outputs for line in out.splitlines() if line.startswith("RANK ")):
+        rank, rest = line[5:].split(" STATES ")
+        states, rest = rest.split(" GRAD ")
+        grad, moved = rest.split(" MOVED ")
+        ranks[int(rank)] = (states, grad, json.loads(moved))
+    assert sorted(ranks) == list(range(AGENTS * PER_AGENT)), outputs
+    assert sorted(s for s, _, _ in ranks.values()) == ["['compiled']"] + ["['loaded']"] * (AGENTS * PER_AGENT - 1)
+    assert len({g for _, g, _ in ranks.values()}) == 1
+    source = next(r for r, (s, _, _) in ranks.items() if s == "['compiled']")
+    copies, sent, _ = ranks[source][2]
+    assert copies == 2 and sent > 0
+    size = sent // copies
+    per_dir = [sum(ranks[r][2][2] for r in range(a * PER_AGENT, (a + 1) * PER_AGENT)) for a in range(AGENTS)]
+    assert per_dir == [0 if a == source // PER_AGENT else size for a in range(AGENTS)], per_dir
 
 
 def aot_eager_job(rank: int, world: int) -> dict:

@@ -5,9 +5,14 @@ Flow, per graph that AOTAutograd looks up in its cache while compiler collective
 seam ``dynamo/once_seam.py`` calls in; every rank of the agreement scope takes every step, warm
 or cold, so the exchanges never depend on cache state):
 
-1. **Keys** (``offer``, at the cache lookup): one all-gather of each rank's key (or why the graph
-   is not cacheable here), whether its cache holds an entry, its cache dir's identity, which of
-   torch's compile-time collectives are on, and the largest artifact it accepts. ``decide`` turns
+1. **Keys** (``offer``, at the cache lookup): each rank's key (or why the graph is not cacheable
+   here), whether its cache holds an entry, its cache dir's identity, which of torch's
+   compile-time collectives are on, and the largest artifact it accepts. First one MIN
+   all-reduce of a fixed record: a digest of what must match (the key, the switches, the graph,
+   and the dirs and limits the last full exchange saw), the lowest holder and the warmest rank.
+   Where every digest matched, that settles it (``once_keys_reduced``): the bytes per rank do not
+   grow with the world. Otherwise (a generation's first graph, a key that differs, a dir that
+   changed) one all-gather of every rank's offer follows. ``decide`` turns
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
