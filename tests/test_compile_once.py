@@ -382,8 +382,9 @@ AGENTS, PER_AGENT = 4, 2
 @pytest.mark.timeout(420)
 def test_four_torchrun_agents_with_a_cache_dir_each_compile_once_and_each_dir_receives_one_copy(tmp_path):
     """Issue 30's load test: 4 agents x 2 ranks on loopback, env vars only, a cache dir per agent.
-    One rank compiles; every other rank loads. The source sends at most 2 copies (the tree's
-    fan-out) and each other agent's dir receives one, which its second rank reads in place."""
+    One rank compiles (rank 1: the first graph's turn among cold ranks); every other rank loads.
+    The source sends 2 copies (the tree's fan-out), to ranks 2 and 4; rank 2 forwards one to
+    rank 6; each other agent's dir receives one copy, which its second rank reads in place."""
     script = tmp_path / "train.py"
     script.write_text(_TORCHRUN_JOB)
     port = str(free_port())
@@ -413,12 +414,14 @@ def test_four_torchrun_agents_with_a_cache_dir_each_compile_once_and_each_dir_re
     assert sorted(ranks) == list(range(AGENTS * PER_AGENT)), outputs
     assert sorted(s for s, _, _ in ranks.values()) == ["['compiled']"] + ["['loaded']"] * (AGENTS * PER_AGENT - 1)
     assert len({g for _, g, _ in ranks.values()}) == 1
-    source = next(r for r, (s, _, _) in ranks.items() if s == "['compiled']")
-    copies, sent, _ = ranks[source][2]
+    assert ranks[1][0] == "['compiled']"
+    copies, sent, _ = ranks[1][2]
     assert copies == 2 and sent > 0
     size = sent // copies
-    per_dir = [sum(ranks[r][2][2] for r in range(a * PER_AGENT, (a + 1) * PER_AGENT)) for a in range(AGENTS)]
-    assert per_dir == [0 if a == source // PER_AGENT else size for a in range(AGENTS)], per_dir
+    received = [moved[2] for _, _, moved in (ranks[r] for r in sorted(ranks))]
+    assert received == [0, 0, size, 0, size, 0, size, 0]  # one copy per other dir, to its receiver
+    assert ranks[2][2][:2] == [1, size]  # the forwarder
+    assert all(ranks[r][2][0] == 0 for r in (0, 3, 4, 5, 6, 7))
 
 
 def aot_eager_job(rank: int, world: int) -> dict:

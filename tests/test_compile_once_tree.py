@@ -6,7 +6,8 @@ Eight real ranks, four cache dirs of two ranks each (as four hosts would have), 
 training step. Rank 1 compiles (the first graph's turn among cold ranks), so rank 0 reads in
 place; ranks 2, 4 and 6 receive for their dirs and ranks 3, 5 and 7 read their installs. The
 tree: rank 1 sends to 2 and 4; rank 2 forwards to 6. Pieces of 4 KiB make an artifact of many
-pieces, so a forwarder passes some on before the last arrives.
+pieces, so a forwarder passes some on before the last arrives. (The copies and bytes of the
+fault-free case are asserted by the 4-agent torchrun test in ``test_compile_once.py``.)
 """
 
 from __future__ import annotations
@@ -84,21 +85,6 @@ def job(rank: int, world: int, fault: str | None) -> dict:
 def _run(tmp_path, fault: str | None = None, **kw):
     dirs = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"dir{r // PER_DIR}")} for r in range(WORLD)}
     return run_ranks(job, WORLD, args=(fault,), env=ENV, rank_env=dirs, timeout=300, **kw)
-
-
-@pytest.mark.timeout(400)
-def test_the_source_sends_two_copies_and_each_other_dir_receives_one_that_all_its_ranks_load(tmp_path):
-    results = _run(tmp_path).results
-    assert all(r["error"] is None and r["right"] for r in results), results
-    states = [r["records"][-1]["state"] for r in results]
-    assert states == ["loaded", "compiled"] + ["loaded"] * (WORLD - 2)
-    sent = results[SOURCE]["stats"]
-    size = sent["once_bytes_sent"] // 2
-    assert sent["once_copies_sent"] == 2 and size > 4096 * 4  # many pieces
-    received = [sum(results[r]["stats"]["once_bytes_received"] for r in range(d, d + PER_DIR)) for d in (0, 2, 4, 6)]
-    assert received == [0, size, size, size]  # the source's dir reads in place; each other dir: one copy
-    assert results[FORWARDER]["stats"]["once_copies_sent"] == 1  # rank 2 forwards to rank 6
-    assert all(results[r]["stats"]["once_bytes_received"] == 0 for r in (3, 5, 7))  # they read the install
 
 
 @pytest.mark.timeout(300)
