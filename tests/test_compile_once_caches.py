@@ -196,7 +196,10 @@ def test_a_compile_past_the_compile_timeout_ends_the_job_on_every_rank_naming_it
     assert compiling["type"] == "PeerFailureError", compiling
     assert f"rank {WAITING_RANK}" in compiling["message"] and "COMPILE_TIMEOUT" in compiling["message"]
     assert not [r for r in outcome.results if "CollectiveDesyncError" in r["chain"]]
-    assert waiting["job_s"] < 60 and compiling["job_s"] < 60
+    # The loader gives up at the 2 s compile timeout. The compiling rank's job is its compile
+    # (seconds alone, a minute or more beside other tests); that it ends on the loader's report,
+    # not on our 60 s collective timeout, is its error's type above.
+    assert waiting["job_s"] < 60
 
 
 @pytest.mark.timeout(300)

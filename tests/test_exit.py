@@ -29,8 +29,16 @@ from tests.harness import run_ranks
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
 
-# A heartbeat every 0.5 ms keeps the thread inside store calls much of the time.
-ENV = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005", "COMPILER_COLLECTIVES_TIMEOUT": "10", "HARNESS_PG_TIMEOUT": "120"}
+# A heartbeat every 0.5 ms keeps the thread inside store calls much of the time. One compile
+# thread: inductor's pool of compile workers (two fresh interpreters per rank) would start at the
+# first compile and be shut down at exit, which beside other tests took past the harness's grace
+# for an exit; what these tests pin is our own exit path.
+ENV = {
+    "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005",
+    "COMPILER_COLLECTIVES_TIMEOUT": "10",
+    "HARNESS_PG_TIMEOUT": "120",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
 LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
 
 
