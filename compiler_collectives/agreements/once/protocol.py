@@ -540,7 +540,7 @@ def _wait_for_posts(
             break
         failure_seen = health.poisoned()
         if failure_seen is not None:
-            raise PeerFailureError(
+            stopped: CollectiveError = PeerFailureError(
                 f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: stopped waiting for "
                 f"{ranks_text(pending)} to {doing}: {failure_seen}",
                 kind="compile_once",
@@ -550,6 +550,12 @@ def _wait_for_posts(
                 ranks=failure_seen.ranks,
                 reported_by=failure_seen.reported_by,
             )
+            if len(pending) == 1 and pending[0] not in failure_seen.reported_by:
+                # The first report heard may be a bystander's (a rank whose own exchange broke on
+                # the same failure, in words that name no one yet). The one rank this one waits
+                # for stops on it too, and its words say what happened where this rank waited.
+                stopped = failure_procedure.as_reported(stopped, pending[0], ticket.seq)
+            raise stopped
         for r in pending:
             gone = probes[r]()
             if gone is not None:
