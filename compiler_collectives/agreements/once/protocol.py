@@ -784,7 +784,7 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     assert plan is not None and plan.source is not None
     problem = artifact.manifest_problem(result, plan.source, ticket.level)
     if problem is not None:
-        return problem  # the same on every rank: no rank receives (``transfer.travels``)
+        return problem  # the same on every rank: no rank receives (``transfer.routes``)
     route = _routes(ticket, plan.source, result)[ticket.rank]
     data, received = b"", None
     if route.mode == transfer.RECEIVE:

@@ -79,17 +79,6 @@ class Route:
     via: int | None = None  # READ: its dir's receiver
 
 
-def travels(result: Result, plan: Plan, offer: Offer, level: str) -> bool:
-    """Whether a loading rank with another dir than its source's accepts the bytes."""
-    total = result.total()
-    return (
-        plan.source is not None
-        and not plan.shares_dir
-        and 0 < total <= offer.max_artifact_bytes
-        and artifact.manifest_problem(result, plan.source, level) is None
-    )
-
-
 def routes(
     source: int, result: Result, plans: dict[int, Plan], offers: dict[int, Offer], level: str, fanout: int
 ) -> dict[int, Route]:
@@ -98,11 +87,13 @@ def routes(
     loaders = sorted(r for r, p in plans.items() if p.role == LOAD and p.source == source)
     out: dict[int, Route] = {}
     by_dir: dict[str, list[int]] = {}
+    total = result.total()
+    # The same for every loader: checked once, not once per rank of the job.
+    safe = total > 0 and artifact.manifest_problem(result, source, level) is None
     for r in loaders:
-        plan = plans[r]
-        if plan.shares_dir:
+        if plans[r].shares_dir:
             out[r] = Route(SHARED)
-        elif travels(result, plan, offers[r], level):
+        elif safe and total <= offers[r].max_artifact_bytes:
             by_dir.setdefault(offers[r].dir, []).append(r)
         else:
             out[r] = Route(NONE)
