@@ -254,8 +254,9 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "COMPILER_COLLECTIVES_COMPILE_TIMEOUT",
         3600.0,
         _parse_positive_float,
-        "Seconds a rank waits for the rank that compiles a graph for it (compile once) while "
-        "that rank is alive, before raising CompileOnceError. Waiting ranks log every 30 s; a "
+        "Seconds a rank waits for the rank that compiles a graph for it (compile once), or for "
+        "a rank that did not load it and compiles it itself, while that rank is alive, before "
+        "raising CompileOnceError. Waiting ranks log every 30 s; a "
         "compiling rank that dies, or whose compile raises, ends the wait at once.",
     ),
     Setting(

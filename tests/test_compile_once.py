@@ -28,6 +28,8 @@ ENV = {
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
     "OMP_NUM_THREADS": "1",
 }
+# A local compile longer than the collective timeout the slow-miss test sets.
+SLOW_TIMEOUT_S, SLOW_COMPILE_S = 6, 9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,6 +80,15 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
 
         # What a guard miss looks like to AOTAutograd: the lookup finds no entry that fits.
         AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)
+    elif fault == "alter":
+        from compiler_collectives.agreements.once import transfer
+
+        send = transfer.start_send
+
+        def send_altered(pg: object, piece: torch.Tensor, dst: int, tag: int) -> object:
+            return send(pg, torch.full_like(piece, 7), dst, tag)
+
+        transfer.start_send = send_altered  # other bytes than the digests it sent
     elif fault == "tamper":
         from compiler_collectives.agreements.once import protocol
 
@@ -92,6 +103,26 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
             return manifest, bundle
 
         protocol._collect = collect_then_change
+
+
+def _slow_first_inductor_compile(rank: int, slow_rank: int | None) -> None:
+    """This rank's first inductor compile takes ``SLOW_COMPILE_S`` longer, its GIL free (its
+    heartbeat beats: it is alive)."""
+    if rank != slow_rank:
+        return
+    import time
+
+    import torch._inductor.compile_fx as cfx
+
+    passes = cfx._recursive_post_grad_passes
+
+    def slow_once(*args: object, **kwargs: object) -> object:
+        if not getattr(slow_once, "done", False):
+            slow_once.done = True  # type: ignore[attr-defined]
+            time.sleep(SLOW_COMPILE_S)
+        return passes(*args, **kwargs)
+
+    cfx._recursive_post_grad_passes = slow_once
 
 
 def caught(call) -> dict:
@@ -114,6 +145,7 @@ def job(rank: int, world: int, case: dict) -> dict:
     cc.enable()
     logs = kept_logs("compiler_collectives")
     _inject(rank, case.get("fault"), case.get("fault_rank", 1))
+    _slow_first_inductor_compile(rank, case.get("slow_rank"))
     global VARIANT
     VARIANT = rank
     step = _step_by_variant if case.get("rank_dependent") else _step
@@ -232,6 +264,21 @@ def test_a_load_that_misses_compiles_locally_there_and_every_rank_learns_it(tmp_
     assert results[0]["stats"]["once_load_misses"] == 1
     assert results[1]["stats"]["once_peer_local_compiles"] == 1
     assert any("rank 0 did not load rank 1's artifact (miss" in line for line in results[1]["logs"])
+
+
+@pytest.mark.timeout(300)
+def test_the_ranks_that_loaded_wait_for_a_local_compile_longer_than_the_collective_timeout(tmp_path):
+    """The wait tested: COMPILER_COLLECTIVES_TIMEOUT (6 s) against a local compile 9 s longer.
+    Rank 0 (its own cache dir) refuses the artifact rank 1 compiled (other bytes arrive than
+    their digests), so it compiles the graph
+    itself, and slowly; rank 1 waits for it inside compile once (alive, up to the compile
+    timeout), not at the audit's next exchange, which would measure that compile against the
+    collective timeout."""
+    case = {"fault": "alter", "fault_rank": 1, "slow_rank": 0}
+    results = _run(tmp_path, case, separate=True, env={"COMPILER_COLLECTIVES_TIMEOUT": str(SLOW_TIMEOUT_S)}).results
+    _assert_trained_right(results)
+    assert _states(results) == ["compiled locally", "compiled"]
+    assert results[1]["records"][-1]["waited_s"] >= SLOW_COMPILE_S - 1
 
 
 @pytest.mark.timeout(300)

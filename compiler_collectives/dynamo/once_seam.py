@@ -380,7 +380,7 @@ def prepare_key(*args: Any, **kwargs: Any) -> Any:
     why = None if key is not None else str((cache_info or {}).get("cache_bypass_reason", "no FX graph cache key"))
     plan = once.offer(ticket, key, why[:300] if why else None, switches_on())
     if plan.role == once.LOAD and not _fetch(ticket):
-        once.loaded(ticket, None)  # before compiling: nobody waits for this rank's compile
+        once.loaded(ticket, None)  # before compiling: the others then wait for its post (once.finish)
         return None, {"cache_state": "bypass", "cache_bypass_reason": "compiler_collectives refused the artifact"}
     return key_info, cache_info
 

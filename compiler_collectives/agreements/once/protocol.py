@@ -114,6 +114,10 @@ class Ticket:
     # (None where the seam cannot tell).
     sent_entries: frozenset[bytes] = frozenset()
     hit: bytes | None = None
+    # From the load report: the ranks that did not load (a miss or a refusal) and compile the
+    # graph themselves; every other rank waits for them before it leaves the graph's compile.
+    local: tuple[int, ...] = ()
+    local_posted: bool = False
 
 
 # ------------------------------------------------------------------ seam entry points
@@ -367,6 +371,14 @@ def finish(
             counters.once_local += 1
             _record(ticket)
         return
+    if plan.role == LOAD and ticket.rank in ticket.local and not ticket.local_posted:
+        # The loader's own compile after a refused or missed load ended: the ranks that loaded
+        # wait for this post (its compile takes as long as the source's did, so their next
+        # exchange would otherwise measure it against COMPILER_COLLECTIVES_TIMEOUT).
+        ticket.local_posted = True
+        groups.post(_compiled_itself(ticket, ticket.rank), b"ok" if error is None else b"raised")
+        _wait_for_local_compiles(ticket)
+        return
     if ticket.finished:
         return
     if not _any_source(ticket):
@@ -375,9 +387,7 @@ def finish(
         _record(ticket)
         return
     if plan.role == LOAD:
-        # The loader's own compile after a refused or missed load: its exchanges are done
-        # (it reported before compiling, so nobody waited for its compile).
-        return
+        return  # its exchanges are done
     _raise_if_a_loader_gave_up(ticket)
     mine = Result("none", None, [], [])
     bundle = b""
@@ -503,6 +513,22 @@ def _notice(ticket: Ticket, rank: int) -> str:
 
 def _installed(ticket: Ticket, rank: int) -> str:
     return f"once/{ticket.seq}/in/{rank}"
+
+
+def _compiled_itself(ticket: Ticket, rank: int) -> str:
+    return f"once/{ticket.seq}/local/{rank}"
+
+
+def _wait_for_local_compiles(ticket: Ticket) -> None:
+    """Wait until every rank that did not load (but this one) posted that its own compile ended:
+    every rank leaves the graph's compile with the slowest, as it waited for the source."""
+    pending = [r for r in ticket.local if r != ticket.rank]
+    if pending:
+        started = time.monotonic()
+        _wait_for_posts(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
+        waited = time.monotonic() - started
+        ticket.waited_s += waited
+        counters.once_wait_s += waited
 
 
 def _wait_for_sources(ticket: Ticket) -> None:
@@ -653,6 +679,9 @@ def _load_report(ticket: Ticket) -> None:
             )
             if e.rank != ticket.rank:
                 counters.once_peer_local_compiles += 1
+    ticket.local = tuple(e.rank for e in gathered if e.body.outcome in ("miss", "refused"))  # type: ignore[union-attr]
+    if ticket.rank not in ticket.local:
+        _wait_for_local_compiles(ticket)
     _record(ticket)
 
 
