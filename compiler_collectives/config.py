@@ -256,8 +256,9 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         _parse_positive_float,
         "Seconds a rank waits for the rank that compiles a graph for it (compile once), or for "
         "a rank that did not load it and compiles it itself, while that rank is alive, before "
-        "raising CompileOnceError. Waiting ranks log every 30 s; a "
-        "compiling rank that dies, or whose compile raises, ends the wait at once.",
+        "raising CompileOnceError (CompileTimeoutError for the audit's recompile without "
+        "caches). Waiting ranks log every 30 s; a compiling rank that dies, or whose compile "
+        "raises, ends the wait at once.",
     ),
     Setting(
         "max_artifact_bytes",

@@ -147,6 +147,13 @@ class CompileOnceError(CollectiveError):
     died is a ``PeerFailureError`` naming it."""
 
 
+class CompileTimeoutError(CollectiveError):
+    """Raised on a rank that waited for other ranks to compile a graph again without caches (the
+    program audit's recompile, after some ranks loaded levels from a cache that others compiled)
+    past ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT`` while they were alive. A rank that died while
+    compiling is a ``PeerFailureError`` naming it."""
+
+
 class ScopeError(CollectiveError):
     """Raised by ``compiler_collectives.scope(...)`` (or where our groups are
     first created under ``COMPILER_COLLECTIVES_SCOPE``) when the scope cannot be

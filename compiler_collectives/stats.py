@@ -52,6 +52,7 @@ class Counters:
     # produced by some ranks only and left out of a comparison (all ranks had
     # compiled again and still differ in levels, or a fingerprint failed)
     audit_cache_recompiles: int = 0
+    audit_recompile_wait_s: float = 0.0  # waiting for the ranks that compile again without caches
     audit_levels_not_compared: int = 0
     # backward graphs lowered lazily at run time, outside an audited compile
     # (not audited; audited compiles lower backwards eagerly)

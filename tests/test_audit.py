@@ -297,6 +297,53 @@ def test_ranks_that_produce_different_graph_levels_compare_the_shared_ones():
     assert (s0["audit_graphs"], s1["audit_graphs"]) == (3, 1)
 
 
+SLOW_TIMEOUT_S, SLOW_RECOMPILE_S = 4, 7
+
+
+def slow_recompile(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    cc.enable()
+
+    def eager_then_slow_without_caches(gm: torch.fx.GraphModule, inputs: list) -> object:
+        if torch.compiler.config.force_disable_caches:
+            time.sleep(SLOW_RECOMPILE_S)  # the audit's recompile; the GIL free, its heartbeat beats
+        return gm.forward
+
+    # Rank 1 produces Dynamo's graph alone, as after a cache hit: it compiles again, slowly.
+    compiled = torch.compile(_branch_on_size, backend="aot_eager" if rank == 0 else eager_then_slow_without_caches)
+    x = torch.ones(6, 4, requires_grad=True)
+    out = {"error": caught(lambda: compiled(x).sum().backward())}
+    out["stats"] = cc.stats()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_ranks_that_did_not_recompile_wait_for_a_recompile_longer_than_the_collective_timeout():
+    """The wait tested: COMPILER_COLLECTIVES_TIMEOUT (4 s) against a recompile 7 s long. Rank 0
+    waits for rank 1's recompile without caches (alive, up to the compile timeout) before the
+    second exchange, which would measure it against the collective timeout."""
+    env = {**ENV, "COMPILER_COLLECTIVES_TIMEOUT": str(SLOW_TIMEOUT_S)}
+    r0, r1 = run_ranks(slow_recompile, 2, env=env, timeout=120).results
+    assert r0["error"]["type"] is None and r1["error"]["type"] is None, (r0["error"], r1["error"])
+    assert (r0["stats"]["audit_cache_recompiles"], r1["stats"]["audit_cache_recompiles"]) == (0, 1)
+    assert r0["stats"]["audit_recompile_wait_s"] >= SLOW_RECOMPILE_S - 1
+    assert r0["stats"]["audit_exchanges"] == r1["stats"]["audit_exchanges"] == 2
+
+
+@pytest.mark.multiprocess
+def test_a_recompile_past_the_compile_timeout_is_named_on_the_waiting_rank():
+    """The wait tested: COMPILER_COLLECTIVES_COMPILE_TIMEOUT (2 s) against rank 1's 7 s recompile."""
+    env = {**ENV, "COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "2"}
+    waiting, recompiling = run_ranks(slow_recompile, 2, env=env, timeout=120, check=False).results
+    assert waiting["error"]["type"] == "CompileTimeoutError"
+    assert "rank 1 to compile this graph again without caches" in waiting["error"]["message"]
+    assert waiting["error"]["ranks"] == [1]
+    # Rank 1 heard of it while it compiled (within a heartbeat): its next exchange refuses, quoting it.
+    assert recompiling["error"]["type"] == "CollectivePoisonedError"
+    assert "waited 2s for rank 1" in recompiling["error"]["message"]
+
+
 # ---------------------------------------------------------------- one rank fails to compile
 
 

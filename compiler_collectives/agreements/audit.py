@@ -48,12 +48,20 @@ from typing import Any, TypeVar
 import torch
 
 from .. import health, process_state
-from ..errors import CollectiveError, ProgramDivergenceError, describe, ours_within, program_divergence, ranks_text
+from ..errors import (
+    CollectiveError,
+    CompileTimeoutError,
+    ProgramDivergenceError,
+    describe,
+    ours_within,
+    program_divergence,
+    ranks_text,
+)
 from ..observations import FrameId
 from ..stats import counters
 from ..transport import groups
+from . import compile_wait, wire
 from . import exchange as exchange_frame
-from . import wire
 from .fingerprint import Collective, GraphFingerprint, collectives_digest, fingerprint
 
 log = logging.getLogger("compiler_collectives.audit")
@@ -266,13 +274,18 @@ def failure_text(error: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:500]
 
 
-def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None) -> T:
+def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None, ended: Callable[[], None] | None = None) -> T:
+    """``compile`` under ``record``; ``ended()`` once it returned or raised, before any exchange."""
     try:
         with _open(record, stage):
-            return compile()
+            result = compile()
     except CollectiveError:
+        if ended is not None:
+            ended()
         raise  # our collectives already failed on this rank: no exchange can be trusted
     except Exception as e:
+        if ended is not None:
+            ended()  # before the exchange below: the ranks waiting for this compile then take it
         ours = ours_within(e)
         if ours is not None and health.poisoned() is not None:
             # Ours, raised inside the backend (compile once's wait gave up) and wrapped by torch,
@@ -284,6 +297,9 @@ def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None) -> T:
         # learn this rank has no program instead of waiting for it.
         settle(record, failure=failure_text(e))
         raise
+    if ended is not None:
+        ended()
+    return result
 
 
 def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None) -> tuple[T, GraphAudit]:
@@ -296,17 +312,41 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         # graph cache) that another rank compiled: the ranks without it compile
         # again with the caches off, so that every level is compared. Every
         # rank knows ``missing`` from the same summaries: all take the second
-        # exchange. The others wait for them, as they would for any compile.
-        if groups.compile_pg().rank() in missing:
+        # exchange. The others wait for them as for any compile (``compile_wait``):
+        # that compile may take far longer than the exchange's timeout allows.
+        pg = groups.compile_pg()
+        members = groups.member_ranks(pg)
+        keys = {members[r]: f"audit/{_seq}/again/{members[r]}" for r in missing}
+        me = members[pg.rank()]
+        if me in keys:
             again = GraphAudit(record.frame, record.phase, record.graph_break)
             again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
             counters.audit_cache_recompiles += 1
             # torch's config modules gain patch() at run time, outside what their types declare.
             with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]
-                result = _run(again, compile, stage)
+                result = _run(again, compile, stage, ended=lambda: groups.post(keys[me], b"1"))
             record = again
+        else:
+            _wait_for_recompiles(record, keys, me)
         settle(record)
     return result, record
+
+
+def _wait_for_recompiles(record: GraphAudit, keys: dict[int, str], me: int) -> None:
+    seq = _seq
+    started = time.perf_counter()
+    compile_wait.wait_for_posts(
+        keys,
+        me=me,
+        doing="compile this graph again without caches",
+        what=describe("audit", None, seq, str(record.frame)),
+        kind="audit",
+        seq=seq,
+        frame=str(record.frame),
+        on_timeout=CompileTimeoutError,
+        advice="Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long.",
+    )
+    counters.audit_recompile_wait_s += time.perf_counter() - started
 
 
 # ------------------------------------------------------------------ the exchange

@@ -22,7 +22,6 @@ from ...errors import (
     CompileOnceError,
     PeerFailureError,
     SetupMismatchError,
-    ranks_text,
 )
 from ...instrument import timing
 from ...observations import FrameId
@@ -33,7 +32,7 @@ from ...transport import (
     PHASE_ONCE_RESULT,
     groups,
 )
-from .. import audit
+from .. import audit, compile_wait
 from .. import exchange as exchange_frame
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
@@ -53,8 +52,6 @@ from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 
 log = logging.getLogger("compiler_collectives.once")
 
-LOG_EVERY_S = 30.0
-_POLL_S = (0.005, 0.2)  # first and longest sleep between looks at the store while waiting
 
 _local = threading.local()  # ticket: Ticket | None
 _seq = 0
@@ -545,99 +542,19 @@ def _wait_for_sources(ticket: Ticket) -> None:
 def _wait_for_posts(
     ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str
 ) -> dict[int, bytes]:
-    """What each of ``ranks`` posted under ``notice``, once all have: waited for while each is
-    alive, up to COMPILER_COLLECTIVES_COMPILE_TIMEOUT, logging every ``LOG_EVERY_S``; a rank
-    that is gone, or a failure this rank heard of, ends the wait with ``PeerFailureError``."""
-    me = ticket.rank
-    pending = list(ranks)
-    posted: dict[int, bytes] = {}
-    started = time.monotonic()
-    deadline = started + config.settings.compile_timeout_s
-    next_log = started + LOG_EVERY_S
-    probes = {r: groups.watch_peer(r) for r in pending}
-    sleep = _POLL_S[0]
-    while pending:
-        for r in pending:
-            value = groups.read_post(notice(ticket, r))
-            if value is not None:
-                posted[r] = value
-        pending = [r for r in pending if r not in posted]
-        if not pending:
-            break
-        failure_seen = health.poisoned()
-        if failure_seen is not None:
-            stopped: CollectiveError = PeerFailureError(
-                f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: stopped waiting for "
-                f"{ranks_text(pending)} to {doing}: {failure_seen}",
-                kind="compile_once",
-                rank=me,
-                seq=ticket.seq,
-                frame=str(ticket.frame),
-                ranks=failure_seen.ranks,
-                reported_by=failure_seen.reported_by,
-            )
-            if len(pending) == 1 and pending[0] not in failure_seen.reported_by:
-                # The first report heard may be a bystander's (a rank whose own exchange broke on
-                # the same failure, in words that name no one yet). The one rank this one waits
-                # for stops on it too, and its words say what happened where this rank waited.
-                stopped = failure_procedure.as_reported(stopped, pending[0], ticket.seq)
-            raise stopped
-        for r in pending:
-            gone = probes[r]()
-            if gone is not None:
-                counters.errors += 1
-                error: CollectiveError = PeerFailureError(
-                    f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: rank {r} was to {doing} "
-                    f"and is gone: {gone}. Check rank {r}'s log and exit status (killed by the OOM killer?).",
-                    kind="compile_once",
-                    rank=me,
-                    seq=ticket.seq,
-                    frame=str(ticket.frame),
-                    ranks=(r,),
-                )
-                if groups.read_peer_report(r, me, wait_s=0.0) is not None:
-                    # It stopped on a failure of its own or one it heard of: its words name the rank.
-                    error = failure_procedure.as_reported(error, r, ticket.seq)
-                raise _published(error, ticket)
-        now = time.monotonic()
-        if now >= deadline:
-            counters.errors += 1
-            raise _published(
-                CompileOnceError(
-                    f"compile once #{ticket.seq} of {ticket.frame} on rank {me}: waited "
-                    f"{now - started:.0f}s for {ranks_text(pending)} to {doing}, and they are alive. Raise "
-                    "COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long, or set "
-                    "COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
-                    kind="compile_once",
-                    rank=me,
-                    seq=ticket.seq,
-                    frame=str(ticket.frame),
-                    ranks=tuple(pending),
-                ),
-                ticket,
-            )
-        if now >= next_log:
-            next_log = now + LOG_EVERY_S
-            log.warning(
-                "rank %d: waiting for %s to %s (graph #%d of %s, %.0f s)",
-                me,
-                ranks_text(pending),
-                doing,
-                ticket.seq,
-                ticket.frame,
-                now - started,
-            )
-        time.sleep(sleep)
-        sleep = min(sleep * 2, _POLL_S[1])
-    return posted
-
-
-def _published(error: CollectiveError, ticket: Ticket) -> CollectiveError:
-    """A loader's failure to wait (the compiling rank timed out or is gone), published through
-    the failure policy: the compiling rank hears of it within a heartbeat and raises at its next
-    exchange, instead of entering an exchange this rank will never take."""
-    failure_procedure.known(error, seq=ticket.seq)
-    return error
+    """What each of ``ranks`` posted under ``notice``, once all have (``compile_wait``)."""
+    return compile_wait.wait_for_posts(
+        {r: notice(ticket, r) for r in ranks},
+        me=ticket.rank,
+        doing=doing,
+        what=f"compile once #{ticket.seq} of {ticket.frame}",
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+        on_timeout=CompileOnceError,
+        advice="Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long, or set "
+        "COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
+    )
 
 
 def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
