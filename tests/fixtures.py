@@ -1,4 +1,5 @@
-"""What the parent side of many tests builds alike: the guard-transport parametrization and job environments.
+"""What the parent side of many tests builds alike: the guard-transport parametrization, job
+environments and inductor cache dirs.
 
 Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 ``tests/harness.py``.
@@ -7,6 +8,7 @@ Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,18 @@ def clean_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env.update(extra)
     return env
+
+
+CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def shared_cache(root: Path, name: str = "shared") -> dict[str, str]:
+    """The environment of ranks that share one inductor cache dir, ``root / name`` (one host)."""
+    return {CACHE_DIR: str(root / name)}
+
+
+def cache_per_rank(root: Path, world: int, *, per_dir: int = 1, name: str = "rank") -> dict[int, dict[str, str]]:
+    """Per-rank environments (``run_ranks``'s ``rank_env``) giving each block of ``per_dir``
+    consecutive ranks its own inductor cache dir, ``root / f"{name}{rank // per_dir}"``: a dir
+    per rank, or one per host of ``per_dir`` ranks."""
+    return {r: {CACHE_DIR: str(root / f"{name}{r // per_dir}")} for r in range(world)}

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fixtures import cache_per_rank, shared_cache
 from tests.harness import free_port, run_ranks
 from tests.rankside import kept_logs
 
@@ -175,8 +176,8 @@ def job(rank: int, world: int, case: dict) -> dict:
 
 
 def _run(tmp_path, case: dict | None = None, *, separate: bool = False, env: dict | None = None, **kw):
-    shared = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
-    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"rank{r}")} for r in range(2)} if separate else None
+    shared = shared_cache(tmp_path)
+    rank_env = cache_per_rank(tmp_path, 2) if separate else None
     return run_ranks(
         job, 2, args=(case or {},), env={**ENV, **shared, **(env or {})}, rank_env=rank_env, timeout=240, **kw
     )
@@ -228,7 +229,7 @@ def test_ranks_with_a_cache_dir_each_receive_the_artifact_over_gloo_and_load_it(
 @pytest.mark.timeout(420)
 def test_a_rank_whose_cache_holds_the_entry_serves_it_to_a_cold_rank(tmp_path):
     # Warm rank 0's dir: a first job over the dir that rank 0 uses next.
-    run_ranks(job, 2, args=({},), env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "rank0")}, timeout=240)
+    run_ranks(job, 2, args=({},), env={**ENV, **shared_cache(tmp_path, "rank0")}, timeout=240)
     results = _run(tmp_path, separate=True).results
     _assert_trained_right(results)
     assert _states(results) == ["served", "loaded"]
@@ -362,7 +363,7 @@ def with_compile_time_collectives(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_with_torchs_compile_time_collectives_on_every_rank_compiles_and_enters_them(tmp_path):
-    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    env = {**ENV, **shared_cache(tmp_path)}
     results = run_ranks(with_compile_time_collectives, 2, env=env, timeout=240).results
     for r in results:
         assert r["type"] is None, r
@@ -400,7 +401,7 @@ def test_exchanges_inside_aotautograd_start_their_gloo_operations_outside_torchs
     # Started with the dispatcher on, a gloo operation keeps the GIL into gloo's enqueue, whose lock
     # a gloo worker can hold while it waits for the GIL: a deadlock (torch's own
     # _sync_decision_cross_ranks hits it on 2.13).
-    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    env = {**ENV, **shared_cache(tmp_path)}
     results = run_ranks(exchanges_started_inside_aotautograd, 2, env=env, timeout=240).results
     for r in results:
         assert r["type"] is None, r
@@ -482,7 +483,7 @@ def aot_eager_job(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_a_backend_without_aotautograd_cache_compiles_on_every_rank_and_says_why(tmp_path):
-    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
+    env = {**ENV, **shared_cache(tmp_path)}
     for r in run_ranks(aot_eager_job, 2, env=env, timeout=100).results:
         assert r["exchanges"] == 0
         assert [x["state"] for x in r["records"]] == ["compiled locally"]
@@ -528,8 +529,8 @@ def ddp_split_job(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_ddp_graphs_that_aotautograd_will_not_cache_share_their_inductor_compiles_instead(tmp_path):
-    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")}
-    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"rank{r}")} for r in range(2)}
+    env = {**ENV, **shared_cache(tmp_path)}
+    rank_env = cache_per_rank(tmp_path, 2)
     results = run_ranks(ddp_split_job, 2, env=env, rank_env=rank_env, timeout=240).results
     for r in results:
         assert r["loss"] == pytest.approx(r["expected"], rel=1e-4), r  # loaded code computes what eager does

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.fixtures import shared_cache
 from tests.harness import run_ranks
 from tests.test_compile_once import ENV, _assert_trained_right, _run, _states, job
 
@@ -160,7 +161,7 @@ def _faulty(tmp_path, at_compile: str, seconds: float, env: dict, **kw):
         job_with_compile_fault,
         2,
         args=({"at_compile": at_compile, "seconds": seconds},),
-        env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared"), **env},
+        env={**ENV, **shared_cache(tmp_path), **env},
         timeout=240,
         **kw,
     )

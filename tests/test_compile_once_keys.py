@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -58,7 +59,7 @@ def job(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(400)
 def test_equal_keys_after_the_first_graph_are_settled_by_the_reduce_and_differing_ones_by_the_gather(tmp_path):
-    dirs = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"dir{r}")} for r in range(2)}
+    dirs = cache_per_rank(tmp_path, 2, name="dir")
     results = run_ranks(job, 2, env=ENV, rank_env=dirs, timeout=300).results
     for r in results:
         assert r["right"] == [True, True, True], r

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -86,7 +87,7 @@ def job(rank: int, world: int, fault: str | None, killed_at: str) -> dict:
 
 
 def _run(tmp_path, fault: str | None = None, **kw):
-    dirs = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"dir{r // PER_DIR}")} for r in range(WORLD)}
+    dirs = cache_per_rank(tmp_path, WORLD, per_dir=PER_DIR, name="dir")
     killed_at = str(tmp_path / "killed_at")
     return run_ranks(job, WORLD, args=(fault, killed_at), env=ENV, rank_env=dirs, timeout=300, **kw)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.fixtures import shared_cache
 from tests.harness import run_ranks
 from tests.rankside import caught, kept_logs, line_of
 
@@ -335,7 +336,7 @@ def sweep(rank: int, world: int, backend: str) -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_ddp_training_whose_ranks_pick_different_entries_runs_on_and_matches_eager(backend, tmp_path):
-    env = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    env = {**ENV, **shared_cache(tmp_path, "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     tolerance = 1e-3 if backend == "inductor" else 1e-5
     for r in run_ranks(sweep, 2, args=(backend,), env=env, timeout=540).results:
         assert r["type"] is None, r

@@ -17,7 +17,7 @@ from compiler_collectives.agreements import reasons as recompile_reasons
 from compiler_collectives.agreements.compiler import restart_decision
 from compiler_collectives.instrument import artifacts
 from compiler_collectives.observations import DYNAMIC, InferStride, LocalState, SizeEntry
-from tests.fixtures import clean_env
+from tests.fixtures import cache_per_rank, clean_env, shared_cache
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
 from tests.test_compile_once import ENV as ONCE_ENV
@@ -212,8 +212,8 @@ def once_traced(tmp_path_factory) -> dict:
     artifact travels over gloo); each rank's trace read by tlparse. Shared by the tests below."""
     tmp = tmp_path_factory.mktemp("once")
     trace_dir = tmp / "trace"
-    env = {**ONCE_ENV, "TORCH_TRACE": str(trace_dir), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "shared")}
-    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": str(tmp / f"rank{r}")} for r in range(2)}
+    env = {**ONCE_ENV, "TORCH_TRACE": str(trace_dir), **shared_cache(tmp)}
+    rank_env = cache_per_rank(tmp, 2)
     # spawn: TORCH_TRACE is read when torch is imported
     outcome = run_ranks(once_job_timed, 2, env=env, rank_env=rank_env, start_method="spawn", timeout=300)
     for r in outcome.results:
