@@ -1,4 +1,4 @@
-"""`scripts/dev demo` (scripts/demo.py): its default story end to end in a subprocess, its report, and --help."""
+"""`scripts/dev demo` (scripts/demo*.py): its default story end to end in a subprocess, its report, and --help."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import compiler_collectives
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-import demo  # noqa: E402  (scripts/demo.py: the demo is not part of the library)
+# scripts/demo*.py: the demo is not part of the library.
+import demo  # noqa: E402  (the command line)
+import demo_launch  # noqa: E402  (starting the ranks, what they came to)
+import demo_report  # noqa: E402  (the report's text)
+import demo_training  # noqa: E402  (the training a user copies)
 
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -73,7 +77,7 @@ def test_the_default_demo_tells_the_story_hazard_stuck_cure_agrees_cost_shown(tm
     results = {r["run"]: r for r in json.loads(out_json.read_text())}
     assert list(results) == ["compiler-only", "on"], output
     hazard, on = results["compiler-only"], results["on"]
-    lonely = demo.divergence_step(1, 2, 8) + 1
+    lonely = demo_training.divergence_step(1, 2, 8) + 1
 
     # 1. The hazard is reported as stuck, as expected, and labelled so before it runs.
     assert "EXPECTED TO GET STUCK" in proc.stdout, output
@@ -81,16 +85,16 @@ def test_the_default_demo_tells_the_story_hazard_stuck_cure_agrees_cost_shown(tm
     assert "'compiler-only' got stuck, as expected" in proc.stdout, output
     assert not hazard["finished"] and hazard["stuck"] and hazard["expected_stuck"], hazard
     # Our timeout named the hang on the rank that recompiled alone ...
-    errors = {r["rank"]: demo.exception_text(r["error"]) for r in hazard["ranks"] if r["error"]}
-    assert errors.get(1, "").startswith(demo.HANG_ERRORS), errors
+    errors = {r["rank"]: demo_launch.exception_text(r["error"]) for r in hazard["ranks"] if r["error"]}
+    assert errors.get(1, "").startswith(demo_launch.HANG_ERRORS), errors
     assert "Our timeout turned the hang into an error on rank 1" in proc.stdout, output
-    assert hazard["elapsed_s"] < demo.DemoConfig().timeout, hazard["elapsed_s"]
+    assert hazard["elapsed_s"] < demo_training.DemoConfig().timeout, hazard["elapsed_s"]
     # ... and the report says where each rank was: rank 1 in our compiler
     # collective, rank 0 in DDP's all-reduce in backward, both from the training loop.
     where = {r["rank"]: r["stuck_at"] or "" for r in hazard["ranks"]}
-    assert "backward" in where[0] and "train (demo.py" in where[0], where
-    assert "compiler.py" in where[1] and "train (demo.py" in where[1], where
-    assert re.search(r"rank 1: in our compiler collective: .*train \(demo\.py:\d+\)", proc.stdout), output
+    assert "backward" in where[0] and "train (demo_training.py" in where[0], where
+    assert "compiler.py" in where[1] and "train (demo_training.py" in where[1], where
+    assert re.search(r"rank 1: in our compiler collective: .*train \(demo_training\.py:\d+\)", proc.stdout), output
     assert hazard["log_dir"] is None  # nothing to look into: it went as expected
 
     # 2. The cure finishes, every rank making the same decisions; rank 0
@@ -163,7 +167,7 @@ def test_demo_help_lists_and_explains_every_option():
         for flag in action.option_strings:
             assert flag in help_text, flag
         assert action.help and len(action.help) > 15, f"{action.option_strings} has no real help"
-    for name in demo.RUNS:  # every run --runs accepts is explained
+    for name in demo_launch.RUNS:  # every run --runs accepts is explained
         assert f"'{name}'" in " ".join(help_text.split()), name
 
     # And the real command line prints it.
@@ -191,18 +195,18 @@ def test_the_length_schedule_makes_ranks_diverge_at_different_steps():
     world, steps = 4, 30
     firsts = []
     for rank in range(world):
-        lengths = [demo.sequence_length(rank, s, world, steps, 32) for s in range(steps)]
+        lengths = [demo_training.sequence_length(rank, s, world, steps, 32) for s in range(steps)]
         assert lengths[0] == 32  # the first compile is the same on every rank
         changed = [s for s in range(steps) if lengths[s] != 32]
         firsts.append(changed[0] if changed else None)
     assert firsts[0] is None  # rank 0 never leaves the common bucket
     assert firsts[1:] == sorted(set(firsts[1:])), firsts  # the others leave one after another
     assert all(f < steps // 2 + 1 for f in firsts[1:]), firsts
-    assert [demo.batch_size(r, steps - 1, world, steps, 4) for r in range(world)] == [4, 4, 4, 3]
+    assert [demo_training.batch_size(r, steps - 1, world, steps, 4) for r in range(world)] == [4, 4, 4, 3]
 
 
 def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
-    pkg = os.path.dirname(demo.__file__)
+    pkg = os.path.dirname(demo_training.__file__)
     svc = os.path.dirname(compiler_collectives.__file__)
     log_text = (
         "some warning\n"
@@ -211,32 +215,32 @@ def test_stuck_at_names_the_innermost_frame_the_service_and_the_training_line():
         f'  File "{svc}/transport/gloo.py", line 187 in all_gather_bytes\n'
         f'  File "{svc}/agreements/compiler.py", line 70 in exchange\n'
         '  File "/x/torch/_dynamo/convert_frame.py", line 9 in _compile\n'
-        f'  File "{pkg}/demo.py", line 306 in train\n'
-        f'  File "{pkg}/demo.py", line 400 in _rank_main\n'
+        f'  File "{pkg}/demo_training.py", line 306 in train\n'
+        f'  File "{pkg}/demo_launch.py", line 400 in _rank_main\n'
         "\n"
     )
-    assert demo.stuck_at(log_text) == (
-        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (gloo.py:187) <- train (demo.py:306)"
+    assert demo_launch.stuck_at(log_text) == (
+        "all_gather (distributed_c10d.py:4287) <- all_gather_bytes (gloo.py:187) <- train (demo_training.py:306)"
     )
     in_backward = (
         "Stack (most recent call first):\n"
         '  File "/x/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
-        f'  File "{pkg}/demo.py", line 307 in train\n'
-        f'  File "{pkg}/demo.py", line 408 in _rank_main\n'
+        f'  File "{pkg}/demo_training.py", line 307 in train\n'
+        f'  File "{pkg}/demo_launch.py", line 408 in _rank_main\n'
     )
-    assert demo.stuck_at(in_backward) == "_engine_run_backward (graph.py:979) <- train (demo.py:307)"
-    assert demo.stuck_at("no stack here") is None
+    assert demo_launch.stuck_at(in_backward) == "_engine_run_backward (graph.py:979) <- train (demo_training.py:307)"
+    assert demo_launch.stuck_at("no stack here") is None
 
 
 def test_stuck_at_and_exception_text_read_a_python_traceback():
-    pkg = os.path.dirname(demo.__file__)
+    pkg = os.path.dirname(demo_training.__file__)
     svc = os.path.dirname(compiler_collectives.__file__)
     tb = (
         "Traceback (most recent call last):\n"
-        f'  File "{pkg}/demo.py", line 620, in _rank_main\n'
+        f'  File "{pkg}/demo_launch.py", line 620, in _rank_main\n'
         "    result = train(\n"
         "             ^^^^^^\n"
-        f'  File "{pkg}/demo.py", line 411, in train\n'
+        f'  File "{pkg}/demo_training.py", line 411, in train\n'
         "    loss = ddp(tokens, targets)\n"
         f'  File "{svc}/agreements/compiler.py", line 98, in exchange\n'
         "    gathered = gather(payload)\n"
@@ -246,21 +250,24 @@ def test_stuck_at_and_exception_text_read_a_python_traceback():
         "Rank(s) [0] are alive but did not enter this collective\n"
         "  rank 0: alive but not in this collective\n"
     )
-    assert demo.stuck_at(tb) == "gather (exchange.py:96) <- exchange (compiler.py:98) <- train (demo.py:411)"
-    text = demo.exception_text(tb)
-    assert text.startswith("CollectiveDesyncError: compiler collective #3") and text.startswith(demo.HANG_ERRORS)
+    assert (
+        demo_launch.stuck_at(tb)
+        == "gather (exchange.py:96) <- exchange (compiler.py:98) <- train (demo_training.py:411)"
+    )
+    text = demo_launch.exception_text(tb)
+    assert text.startswith("CollectiveDesyncError: compiler collective #3") and text.startswith(demo_launch.HANG_ERRORS)
     assert text.endswith("rank 0: alive but not in this collective")
-    assert demo.exception_text("RuntimeError: boom") == "RuntimeError: boom"
+    assert demo_launch.exception_text("RuntimeError: boom") == "RuntimeError: boom"
     # A stack faulthandler wrote after the traceback wins: it is where the rank is now.
     later = (
         tb + 'Stack (most recent call first):\n  File "/x/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
     )
-    assert demo.stuck_at(later) == "_engine_run_backward (graph.py:979)"
+    assert demo_launch.stuck_at(later) == "_engine_run_backward (graph.py:979)"
 
 
 def _finished_outcome(run_name, results, elapsed=10.0, compile_once=None):
-    ranks = [demo.RankOutcome(r, "finished", res, 7) for r, res in enumerate(results)]
-    return demo.RunOutcome(demo.RUNS[run_name], ranks, elapsed, steps=8, compile_once=compile_once)
+    ranks = [demo_launch.RankOutcome(r, "finished", res, 7) for r, res in enumerate(results)]
+    return demo_launch.RunOutcome(demo_launch.RUNS[run_name], ranks, elapsed, steps=8, compile_once=compile_once)
 
 
 def _result(rank, **extra):
@@ -287,12 +294,12 @@ def _result(rank, **extra):
 
 def test_the_cost_names_oversubscription_only_with_more_ranks_than_cores():
     on = _finished_outcome("on", [_result(r) for r in range(4)])
-    crowded = "\n".join(demo.format_cost(on, cores=2))
+    crowded = "\n".join(demo_report.format_cost(on, cores=2))
     assert "4 ranks share 2 CPU cores, so most of this cost is CPU oversubscription" in " ".join(crowded.split())
     assert "aot_eager keeps no cache" in " ".join(crowded.split())
     assert "29 x 20 µs, 2 ms" in crowded and "8 (3 compiler, 3 audit, 2 reasons), 0.40s" in crowded
     assert "2, 1.5 CPU-s" in crowded
-    roomy = " ".join(demo.format_cost(on, cores=8))
+    roomy = " ".join(demo_report.format_cost(on, cores=8))
     assert "oversubscription" not in roomy and "a CPU core of its own" in roomy
     assert "(20 µs here)" in roomy  # the rank that arrives last: the collective's own cost
 
@@ -302,14 +309,16 @@ def test_the_compile_once_table_gives_cpu_seconds_per_rank_and_in_total():
     once = _finished_outcome(
         "compile-once", [_result(0), _result(1, compile_cpu_s=2.0, compile_children_cpu_s=0.0)], 25.0, True
     )
-    lines = demo.format_compile_once([each, once], 2)
+    lines = demo_report.format_compile_once([each, once], 2)
     row_each = next(line for line in lines if "COMPILER_COLLECTIVES_COMPILE_ONCE=0" in line)
     row_once = next(line for line in lines if "default (compile once)" in line)
     assert row_each.split()[1:] == ["20.0", "20.0", "40.0", "24.0", "30s"], row_each
     assert row_once.split()[3:] == ["20.0", "2.0", "22.0", "12.0", "25s"], row_once
     assert not any("has no COMPILER_COLLECTIVES_COMPILE_ONCE" in line for line in lines)
     unknown = _finished_outcome("compile-once", [_result(0), _result(1)], 25.0, None)
-    assert any("has no COMPILER_COLLECTIVES_COMPILE_ONCE" in line for line in demo.format_compile_once([unknown], 2))
+    assert any(
+        "has no COMPILER_COLLECTIVES_COMPILE_ONCE" in line for line in demo_report.format_compile_once([unknown], 2)
+    )
 
 
 def test_part_four_is_opt_in_and_follows_backend_inductor():
@@ -321,15 +330,15 @@ def test_part_four_is_opt_in_and_follows_backend_inductor():
     assert demo.selected_runs(parser.parse_args(["--backend", "inductor"]), under_torchrun=False) == with_part4
     assert demo.selected_runs(parser.parse_args(["--runs", "off,on"]), under_torchrun=False) == ("off", "on")
     # Part 4 always compiles with inductor, for --compile-steps steps.
-    cfg = demo.DemoConfig(compile_steps=2)
-    assert demo.run_config(demo.RUNS["compile-once"], cfg).backend == "inductor"
-    assert demo.run_config(demo.RUNS["compile-once"], cfg).steps == 2
-    assert demo.run_config(demo.RUNS["on"], cfg) == cfg
-    assert demo.collective_timeout(demo.RUNS["compiler-only"], cfg) == cfg.hazard_timeout
-    assert demo.collective_timeout(demo.RUNS["on"], cfg) == cfg.timeout
+    cfg = demo_training.DemoConfig(compile_steps=2)
+    assert demo_launch.run_config(demo_launch.RUNS["compile-once"], cfg).backend == "inductor"
+    assert demo_launch.run_config(demo_launch.RUNS["compile-once"], cfg).steps == 2
+    assert demo_launch.run_config(demo_launch.RUNS["on"], cfg) == cfg
+    assert demo_launch.collective_timeout(demo_launch.RUNS["compiler-only"], cfg) == cfg.hazard_timeout
+    assert demo_launch.collective_timeout(demo_launch.RUNS["on"], cfg) == cfg.timeout
     # Each rank has its own inductor cache in the run's (the default), or they share the run's.
-    assert demo.rank_cache_dir("/c", 1, cfg) == os.path.join("/c", "rank1")
-    assert demo.rank_cache_dir("/c", 1, demo.DemoConfig(compile_cache="shared")) == "/c"
+    assert demo_launch.rank_cache_dir("/c", 1, cfg) == os.path.join("/c", "rank1")
+    assert demo_launch.rank_cache_dir("/c", 1, demo_training.DemoConfig(compile_cache="shared")) == "/c"
 
 
 def test_prepare_compile_run_sets_a_fresh_cache_one_thread_and_compile_once(tmp_path, monkeypatch):
@@ -337,17 +346,17 @@ def test_prepare_compile_run_sets_a_fresh_cache_one_thread_and_compile_once(tmp_
 
     config = compiler_collectives.config
     monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", demo.COMPILE_ONCE_ENV):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", demo_launch.COMPILE_ONCE_ENV):
         monkeypatch.delenv(name, raising=False)
-    row = next((r for r in config.SETTINGS_TABLE if r.env == demo.COMPILE_ONCE_ENV), None)
+    row = next((r for r in config.SETTINGS_TABLE if r.env == demo_launch.COMPILE_ONCE_ENV), None)
     saved = {row.attr: getattr(config.settings, row.attr)} if row else {}
     with config.override(**saved):
-        off = demo.prepare_compile_run(demo.RUNS["compile-each"], str(tmp_path))
+        off = demo_launch.prepare_compile_run(demo_launch.RUNS["compile-each"], str(tmp_path))
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
         assert inductor_config.compile_threads == 1
         if row is None:  # this version has no compile once: nothing to set
-            assert off is None and demo.COMPILE_ONCE_ENV not in os.environ
+            assert off is None and demo_launch.COMPILE_ONCE_ENV not in os.environ
         else:
-            assert off is False and os.environ[demo.COMPILE_ONCE_ENV] == "0"
-            assert demo.prepare_compile_run(demo.RUNS["compile-once"], str(tmp_path)) is True
-            assert demo.COMPILE_ONCE_ENV not in os.environ
+            assert off is False and os.environ[demo_launch.COMPILE_ONCE_ENV] == "0"
+            assert demo_launch.prepare_compile_run(demo_launch.RUNS["compile-once"], str(tmp_path)) is True
+            assert demo_launch.COMPILE_ONCE_ENV not in os.environ
