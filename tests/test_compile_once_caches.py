@@ -183,7 +183,12 @@ def test_a_compiling_rank_stopped_longer_than_its_heartbeat_staleness_is_waited_
         for line in results[WAITING_RANK]["logs"]
         if f"rank {COMPILING_RANK}'s" in line and ("stopped" in line or "silent" in line)
     ]
-    assert len(about_it) == 1 and "is stopped (SIGSTOP" in about_it[0], results[WAITING_RANK]["logs"]
+    # One warning names the stop. On a loaded machine the compiler's heartbeat thread may also
+    # have been starved for a moment before it; that verdict (running, waited for) has its own.
+    stopped = [line for line in about_it if "is stopped (SIGSTOP" in line]
+    starved = [line for line in about_it if "heartbeat is silent" in line and "runs: still waiting" in line]
+    assert len(stopped) == 1 and len(starved) <= 1, about_it
+    assert len(about_it) == len(stopped) + len(starved), about_it
 
 
 @pytest.mark.timeout(300)

@@ -80,6 +80,19 @@ def _parse(text: str) -> ast.Module:
     return ast.parse(text)
 
 
+@functools.cache
+def _nodes(text: str) -> tuple[ast.AST, ...]:
+    """Every node of ``text``'s tree, once per text: the checks walk each module many times (every
+    mutation test checks the whole tree again, with one module changed)."""
+    return tuple(ast.walk(_parse(text)))
+
+
+@functools.cache
+def _imports(text: str) -> tuple[tuple[ast.AST, bool], ...]:
+    """``_import_nodes`` of ``text``'s tree, once per text."""
+    return tuple(_import_nodes(_parse(text)))
+
+
 def _ours(tree: Tree, name: str) -> str | None:
     """The module of ours that ``name`` (a dotted path) names or lies in."""
     while name:
@@ -156,7 +169,7 @@ def edges(tree: Tree, module: str) -> list[Edge]:
     not a submodule is taken from them (``from .. import install_error``)."""
     src = tree[module]
     out = []
-    for node, runtime in _import_nodes(_parse(src.text)):
+    for node, runtime in _imports(src.text):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -182,7 +195,7 @@ def _aliases(tree: Tree, module: str) -> dict[str, str]:
     ``import compiler_collectives.transport.shm as s``, ``import compiler_collectives``."""
     src = tree[module]
     out = {}
-    for node, _ in _import_nodes(_parse(src.text)):
+    for node, _ in _imports(src.text):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.asname and alias.name in tree:
@@ -212,7 +225,7 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
     """(module of ours, name, line) for every ``m.name`` and ``getattr(m, "name")`` (also
     ``setattr``, ``delattr``, ``hasattr``) on another module of ours in ``module``."""
     aliases = _aliases(tree, module)
-    for node in ast.walk(_parse(tree[module].text)):
+    for node in _nodes(tree[module].text):
         if isinstance(node, ast.Attribute):
             owner, name = _module_of(tree, aliases, node.value), node.attr
         elif (
@@ -293,7 +306,7 @@ def check_transport_exports(tree: Tree) -> list[str]:
     for module, src in tree.items():
         if layer_of(module) != "agreements":
             continue
-        for node, _ in _import_nodes(_parse(src.text)):
+        for node, _ in _imports(src.text):
             if isinstance(node, ast.ImportFrom):
                 base = _resolve(module, src.is_package, node.level, node.module)
                 if base.startswith(transport + "."):
@@ -346,7 +359,7 @@ def check_private_imports(tree: Tree) -> list[str]:
     """No ``from <our module> import _name`` (nor ``import`` of a private module of ours) elsewhere."""
     offences = []
     for module, src in tree.items():
-        for node, _ in _import_nodes(_parse(src.text)):
+        for node, _ in _imports(src.text):
             if isinstance(node, ast.ImportFrom):
                 base = _resolve(module, src.is_package, node.level, node.module)
                 owner = _ours(tree, base)
@@ -412,56 +425,62 @@ def check_torch_private(tree: Tree) -> list[str]:
     """Outside ``dynamo/``, nothing reaches torch's private modules or names, in any of the forms
     Python offers: import, attribute, ``importlib.import_module``/``__import__``, ``getattr`` (and
     ``setattr``/``hasattr``/``delattr``), ``sys.modules``; through any name torch is bound to."""
-    offences = []
+    offences: list[str] = []
     for module, src in tree.items():
-        if _in_dynamo(module):
-            continue
-        body = _parse(src.text)
-        where = src.shown
-        torch_names = {"torch", "dist"}
-        for node in ast.walk(body):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.split(".")[0] == "torch":
-                        torch_names.add(a.asname or "torch")
-                    if _torch_private(a.name):
-                        offences.append(f"{where}:{node.lineno} imports {a.name}")
-            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
-                torch_names.update(a.asname or a.name for a in node.names)
-                if _torch_private(node.module or "") or any(_private(a.name) for a in node.names):
-                    offences.append(f"{where}:{node.lineno} imports {node.module} {[a.name for a in node.names]}")
-        for node in ast.walk(body):
-            if isinstance(node, ast.Attribute) and _private(node.attr):
-                root, attrs = _chain(node)
-                if root in torch_names:
-                    offences.append(f"{where}:{node.lineno} reads {root}.{'.'.join(attrs)}")
-            elif isinstance(node, ast.Call):
-                func = node.func
-                text = _str_arg(node)
-                if _dynamic_import(node) is not None and _torch_private(_dynamic_import(node) or ""):
-                    offences.append(f"{where}:{node.lineno} imports {_dynamic_import(node)} dynamically")
-                elif (
-                    isinstance(func, ast.Name)
-                    and func.id in ("getattr", "setattr", "delattr", "hasattr")
-                    and len(node.args) >= 2
-                    and _chain(node.args[0])[0] in torch_names
-                    and isinstance(node.args[1], ast.Constant)
-                    and isinstance(node.args[1].value, str)
-                    and _private(node.args[1].value)
-                ):
-                    offences.append(f"{where}:{node.lineno} {func.id}s {node.args[1].value} of torch")
-                elif (
-                    isinstance(func, ast.Attribute)
-                    and _is_sys_modules(func.value)
-                    and text is not None
-                    and _torch_private(text)
-                ):
-                    offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
-            elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
-                text = _str_arg(node)
-                if text is not None and _torch_private(text):
-                    offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
+        if not _in_dynamo(module):
+            offences += _torch_private_in(src.shown, src.text)
     return offences
+
+
+@functools.cache
+def _torch_private_in(where: str, source: str) -> tuple[str, ...]:
+    """One module's offences (``check_torch_private``); a module's own, so once per source."""
+    offences = []
+    body = _nodes(source)
+    torch_names = {"torch", "dist"}
+    for node in body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add(a.asname or "torch")
+                if _torch_private(a.name):
+                    offences.append(f"{where}:{node.lineno} imports {a.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            torch_names.update(a.asname or a.name for a in node.names)
+            if _torch_private(node.module or "") or any(_private(a.name) for a in node.names):
+                offences.append(f"{where}:{node.lineno} imports {node.module} {[a.name for a in node.names]}")
+    for node in body:
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root, attrs = _chain(node)
+            if root in torch_names:
+                offences.append(f"{where}:{node.lineno} reads {root}.{'.'.join(attrs)}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            text = _str_arg(node)
+            if _dynamic_import(node) is not None and _torch_private(_dynamic_import(node) or ""):
+                offences.append(f"{where}:{node.lineno} imports {_dynamic_import(node)} dynamically")
+            elif (
+                isinstance(func, ast.Name)
+                and func.id in ("getattr", "setattr", "delattr", "hasattr")
+                and len(node.args) >= 2
+                and _chain(node.args[0])[0] in torch_names
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                offences.append(f"{where}:{node.lineno} {func.id}s {node.args[1].value} of torch")
+            elif (
+                isinstance(func, ast.Attribute)
+                and _is_sys_modules(func.value)
+                and text is not None
+                and _torch_private(text)
+            ):
+                offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
+        elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
+            text = _str_arg(node)
+            if text is not None and _torch_private(text):
+                offences.append(f"{where}:{node.lineno} takes {text} from sys.modules")
+    return tuple(offences)
 
 
 # ---------------------------------------------------- errors and the version
@@ -478,16 +497,12 @@ def check_exceptions(tree: Tree) -> list[str]:
     """Every exception type, underscored or not, is declared in errors.py (a subclass of one of
     ours, of a builtin exception or of a local exception class counts)."""
     errors = f"{TOP}.errors"
-    ours = (
-        {n.name for n in ast.walk(_parse(tree[errors].text)) if isinstance(n, ast.ClassDef)}
-        if errors in tree
-        else set()
-    )
+    ours = {n.name for n in _nodes(tree[errors].text) if isinstance(n, ast.ClassDef)} if errors in tree else set()
     offences = []
     for module, src in tree.items():
         if module == errors:
             continue
-        classes = [n for n in ast.walk(_parse(src.text)) if isinstance(n, ast.ClassDef)]
+        classes = [n for n in _nodes(src.text) if isinstance(n, ast.ClassDef)]
         exceptional = _BUILTIN_EXCEPTIONS | ours
         flagged: set[int] = set()
         changed = True
@@ -517,7 +532,7 @@ def version_declarations(tree: Tree) -> list[str]:
     """The modules that assign ``__version__`` (plain, annotated, augmented or unpacked)."""
     out = []
     for module, src in tree.items():
-        for node in ast.walk(_parse(src.text)):
+        for node in _nodes(src.text):
             targets = (
                 node.targets
                 if isinstance(node, ast.Assign)
@@ -870,7 +885,7 @@ def test_the_seam_modules_read_torch_internals_only_through_bound_and_only_rows_
             offences += [
                 f"{source.shown}: {m.group(1)!r} is no row" for m in pattern.finditer(text) if m.group(1) not in names
             ]
-        for node in ast.walk(_parse(text)):
+        for node in _nodes(text):
             if isinstance(node, ast.Import):
                 targets = [(alias.name, []) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -881,7 +896,7 @@ def test_the_seam_modules_read_torch_internals_only_through_bound_and_only_rows_
             for target, imported in targets:
                 if _torch_private(target) or (target.split(".")[0] == "torch" and any(_private(n) for n in imported)):
                     offences.append(f"{source.shown}:{node.lineno} imports {target} {imported} (read it through bound)")
-        for node in ast.walk(_parse(text)):
+        for node in _nodes(text):
             if isinstance(node, ast.Attribute) and _private(node.attr):
                 value = node.value
                 while isinstance(value, ast.Attribute):

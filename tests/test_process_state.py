@@ -20,6 +20,7 @@ upper case are constants by the house's convention, unless rebound.
 from __future__ import annotations
 
 import ast
+import functools
 
 import pytest
 
@@ -56,9 +57,16 @@ def _constant(name: str) -> bool:
     return name.lstrip("_").isupper()
 
 
+@functools.cache
+def _parsed(text: str) -> ast.Module:
+    return ast.parse(text)  # once per text: every mutation test checks the whole tree again
+
+
+@functools.cache
 def module_mutables(text: str) -> dict[str, int]:
-    """Module-level mutable names of a module's source -> the line that binds them."""
-    tree = ast.parse(text)
+    """Module-level mutable names of a module's source -> the line that binds them (cached: do
+    not change the dict)."""
+    tree = _parsed(text)
     rebound = {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
     classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     out: dict[str, int] = {}
@@ -103,7 +111,7 @@ def check_declared(tree: Tree, declared: dict[str, set[str]]) -> list[str]:
         ]
         bound = {
             t.id
-            for node in ast.parse(src.text).body
+            for node in _parsed(src.text).body
             if isinstance(node, (ast.Assign, ast.AnnAssign))
             for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(t, ast.Name)
