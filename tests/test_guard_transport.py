@@ -461,6 +461,10 @@ os._exit(0)  # as if killed between creating the segment and unlinking its name
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.whole_machine(
+    "/dev/shm is the machine's: any job setting up beside it collects the leaked segment first "
+    "(CI run of cf989c8, 2.14.1), and the test would then see nothing to collect"
+)
 def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept():
     token = int.from_bytes(os.urandom(8), "little") >> 1
     env = clean_env()
