@@ -520,23 +520,24 @@ def _wait_for_local_compiles(ticket: Ticket) -> None:
     """Wait until every rank that did not load (but this one) posted that its own compile ended:
     every rank leaves the graph's compile with the slowest, as it waited for the source."""
     pending = [r for r in ticket.local if r != ticket.rank]
-    if pending:
-        started = time.monotonic()
-        _wait_for_posts(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
-        waited = time.monotonic() - started
-        ticket.waited_s += waited
-        counters.once_wait_s += waited
+    _wait_counted(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
 
 
 def _wait_for_sources(ticket: Ticket) -> None:
     """Wait until every serving rank (but this one) posted that it is done."""
     me = ticket.rank
     pending = sorted({r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE) and r != me})
-    if pending:
+    _wait_counted(ticket, pending, _notice, "compile this graph for this rank")
+
+
+def _wait_counted(ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str) -> None:
+    """``_wait_for_posts``, its time added to the graph's ``waited_s`` and ``once_wait_s``."""
+    if ranks:
         started = time.monotonic()
-        _wait_for_posts(ticket, pending, _notice, "compile this graph for this rank")
-        ticket.waited_s = time.monotonic() - started
-        counters.once_wait_s += ticket.waited_s
+        _wait_for_posts(ticket, ranks, notice, doing)
+        waited = time.monotonic() - started
+        ticket.waited_s += waited
+        counters.once_wait_s += waited
 
 
 def _wait_for_posts(
