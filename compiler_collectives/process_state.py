@@ -15,7 +15,10 @@ The moments, and who calls ``run``:
 
 * ``RESET``: ``compiler_collectives.reset()`` on every rank together;
 * ``TORCH_RESET``: ``torch.compiler.reset()`` (Dynamo's caches went);
-* ``GROUP_DESTROYED``: ``destroy_process_group()`` of the default group;
+* ``GROUP_DESTROYED``: the default group ended: ``destroy_process_group()``
+  (the c10d seam), or a new default group found where the old one's destroy
+  was not seen (``transport.groups``' ``notice()``, the one place that
+  notices a new default group);
 * ``FORK``: in a forked child (a DataLoader worker), before it runs anything;
 * ``STATS``: ``compiler_collectives.reset_stats()``.
 
@@ -27,10 +30,10 @@ another by it; the setters and registries of ``dynamo/wiring.py`` do that).
 
 A *generation* is the life of our groups under one default group. Its number
 (``generation()``) names our keys on the c10d store. A new one starts in one
-place, ``new_generation()``: a ``RESET`` or ``GROUP_DESTROYED`` moment, or the
-transport finding a default group other than the one its groups were made
-under (an ``init_process_group`` whose destroy we did not see). A forked child
-keeps its parent's number: it is no rank, and a group it makes is its own.
+place, ``run()`` of a ``RESET`` or ``GROUP_DESTROYED`` moment, and what a
+generation holds is cleared by the same run: nothing of ours keeps the
+default group's identity to compare. A forked child keeps its parent's
+number: it is no rank, and a group it makes is its own.
 
 This module imports nothing of the package, so every layer may declare here.
 """
@@ -48,7 +51,7 @@ F = TypeVar("F", bound=Callable[..., object])
 class Moment(enum.Enum):
     RESET = "compiler_collectives.reset()"
     TORCH_RESET = "torch.compiler.reset()"
-    GROUP_DESTROYED = "destroy_process_group() of the default group"
+    GROUP_DESTROYED = "the end of the default group (destroy_process_group(), or a new one noticed)"
     FORK = "a forked child"
     STATS = "compiler_collectives.reset_stats()"
 
@@ -151,13 +154,6 @@ def run(moment: Moment) -> None:
 
 def generation() -> int:
     """The number of the current generation (our keys on the c10d store carry it)."""
-    return _generation
-
-
-def new_generation() -> int:
-    """A default group other than our groups' own: a new generation starts (see the docstring)."""
-    global _generation
-    _generation += 1
     return _generation
 
 

@@ -91,6 +91,64 @@ def test_destroy_then_init_on_the_same_port_works_again_and_again(transport, tmp
             assert g["transport"] == transport and not g["poisoned"], r
 
 
+def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int]) -> dict:
+    import datetime
+
+    import compiler_collectives as cc
+    from compiler_collectives import health, process_state
+
+    cc.enable(guards=True)
+    # Torch's own destroy, as code that held it from before our import calls it: our seam never runs.
+    torch_destroy = dist.destroy_process_group.__wrapped__
+    ones = torch.ones(2)
+
+    def init(port: int) -> None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+
+    init(ports[0])
+    f = torch.compile(_step, backend="eager")
+    g = torch.compile(_other, backend="eager")
+    f(ones)
+    g(ones)
+    failed = None
+    for fn in [f, f, g] if rank == 0 else [f, g]:  # rank 0 calls f one extra time: a desync
+        failed = caught(lambda fn=fn: fn(ones))["type"]
+        if failed:
+            break
+    before = process_state.generation()
+    torch_destroy()
+    unseen = process_state.generation() == before and health.poisoned() is not None
+    init(ports[1])
+    values = [float(f(ones).sum()) for _ in range(3)] + [float(g(ones).sum())]
+    out = {
+        "failed": failed,
+        "unseen": unseen,
+        "values": values,
+        "poisoned": health.poisoned() is not None,
+        "generations": process_state.generation() - before,
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_new_default_group_after_a_destroy_we_did_not_see_starts_a_clean_generation():
+    """The first call under the new group notices it (``transport.groups.notice``) and ends the old
+    generation as its destroy would have: its failure and its groups go with it."""
+    outcome = run_ranks(
+        reinit_after_a_destroy_we_did_not_see, 2, args=([free_port(), free_port()],), env=ENV, init=False, timeout=90
+    )
+    for r in outcome.results:
+        assert r["failed"] == "CollectiveDesyncError" and r["unseen"], r
+        assert r["values"] == [6.0, 6.0, 6.0, -4.0] and not r["poisoned"], r
+        assert r["generations"] == 1, r  # noticed once, by the first call
+
+
 # ---------------------------------------------------------------- fork
 
 

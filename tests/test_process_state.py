@@ -10,6 +10,12 @@ does) and flags a module-level mutable that no declaration names, or a
 declaration that names nothing the module binds; it is shown to fail on a
 mutation.
 
+There is one way of noticing a new generation: ``transport.groups``'
+``notice()`` is the one place that looks at which default group is current
+(``dist.group.WORLD``); it runs the destroyed group's moment when that
+changed. ``check_one_noticer`` flags any other module of the package that
+reads the default group, and is shown to fail on a mutation.
+
 A module-level mutable is a name rebound through ``global`` in the module, or
 bound at module level to a list, dict or set (a display or a comprehension),
 to a call of a known mutable type (``threading.local``, ``collections.deque``,
@@ -175,3 +181,55 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
     assert process_state.generation() == before
     process_state.run(process_state.RESET)
     assert process_state.generation() == before + 1
+
+
+# ------------------------------------------------- noticing a new generation
+
+NOTICER = f"{TOP}.transport.groups"
+# What names the default group itself: torch's public handle, and its c10d internals.
+DEFAULT_GROUP_NAMES = {"WORLD", "_get_default_group", "default_pg", "_world"}
+
+
+def check_one_noticer(tree: Tree) -> list[str]:
+    """Only ``transport.groups`` reads which default group is current; every other module asks it
+    (``groups.notice()``) or keeps nothing a generation's moment does not clear."""
+    offences = []
+    for module, src in tree.items():
+        if module == NOTICER:
+            continue
+        for node in ast.walk(_parsed(src.text)):
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, ast.alias):  # from ... import _get_default_group
+                name = node.name.rpartition(".")[2]
+            else:
+                continue
+            if name in DEFAULT_GROUP_NAMES:
+                offences.append(
+                    f"{src.shown}:{node.lineno} reads the default group ({name}): call "
+                    "transport.groups.notice(), the one place that notices a new one, and let the "
+                    "moment it runs clear what this module keeps"
+                )
+    return offences
+
+
+def test_only_the_transport_groups_read_which_default_group_is_current():
+    assert check_one_noticer(TREE) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        ("compiler_collectives.agreements.guard", "def f():\n    return dist.group.WORLD\n"),
+        ("compiler_collectives.transport.scope", "import torch.distributed as dist\n_w = dist.GroupMember.WORLD\n"),
+        (
+            "compiler_collectives.dynamo.c10d_seam",
+            "from torch.distributed.distributed_c10d import _get_default_group\n",
+        ),
+    ],
+)
+def test_the_noticer_check_flags_another_module_that_reads_the_default_group(module, snippet):
+    offences = check_one_noticer(mutated(module, snippet))
+    assert offences and all("(mutated)" in o for o in offences), offences

@@ -73,7 +73,7 @@ _get_ident = threading.get_ident
 
 
 class _GuardState:
-    __slots__ = ("agreed_miss", "apart", "channel", "owner", "owner_thread", "seq", "solo_world", "world")
+    __slots__ = ("agreed_miss", "apart", "channel", "owner", "owner_thread", "seq", "solo")
 
     def __init__(self) -> None:
         self.seq = 0
@@ -81,12 +81,13 @@ class _GuardState:
         # ``paths_diverged``): calls made from inside compiled code decide alone
         # until this rank is back at a call from the user's own code.
         self.apart = False
+        # This generation's channel; the moments that end a generation clear it, and
+        # ``groups.notice()`` runs theirs when it finds a new default group.
         self.channel: GuardChannel | None = None
-        self.world: object | None = None
         # The thread that runs compiled code with guards on (see the docstring); 0: none yet.
         self.owner = 0
         self.owner_thread: threading.Thread | None = None
-        self.solo_world: object | None = None  # a default group of one rank: no collective
+        self.solo = False  # this generation's default group has one rank: no collective
         # (seq, this rank missed) of the last call where some rank missed;
         # the compile that follows exchanges why (take_agreed_miss).
         self.agreed_miss: tuple[int, bool] | None = None
@@ -212,9 +213,8 @@ def reset_sequence() -> None:
     _state.seq = 0
     _state.apart = False
     _state.channel = None
-    _state.world = None
     _state.agreed_miss = None
-    _state.solo_world = None
+    _state.solo = False
 
 
 @process_state.clears(
@@ -248,8 +248,8 @@ def take_agreed_miss() -> tuple[int, bool, Any] | None:
 
 def use_channel(channel: Any) -> None:
     """Make the hook use ``channel`` from its next call (benchmarks comparing mechanisms)."""
+    groups.notice()  # a new default group noticed later would clear it
     _state.channel = channel
-    _state.world = dist.group.WORLD
 
 
 def entry_check_channel() -> tuple[GuardChannel, int] | None:
@@ -260,8 +260,9 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
     in step and there is nothing to check an entry against. None too while
     this rank is apart (``paths_diverged``): its peers run other frames.
     """
+    groups.notice()  # a new default group clears the channel
     channel = _state.channel
-    if channel is None or _state.seq == 0 or _state.world is not dist.group.WORLD or _state.apart:
+    if channel is None or _state.seq == 0 or _state.apart:
         return None
     return channel, _state.seq
 
@@ -285,24 +286,22 @@ def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None
 
 def _with_peers() -> bool:
     """Whether this process is one of several ranks (else there is nobody to agree with)."""
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if world is None or world is _state.solo_world:
+    if not dist.is_initialized() or _state.solo:
         return False
     if not groups.available():  # a forked child: the default group is its parent's
         return False
     if dist.get_world_size() == 1:
-        _state.solo_world = world
+        _state.solo = True
         return False
     return True
 
 
 def _channel() -> GuardChannel:
     """The guard channel of the current default group (built on first use: a collective)."""
-    world = dist.group.WORLD
-    if _state.channel is None or _state.world is not world:
-        _state.channel = groups.guard_channel()
-        _state.world = world
-        timing.ensure(dist.get_rank(), _state.channel.pg.size())
+    if _state.channel is None:
+        channel = groups.guard_channel()
+        _state.channel = channel
+        timing.ensure(dist.get_rank(), channel.pg.size())
     return _state.channel
 
 
@@ -313,6 +312,8 @@ def hook(guard_eval_result: bool) -> bool:
     profiler ranges cost one global check each when off.
     """
     try:
+        # First: a new default group (its destroy unseen) ends the old one's failure and channel.
+        groups.notice()
         if health.first_failure is not None:
             try:
                 health.check("guard")
@@ -320,7 +321,7 @@ def hook(guard_eval_result: bool) -> bool:
                 health.park(e)
             return False
         channel = _state.channel
-        if channel is None or _state.world is not dist.group.WORLD:
+        if channel is None:
             if not _with_peers():  # not distributed, or one rank: nothing to agree with
                 return guard_eval_result
             # Refuse another thread before it builds the channel: that is a collective too.

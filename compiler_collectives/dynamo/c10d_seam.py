@@ -10,8 +10,9 @@ the change only at our next collective would be too late for the port.
 
 Both names users call it by are rows of the seam table
 (``torch.distributed`` and ``torch.distributed.distributed_c10d``). Code that
-took a reference to the function before our import calls torch's own; our
-groups then notice the new default group at their next use, as before.
+took a reference to the function before our import calls torch's own; then
+``transport.groups.notice()``, the one place that notices a new default group,
+runs the same moment when it first sees the next one.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        world = dist.group.WORLD
+        had_default = dist.is_initialized()
         try:
             return original(*args, **kwargs)
         finally:
-            if world is not None and dist.group.WORLD is not world:
+            if had_default and not dist.is_initialized():  # not a subgroup's destroy
                 try:
                     lifecycle.default_group_destroyed()
                 except Exception as e:  # noqa: BLE001 - never fail the user's destroy

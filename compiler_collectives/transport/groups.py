@@ -29,10 +29,15 @@ interpreter exit our heartbeat thread is stopped and our groups destroyed
 
 Two changes of process model drop everything of a generation at once:
 
-* ``default_group_destroyed``: ``destroy_process_group()`` of the default
-  group (the c10d seam calls it). Our groups, store and heartbeat go with it,
-  so that a later ``init_process_group`` (on the same port, say) starts a new
-  generation from nothing, as ``compiler_collectives.reset()`` would.
+* ``default_group_destroyed``: the default group ended. Our groups, store and
+  heartbeat go with it, so that a later ``init_process_group`` (on the same
+  port, say) starts a new generation from nothing, as
+  ``compiler_collectives.reset()`` would. The c10d seam runs that moment at
+  ``destroy_process_group()``; ``notice()`` runs it when it finds a default
+  group other than the last one it saw (a destroy the seam did not see: code
+  that held torch's own function). ``notice()`` is the one place that notices
+  a new default group; every other module calls it, and keeps
+  nothing of a generation that the moment does not clear.
 * ``after_fork_in_child``: a forked child (a DataLoader worker) inherits the
   parent's groups, segment mapping, store and heartbeat object, but none of
   its threads. The child is not a rank: it keeps those objects alive (so
@@ -96,27 +101,51 @@ class Groups:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # The default group ``notice()`` last saw, and the lock of its slow path (a new one).
         self._world: object | None = None
+        self._noticing = threading.Lock()
         self._compile_pg: dist.ProcessGroup | None = None
         self._guard_pg: dist.ProcessGroup | None = None
         self._guard_channel: GuardChannel | None = None
         self._agreed = False  # the setup agreement of this generation passed
         self._scope: scope_mod.Scope | None = None  # the ranks our groups of this generation span
-        self._inherited_world: object | None = None  # a forked child's parent's default group
+        self._on_inherited = False  # a forked child whose default group is still its parent's
         self._told_child = False
         self.side: SideChannel | None = None
         # Callables returning this rank's progress for the heartbeat (``add_progress_source``).
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
 
-    def _check_world(self) -> None:
+    def notice(self) -> None:
+        """Notice a new default group: the one place that does (see the module docstring).
+
+        A default group other than the last one seen, where there was one, is a
+        destroy the c10d seam did not see: its moment (``GROUP_DESTROYED``) runs
+        now, as the destroy would have run it, and starts a new generation, so
+        store keys never meet the old ones. The guard hook calls this on every
+        call: one attribute read and one comparison unless the group changed.
+        """
         world = dist.group.WORLD
         if world is not self._world:
-            # A new init_process_group (or a destroy we did not see) invalidates our
-            # groups; a new generation keeps store keys from meeting the old ones.
-            if self._world is not None:
-                process_state.new_generation()
-            self._drop()
+            self._new_world(world)
+
+    def _new_world(self, world: object | None) -> None:
+        with self._noticing:
+            previous = self._world
+            if world is previous:
+                return  # another thread noticed it first
+            if previous is not None:
+                log.info(
+                    "a new default process group replaced the one our groups were made under "
+                    "(its destroy_process_group was not seen): a new generation starts"
+                )
+                # Outside ``self._lock``: this moment's clear of our groups takes it.
+                process_state.run(process_state.GROUP_DESTROYED)
             self._world = world
+
+    def is_current(self, generation: int) -> bool:
+        """Whether ``generation`` is still the current one, for another thread (the heartbeat):
+        it reads, and runs no moment; the rank's own next call of ``notice()`` does that."""
+        return process_state.generation() == generation and dist.group.WORLD is self._world
 
     def _drop(self) -> None:
         if self.side is not None:
@@ -132,7 +161,8 @@ class Groups:
         """Whether our collectives run in this process: a default group exists and is its own."""
         if not (dist.is_available() and dist.is_initialized()):
             return False
-        if self._inherited_world is not None and dist.group.WORLD is self._inherited_world:
+        self.notice()  # a group the child made itself ends the inherited one (its moment runs)
+        if self._on_inherited:
             if not self._told_child:
                 self._told_child = True
                 log.info(
@@ -146,9 +176,13 @@ class Groups:
     def after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's generation without touching any of it."""
         _inherited.append((self._world, self._compile_pg, self._guard_pg, self._guard_channel, self.side))
-        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
-        self._inherited_world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        self._world = None
+        # Another thread of the parent may have held these at the fork.
+        self._lock = threading.Lock()
+        self._noticing = threading.Lock()
+        # The parent's default group is the one seen (no moment: the fork's has run), so
+        # one the child makes itself is noticed as new and starts a generation of its own.
+        self._world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self._on_inherited = self._world is not None
         self.side = None
         self._compile_pg = self._guard_pg = self._guard_channel = None
         self._agreed = False
@@ -168,6 +202,7 @@ class Groups:
             side = self.side
             self._drop()
             self._world = None
+            self._on_inherited = False
         if side is not None and not side.stop(join_s=2.0):
             log.debug("the heartbeat thread did not end within 2s of destroy_process_group")
 
@@ -184,15 +219,15 @@ class Groups:
 
     def _side_channel(self) -> SideChannel:
         if self.side is None:
-            world = dist.group.WORLD
+            generation = process_state.generation()
             side = SideChannel(
                 dist.get_rank(),
                 dist.get_world_size(),
-                process_state.generation(),
+                generation,
                 self._progress,
                 identity=_identity(),
                 probe=segment.process_identity,
-                current=lambda: dist.is_initialized() and dist.group.WORLD is world,
+                current=functools.partial(self.is_current, generation),
             )
             _register_exit()
             side.start(on_peer_failure=functools.partial(_heard_report, side.rank))
@@ -306,16 +341,16 @@ class Groups:
         return CollectiveTimeoutError(message, kind=kind, rank=rank, ranks=tuple(absent))
 
     def compile_pg(self) -> dist.ProcessGroup:
+        self.notice()
         with self._lock:
-            self._check_world()
             if self._compile_pg is None:
                 self._compile_pg = self._new_group("compiler_collectives_compile", "compiler")
             return self._compile_pg
 
     def guard_channel(self) -> GuardChannel:
         """The guard channel of this generation, built on every rank together at first use."""
+        self.notice()
         with self._lock:
-            self._check_world()
             if self._guard_channel is None:
                 self._guard_pg = self._new_group("compiler_collectives_guard", "guard")
                 side = self._side_channel()
@@ -340,8 +375,8 @@ class Groups:
         """``compiler_collectives.scope()``: refuse after a compile; otherwise remember the choice
         and, for a scope, run this generation's setup check now (every rank is before its first
         compile here, so nobody's first compile waits for it)."""
+        self.notice()
         with self._lock:
-            self._check_world()
             rank = dist.get_rank()
             if self._agreed or self._compile_pg is not None or self._guard_channel is not None:
                 same = (self._scope is None and chosen is None) or (

@@ -55,8 +55,8 @@ def render_ranks(ranks: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
-# (default group the choice was made under, the scope or None for the world); None: no call yet.
-_explicit: tuple[object, Scope | None] | None = None
+# (whether scope() chose under the current default group, the scope or None for the world).
+_explicit: tuple[bool, Scope | None] = (False, None)
 
 
 def from_group(group: Any, rank: int, world: int) -> Scope | None:
@@ -67,23 +67,26 @@ def from_group(group: Any, rank: int, world: int) -> Scope | None:
     return chosen
 
 
-@process_state.kept(
-    names=("_explicit",),
-    why="the scope() choice, with the default group it was made under: a new default group ignores it",
-)
 def choose(chosen: Scope | None) -> None:
-    """Remember an explicit choice (``scope()``) for the current default group."""
-    import torch.distributed as dist
-
+    """Remember an explicit choice (``scope()``) for the current default group (``groups``
+    has noticed it): it lasts as long as that group, across ``reset()``."""
     global _explicit
-    _explicit = (dist.group.WORLD, chosen)
+    _explicit = (True, chosen)
+
+
+@process_state.clears(
+    process_state.GROUP_DESTROYED,
+    names=("_explicit",),
+    what="the scope() choice, made for the default group that ended",
+)
+def forget_choice() -> None:
+    global _explicit
+    _explicit = (False, None)
 
 
 def effective(rank: int, world: int) -> Scope | None:
     """The scope this rank's agreements use now: ``scope()``'s choice, else the setting, else None."""
-    import torch.distributed as dist
-
-    if _explicit is not None and _explicit[0] is dist.group.WORLD:
+    if _explicit[0]:
         return _explicit[1]
     return from_setting(config.settings.scope, rank, world)
 

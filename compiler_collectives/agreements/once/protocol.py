@@ -159,10 +159,10 @@ def note_hit(entry: bytes) -> None:
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
     """The key exchange; returns this rank's plan."""
     global _seq
+    ticket.pg = groups.compile_pg()  # first: a new default group noticed here clears ``_seq``
     _seq += 1
     ticket.seq = _seq
     ticket.key = key
-    ticket.pg = groups.compile_pg()
     ticket.members = tuple(groups.member_ranks(ticket.pg))
     ticket.rank = ticket.members[ticket.pg.rank()]
     cache_root = ticket.cache.root()
