@@ -11,6 +11,17 @@ from typing import Any
 import torch
 
 
+def init_gloo(rank: int, world: int, init_method: str, timeout_s: float = 60.0) -> None:
+    """In a rank that starts its own default group (``run_ranks(..., init=False)``): gloo at ``init_method``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
 class GraphRecorder:
     """A torch.compile backend that records every graph's inputs, then runs it.
 

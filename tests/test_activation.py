@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
-from tests.rankside import GraphRecorder, summary
+from tests.rankside import GraphRecorder, init_gloo, summary
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
@@ -20,13 +18,7 @@ def import_before_init(rank: int, world: int, store_path: str) -> dict:
     import compiler_collectives as cc  # before any process group exists
 
     cc.enable()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world, f"file://{store_path}")
     rec = GraphRecorder()
     f = torch.compile(_fn, backend=rec)
     f(torch.ones(5 + rank, 3))

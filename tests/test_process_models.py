@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.fixtures import GUARD_TRANSPORTS, NAMED_WITHIN_SECONDS, guard_env
 from tests.harness import free_port, release, run_ranks, stay_until
-from tests.rankside import caught
+from tests.rankside import caught, init_gloo
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = pytest.mark.multiprocess
@@ -41,7 +41,6 @@ def _other(x: torch.Tensor) -> torch.Tensor:
 
 
 def reinit_on_the_same_port(rank: int, world: int, port: int, generations: int, coordination: str) -> list:
-    import datetime
 
     import compiler_collectives as cc
 
@@ -56,13 +55,7 @@ def reinit_on_the_same_port(rank: int, world: int, port: int, generations: int, 
         coordinate.wait([f"ended/{generation - 1}"])
         while coordinate.add(f"ended/{generation - 1}", 0) < world:
             time.sleep(0.01)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        init_gloo(rank, world, f"tcp://127.0.0.1:{port}")
         g = torch.compile(lambda x, k=generation: x + k, backend="eager")  # a new frame: a compiler collective
         values = [float(f(torch.ones(2)).sum()) for _ in range(3)] + [float(g(torch.ones(2)).sum())]
         out.append(
@@ -92,7 +85,6 @@ def test_destroy_then_init_on_the_same_port_works_again_and_again(transport, tmp
 
 
 def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int]) -> dict:
-    import datetime
 
     import compiler_collectives as cc
     from compiler_collectives import health, process_state
@@ -102,16 +94,7 @@ def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int
     torch_destroy = dist.destroy_process_group.__wrapped__
     ones = torch.ones(2)
 
-    def init(port: int) -> None:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-
-    init(ports[0])
+    init_gloo(rank, world, f"tcp://127.0.0.1:{ports[0]}")
     f = torch.compile(_step, backend="eager")
     g = torch.compile(_other, backend="eager")
     f(ones)
@@ -124,7 +107,7 @@ def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int
     before = process_state.generation()
     torch_destroy()
     unseen = process_state.generation() == before and health.poisoned() is not None
-    init(ports[1])
+    init_gloo(rank, world, f"tcp://127.0.0.1:{ports[1]}")
     values = [float(f(ones).sum()) for _ in range(3)] + [float(g(ones).sum())]
     out = {
         "failed": failed,
