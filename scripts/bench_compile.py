@@ -12,7 +12,7 @@ when its last rank does). "ours" runs with COMPILER_COLLECTIVES_AUDIT off,
 rank that arrived last at its exchange (the other ranks' extra time there is
 waiting for that rank, which the job would do anyway at its first collective).
 
-Run:  scripts/dev bench-compile [--reps 5] [--nproc 2] [--backends eager,aot_eager]
+Run:  scripts/dev bench-compile [--reps 5] [--nproc 2] [--backends eager,aot_eager] [--timeout 1800]
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,6 +135,10 @@ def _rank(rank: int, world: int, store: str, reps: int, out_path: str, backends:
 
 
 def main() -> None:
+    # Imported here, not at the top: spawned ranks run this file's top too, and must import
+    # compiler_collectives only where their own code does.
+    from compiler_collectives.tools import launch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of every configuration")
     parser.add_argument("--nproc", type=int, default=2, help="ranks")
@@ -143,6 +146,9 @@ def main() -> None:
         "--backends",
         default="eager,aot_eager",
         help="comma-separated torch.compile backends (eager, aot_eager, inductor)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds the ranks may take in all; then they are killed"
     )
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
@@ -153,7 +159,12 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="cc-bench-")
     out_path = os.path.join(tmp, "result.json")
     print(f"bench_compile: {args.nproc} ranks, {args.reps} repetitions, torch {torch.__version__}", flush=True)
-    mp.spawn(_rank, args=(args.nproc, os.path.join(tmp, "store"), args.reps, out_path, backends), nprocs=args.nproc)
+    launch.run_to_end(
+        _rank,
+        args.nproc,
+        args=(args.nproc, os.path.join(tmp, "store"), args.reps, out_path, backends),
+        timeout_s=args.timeout,
+    )
     import json
 
     with open(out_path) as f:

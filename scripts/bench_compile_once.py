@@ -88,7 +88,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -321,77 +320,10 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------- processes, reaping
 
 
-ACTIVE: list[subprocess.Popen[bytes]] = []
+# Starting the agents and ending them with their trees is compiler_collectives.tools.launch's,
+# imported inside the driver's functions: the ranks (--worker) run this file too, and import
+# nothing before their environment is set.
 ENDING_MARK = "[bench] ending the job"
-
-
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) for every process /proc shows; {} where there is no /proc."""
-    table: dict[int, tuple[int, str]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return table
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[19])
-    return table
-
-
-def _tree(root: int) -> dict[int, str]:
-    """The processes descending from ``root`` (itself included), each with its start time."""
-    table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found: dict[int, str] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in found:
-            found[pid] = table[pid][1]
-            todo.extend(children.get(pid, []))
-    return found
-
-
-def _signal_tree(tree: dict[int, str], sig: int) -> None:
-    table = _process_table()
-    for pid, start in tree.items():
-        if pid in table and table[pid][1] == start:  # the same process, not a reused pid
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-
-
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """End a torchrun agent and everything under it (its ranks run in sessions of their own)."""
-    tree = _tree(proc.pid)
-    _signal_tree(tree, signal.SIGTERM)
-    if proc.poll() is None and proc.pid not in tree:  # no /proc: the agent alone
-        proc.terminate()
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and proc.poll() is None:
-        tree.update(_tree(proc.pid))
-        time.sleep(0.1)
-    tree.update(_tree(proc.pid))
-    _signal_tree(tree, signal.SIGKILL)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(
@@ -402,40 +334,22 @@ def _launch(
     Returns each agent's exit status (negative: ended by that signal), whether the
     timeout struck, and the seconds taken. When one agent fails, the others
     get 30 s to end on their own (a peer waiting on a dead rank would wait out
-    its collective timeout) before they are ended too."""
-    procs: list[subprocess.Popen[bytes]] = []
+    its collective timeout) before they are ended too, with every process under them."""
+    from compiler_collectives.tools import launch
+
     started = time.monotonic()
-    timed_out = False
-    with open(log_path, "ab") as log:
-        try:
-            for i, (cmd, env) in enumerate(agents):
-                log.write(f"[bench] agent {i}: {' '.join(cmd)}\n".encode())
-                log.flush()
-                proc = subprocess.Popen(
-                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                procs.append(proc)
-                ACTIVE.append(proc)
-            deadline = started + timeout
-            failed_at: float | None = None
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = now
-                if now > deadline or (failed_at is not None and now > failed_at + 30):
-                    timed_out = now > deadline
-                    why = f"timed out after {timeout:.0f}s" if timed_out else "an agent failed 30s ago"
-                    log.write(f"{ENDING_MARK}: {why}\n".encode())
-                    log.flush()
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    kill_tree(p)
-                ACTIVE.remove(p)
-    rcs = [p.returncode for p in procs]
-    return rcs, timed_out, time.monotonic() - started
+    with open(log_path, "ab") as log, launch.Agents() as running:
+        for i, (cmd, env) in enumerate(agents):
+            log.write(f"[bench] agent {i}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            running.start(cmd, env=env, log=log)
+        stopped = launch.wait_all(lambda: [p.poll() for p in running.procs], started + timeout, 30.0)
+        if stopped is not None:
+            why = f"timed out after {timeout:.0f}s" if stopped == "timed out" else "an agent failed 30s ago"
+            log.write(f"{ENDING_MARK}: {why}\n".encode())
+            log.flush()
+    rcs = [p.returncode for p in running.procs]
+    return rcs, stopped == "timed out", time.monotonic() - started
 
 
 def _tail(path: str, lines: int = 30) -> str:
@@ -532,6 +446,8 @@ def _cache_env(cache_dir: str) -> dict[str, str]:
 
 def _job(args: argparse.Namespace, case: Case, base: dict[str, str], cache: str, out: str) -> list[Any]:
     """The torchrun agents of one job of ``case`` over ``cache``: (command, env) each."""
+    from compiler_collectives.tools.launch import free_port
+
     port = free_port()
     agents = []
     for node_rank, nproc in enumerate(case.agents):
@@ -571,6 +487,8 @@ def _warm_up(
     case: Case, args: argparse.Namespace, base: dict[str, str], cache: str, rundir: str, log_path: str
 ) -> tuple[float, str | None]:
     """Untimed: ready ``case``'s dirs as its row says. (seconds, None) or (seconds, why it failed)."""
+    from compiler_collectives.tools.launch import free_port
+
     out = os.path.join(rundir, "warmup")
     os.makedirs(out, exist_ok=True)
     if case.warm_rank0:
@@ -1008,28 +926,24 @@ def main() -> int:
     set_var, feature_note = _feature_known(args)
     log(feature_note)
     runs: list[dict[str, Any]] = []
-    try:
-        if not args.no_prime:
-            # The first compile of a session also reads torch's inductor modules, gcc and
-            # its headers from disk, and builds the precompiled header in the fresh TMPDIR:
-            # pay that untimed, not in whichever run comes first.
-            log("priming: an untimed 1-rank run")
-            prime = run_once(CASES[BASELINE], "default", -1, args, os.path.join(root, "prime"), set_var)
-            log("  ok" if prime["ok"] else f"  {prime['error']} (log: {prime['log']}); going on")
-        for rep in range(args.repeat):
-            for case in cases:
-                # Alternate which setting goes first, so neither always runs after the other.
-                for setting in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
-                    log(f"rep {rep + 1}/{args.repeat} {case.name} {SETTING_LABEL[setting]}: running")
-                    r = run_once(case, setting, rep, args, root, set_var)
-                    runs.append(r)
-                    if r["ok"]:
-                        log(f"  ok: wall {r['wall_s']:.2f}s (slowest rank), CPU {r['cpu_s']:.2f}s (summed)")
-                    else:
-                        log(f"  {r['error']} (log: {r['log']})")
-    finally:
-        for proc in list(ACTIVE):
-            kill_tree(proc)
+    if not args.no_prime:
+        # The first compile of a session also reads torch's inductor modules, gcc and
+        # its headers from disk, and builds the precompiled header in the fresh TMPDIR:
+        # pay that untimed, not in whichever run comes first.
+        log("priming: an untimed 1-rank run")
+        prime = run_once(CASES[BASELINE], "default", -1, args, os.path.join(root, "prime"), set_var)
+        log("  ok" if prime["ok"] else f"  {prime['error']} (log: {prime['log']}); going on")
+    for rep in range(args.repeat):
+        for case in cases:
+            # Alternate which setting goes first, so neither always runs after the other.
+            for setting in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
+                log(f"rep {rep + 1}/{args.repeat} {case.name} {SETTING_LABEL[setting]}: running")
+                r = run_once(case, setting, rep, args, root, set_var)
+                runs.append(r)
+                if r["ok"]:
+                    log(f"  ok: wall {r['wall_s']:.2f}s (slowest rank), CPU {r['cpu_s']:.2f}s (summed)")
+                else:
+                    log(f"  {r['error']} (log: {r['log']})")
     load_end = _uptime()
     rows = summarize(runs, cases)
     header = {

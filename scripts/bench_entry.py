@@ -14,6 +14,7 @@ The guard collective is on in every mode (the check needs it). Blocks of
 over all its calls, in µs per call. "added" is on minus off.
 
 Run:  scripts/dev python scripts/bench_entry.py [--world 2] [--calls 300] [--blocks 7] [--transport auto]
+      [--timeout 600]
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _PROGRAM = {"which": 0}
 
@@ -106,18 +106,24 @@ def _rank(rank: int, world: int, store: str, calls: int, blocks: int, transport:
 
 
 def main() -> None:
+    # Imported here, not at the top: spawned ranks run this file's top too, and must import
+    # compiler_collectives only where their own code does.
+    from compiler_collectives.tools import launch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--transport", default="auto", choices=("auto", "gloo"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take; then they are killed")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-entry-")
     out = os.path.join(tmp, "out.json")
-    mp.spawn(
+    launch.run_to_end(
         _rank,
+        args.world,
         args=(args.world, os.path.join(tmp, "store"), args.calls, args.blocks, args.transport, out),
-        nprocs=args.world,
+        timeout_s=args.timeout,
     )
     with open(out) as f:
         result = json.load(f)

@@ -25,7 +25,7 @@ A block is `--calls` calls; a mode's figure is the median over all its calls.
 rank, as torchrun does for each of its agents: ranks of one host share a
 segment, and the host leaders exchange over gloo on loopback.
 
-Run:  scripts/dev bench-guard [--worlds 2 4] [--hosts 1] [--calls 300] [--blocks 7]
+Run:  scripts/dev bench-guard [--worlds 2 4] [--hosts 1] [--calls 300] [--blocks 7] [--timeout 600]
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,11 +155,17 @@ def _rank(rank: int, world: int, hosts: int, store: str, calls: int, blocks: int
     dist.destroy_process_group()
 
 
-def run(world: int, hosts: int, calls: int, blocks: int) -> tuple[str, dict[str, float]]:
+def run(world: int, hosts: int, calls: int, blocks: int, timeout_s: float) -> tuple[str, dict[str, float]]:
     """Rank 0's median per mode, plus "none-slowest": the slowest rank's "none"."""
+    # Imported here, not at the top: spawned ranks run this file's top too, and must import
+    # compiler_collectives only where their own code does.
+    from compiler_collectives.tools import launch
+
     tmp = tempfile.mkdtemp(prefix="cc-bench-guard-")
     out_path = os.path.join(tmp, "result.json")
-    mp.spawn(_rank, args=(world, hosts, os.path.join(tmp, "store"), calls, blocks, out_path), nprocs=world)
+    launch.run_to_end(
+        _rank, world, args=(world, hosts, os.path.join(tmp, "store"), calls, blocks, out_path), timeout_s=timeout_s
+    )
     results = []
     for rank in range(world):
         with open(f"{out_path}.{rank}") as fh:
@@ -176,6 +181,9 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=1, help="split each world into this many hosts (GROUP_RANK)")
     parser.add_argument("--calls", type=int, default=300, help="calls per block")
     parser.add_argument("--blocks", type=int, default=7, help="measured blocks per mode")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds the ranks of one world may take; then they are killed"
+    )
     args = parser.parse_args()
     print(
         f"bench_guard: worlds {args.worlds}, hosts {args.hosts}, {args.blocks} blocks x {args.calls} "
@@ -184,7 +192,7 @@ def main() -> None:
     )
     rows = []
     for world in args.worlds:
-        transport, med = run(world, args.hosts, args.calls, args.blocks)
+        transport, med = run(world, args.hosts, args.calls, args.blocks, args.timeout)
         rows.append((world, transport, med))
     print()
     print("| ranks | hosts | ours on | " + " | ".join(MODES) + " |")

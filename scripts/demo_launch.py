@@ -1,9 +1,10 @@
 """Starting and reaping the ranks: each run in fresh rank processes, or this rank's part under torchrun.
 
 A run is one way of training (``RUNS``); ``launch_run`` starts its ranks as
-processes, relays their progress, bounds them by the demo's timeout, asks a
-stuck rank where it waits before killing it, and gathers what each rank came
-to in a ``RunOutcome``. Under torchrun there is no parent to do that:
+processes (``compiler_collectives.tools.launch`` starts and reaps them),
+relays their progress, bounds them by the demo's timeout, asks a stuck rank
+where it waits before it is killed, and gathers what each rank came to in a
+``RunOutcome``. Under torchrun there is no parent to do that:
 ``run_this_rank`` runs every run in this process. What those outcomes say to
 the user is ``demo_report``'s.
 """
@@ -13,10 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
-import logging
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import re
 import shutil
 import signal
@@ -24,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +30,7 @@ import torch.distributed as dist
 from demo_training import DemoConfig, train
 
 import compiler_collectives
-
-log = logging.getLogger("compiler_collectives.demo")
-
+from compiler_collectives.tools import launch
 
 # --------------------------------------------------------------------- runs
 
@@ -262,24 +258,6 @@ def _rank_main(
 ProgressFn = Callable[[str], None]
 
 
-def _mp_context() -> Any:
-    """Where rank processes come from: fresh processes, without paying `import torch` each time.
-
-    With "forkserver" every rank is forked from a server process that has only
-    imported this module (so torch): nothing was compiled or initialized
-    there, so each rank starts as clean as a spawned one, seconds sooner. That
-    needs a server that takes our sys.path (Python 3.12.8, 3.13.1 and later):
-    an older one cannot import this module from scripts/, so each rank imports
-    it, and torch, itself. Either way a rank has our sys.path before it
-    unpickles ``_rank_main``.
-    """
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        return ctx
-    return mp.get_context("spawn")
-
-
 def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: None) -> RunOutcome:
     """Run ``train`` on ``cfg.nproc`` fresh rank processes; bounded by ``cfg.timeout``.
 
@@ -288,31 +266,33 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     fails, the others are asked at once where they are (their stacks go to
     their logs), since that is where they were stuck.
     """
-    ctx = _mp_context()
     rcfg = run_config(run, cfg)
     run_dir = tempfile.mkdtemp(prefix=f"cc-demo-{run.name}-")
     cache_dir = tempfile.mkdtemp(prefix=f"cc-demo-{run.name}-inductor-") if run.compile_part else None
-    messages = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, cfg.nproc, run.name, cfg, run_dir, messages, cache_dir),
-            name=f"demo-{run.name}-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(cfg.nproc)
-    ]
     outcomes = [RankOutcome(rank, "running") for rank in range(cfg.nproc)]
-    started = time.monotonic()
-    deadline = started + cfg.timeout
     failed_at: float | None = None
     grace_after_failure = 10.0  # peers of a failed rank are stuck in collectives
     quiet_notice_s = 30.0  # say so when no rank finished a step for this long
-    last_news = started
     interrupted = True  # until the loop below ends normally
+    ranks: launch.Ranks | None = None
     try:
+        # From a forkserver that has imported this module (so torch), where it can:
+        # that needs a server that takes our sys.path (Python 3.12.8, 3.13.1 and
+        # later); an older one cannot import this module from scripts/, so each
+        # rank imports it, and torch, itself. Either way a rank has our sys.path
+        # before it unpickles ``_rank_main``.
+        ranks = launch.start_ranks(
+            _rank_main,
+            cfg.nproc,
+            lambda rank, messages: (rank, cfg.nproc, run.name, cfg, run_dir, messages, cache_dir),
+            preload=[__name__],
+            name=f"demo-{run.name}",
+        )
+        procs = ranks.procs
+        started = ranks.started
+        deadline = started + cfg.timeout
+        last_news = started
         for p, o in zip(procs, outcomes):
-            p.start()
             o.pid = p.pid
         while any(o.status == "running" for o in outcomes):
             now = time.monotonic()
@@ -326,13 +306,12 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                     f"stuck); steps done per rank: {done}; timeout in {deadline - now:.0f}s"
                 )
                 last_news = now
-            try:
-                message = messages.get(timeout=0.5)
-            except queue_mod.Empty:
+            message = ranks.receive(timeout=0.5)
+            if message is None:
                 for o, p in zip(outcomes, procs):
                     # Exited, and nothing of it is left in the queue: it died
                     # without reporting (a signal, os._exit, a crash in C++).
-                    if o.status == "running" and p.exitcode is not None and messages.empty():
+                    if o.status == "running" and p.exitcode is not None and ranks.messages.empty():
                         o.status, o.error = "died", f"exit code {p.exitcode}"
                         failed_at = failed_at or time.monotonic()
                 continue
@@ -355,12 +334,13 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
                     _request_stacks(p for p, q in zip(procs, outcomes) if q.status == "running")
         interrupted = False
     finally:
-        # Ranks that reported are exiting: give them a moment. Otherwise we are
-        # past the deadline (or interrupted): no more waiting.
-        all_reported = all(o.status != "running" for o in outcomes)
-        _reap(procs, grace_s=5.0 if all_reported else 0.0)
-        messages.close()
-        messages.cancel_join_thread()
+        if ranks is not None:
+            # Ranks that reported are exiting: give them a moment. Otherwise we are
+            # past the deadline (or interrupted): no more waiting. Those still
+            # running are asked where they are stuck before they are killed.
+            all_reported = all(o.status != "running" for o in outcomes)
+            launch.reap(ranks.procs, 5.0 if all_reported else 0.0, before_kill=_stacks_before_kill)
+            ranks.close()
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
         if interrupted:  # nobody will be shown the logs
@@ -383,7 +363,7 @@ def launch_run(run: Run, cfg: DemoConfig, progress: ProgressFn = lambda line: No
     return outcome
 
 
-def _request_stacks(procs: Iterator[Any] | Sequence[Any]) -> None:
+def _request_stacks(procs: Iterable[Any]) -> None:
     """Ask rank processes to write their Python stack to their logs (faulthandler)."""
     if _STACK_SIGNAL is None:
         return
@@ -394,22 +374,11 @@ def _request_stacks(procs: Iterator[Any] | Sequence[Any]) -> None:
             pass
 
 
-def _reap(procs: Sequence[Any], grace_s: float) -> None:
-    """Give children ``grace_s`` to exit; ask the rest where they are stuck, kill them, join all."""
-    grace = time.monotonic() + grace_s
-    for p in procs:
-        if p.pid is not None:  # None: never started
-            p.join(timeout=max(0.0, grace - time.monotonic()))
-    stuck = [p for p in procs if p.pid is not None and p.is_alive()]
-    _request_stacks(stuck)  # faulthandler writes each one's stack to its log
-    if stuck and _STACK_SIGNAL is not None:
+def _stacks_before_kill(stuck: list[Any]) -> None:
+    """Before stuck ranks are killed: their stacks, which faulthandler writes to their logs."""
+    _request_stacks(stuck)
+    if _STACK_SIGNAL is not None:
         time.sleep(1.0)
-    for p in stuck:
-        log.info("killing %s (pid %d)", p.name, p.pid)
-        p.kill()
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=10)
 
 
 # Sent to a stuck rank before it is killed; None where there is no SIGUSR1 (Windows).

@@ -25,7 +25,7 @@ Modelled, for N = L ranks per host x H hosts:
 ``--hop-us`` replaces the measured loopback hop with a datacentre figure (a
 TCP hop between hosts is typically 10-50 µs); ``--ranks-per-host`` sets L.
 
-Run:  scripts/dev python scripts/guard_scale_model.py [--hop-us 25] [--ranks-per-host 8]
+Run:  scripts/dev python scripts/guard_scale_model.py [--hop-us 25] [--ranks-per-host 8] [--timeout 600]
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 CALLS = 3000
 
@@ -126,12 +125,16 @@ def _two_hosts_rank(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure() -> dict[str, float]:
+def measure(timeout_s: float) -> dict[str, float]:
+    # Imported here, not at the top: spawned ranks run this file's top too, and must import
+    # compiler_collectives only where their own code does.
+    from compiler_collectives.tools import launch
+
     figures: dict[str, float] = {}
     for target in (_rank, _two_hosts_rank):
         tmp = tempfile.mkdtemp(prefix="cc-scale-")
         out = os.path.join(tmp, "out.json")
-        mp.spawn(target, args=(os.path.join(tmp, "store"), out), nprocs=2)
+        launch.run_to_end(target, 2, args=(os.path.join(tmp, "store"), out), timeout_s=timeout_s)
         with open(out) as fh:
             figures.update(json.load(fh))
     figures["round"] = max(0.0, figures["two_hosts"] - figures["shm"] - figures["hop"])
@@ -169,8 +172,11 @@ def main() -> None:
         help="one-way latency of a hop between hosts (default: measured loopback hop)",
     )
     parser.add_argument("--ranks-per-host", type=int, default=8)
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds each 2-rank measurement may take; then it is killed"
+    )
     args = parser.parse_args()
-    f = measure()
+    f = measure(args.timeout)
     hop = f["hop"] if args.hop_us is None else args.hop_us
     print(f"guard_scale_model (A MODEL, not a measurement at scale), torch {torch.__version__}")
     print(

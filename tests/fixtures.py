@@ -1,5 +1,5 @@
 """What the parent side of many tests builds alike: the guard-transport parametrization, job
-environments and inductor cache dirs.
+environments, inductor cache dirs, and whether a process is gone.
 
 Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 ``tests/harness.py``.
@@ -23,6 +23,19 @@ GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
 NAMED_WITHIN_SECONDS = pytest.mark.whole_machine(
     "asserts that a failure is named within seconds: beside other tests the detecting rank is scheduled late"
 )
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid``, or only a zombie waiting for whoever adopted it (its parent was reaped first)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def guard_env(transport: str, base: dict[str, str] | None = None) -> dict[str, str]:

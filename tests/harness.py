@@ -17,6 +17,11 @@ Every rank's exit code is checked, also for ranks that reported a result and
 also with ``check=False``: a rank killed by a signal (SIGABRT from
 ``std::terminate``, SIGSEGV) fails the test unless the test names that
 signal for that rank in ``expect_signals``.
+
+Starting and reaping the processes is ``compiler_collectives.tools.launch``'s
+(shared with the demo and the benchmarks). This module imports it inside its
+functions only: the forkserver preloads this module, and a package imported
+there would read its settings before a rank's ``env`` is in place.
 """
 
 from __future__ import annotations
@@ -24,32 +29,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import multiprocessing as mp
 import os
 import pickle
-import queue as queue_mod
-import signal
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-_CONTEXTS: dict[str, Any] = {}
 EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
-
-
-def _context(start_method: str) -> Any:
-    ctx = _CONTEXTS.get(start_method)
-    if ctx is None:
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(
-                # compile_fx: 1.5 CPU-s a rank that uses inductor would pay again in every test
-                ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "tests.harness"]
-            )
-        _CONTEXTS[start_method] = ctx
-    return ctx
+# What the forkserver imports once for every rank; compile_fx: 1.5 CPU-s a rank
+# that uses inductor would pay again in every test. Not compiler_collectives.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "tests.harness")
 
 
 class RanksFailed(AssertionError):
@@ -143,7 +134,8 @@ def run_ranks(
     ``rank_env`` adds variables for some ranks only (a setting that differs
     on one node), on top of ``env``.
     """
-    ctx = _context(start_method)
+    from compiler_collectives.tools import launch
+
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
     env.setdefault("HARNESS_JOB_DIR", tmp)  # for release() / stay_until()
@@ -157,77 +149,65 @@ def run_ranks(
     else:
         init_method = f"file://{os.path.join(tmp, 'store')}"
     expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(
-                (fn.__module__, fn.__qualname__),
-                rank,
-                world_size,
-                init_method,
-                {**env, **(rank_env or {}).get(rank, {})},
-                tuple(args),
-                init,
-                results,
-            ),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    started = time.monotonic()
-    deadline = started + timeout
-    for p in procs:
-        p.start()
+    ranks = launch.start_ranks(
+        _child,
+        world_size,
+        lambda rank, results: (
+            (fn.__module__, fn.__qualname__),
+            rank,
+            world_size,
+            init_method,
+            {**env, **(rank_env or {}).get(rank, {})},
+            tuple(args),
+            init,
+            results,
+        ),
+        start_method=start_method,
+        preload=PRELOAD,
+    )
+    deadline = ranks.started + timeout
     values: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
     reported: set[int] = set()
 
-    def record(status: str, rank: int, value: Any) -> None:
+    def record(message: Any) -> bool:
+        if message is None:
+            return False
+        status, rank, value = message
         reported.add(rank)
         if status == "ok":
             values[rank] = pickle.loads(value)
         else:
             errors[rank] = value
+        return True
 
     try:
         while len(reported) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                record(*results.get(timeout=min(remaining, 0.5)))
-            except queue_mod.Empty:
+            if not record(ranks.receive(timeout=min(remaining, 0.5))):
                 # A rank that died without reporting (signal, os._exit) never will.
-                if all(not p.is_alive() for i, p in enumerate(procs) if i not in reported):
+                if all(not p.is_alive() for i, p in enumerate(ranks.procs) if i not in reported):
                     # Drain anything that raced in, then stop waiting.
-                    try:
-                        while True:
-                            record(*results.get(timeout=0.2))
-                    except queue_mod.Empty:
-                        break
+                    while record(ranks.receive(timeout=0.2)):
+                        pass
+                    break
     finally:
-        timed_out = []
-        stuck_at_exit = []
-        for rank, p in enumerate(procs):
-            if rank in reported:
-                # A real interpreter exit (spawn) runs torch's static destructors,
-                # which take seconds on a loaded machine: allow for it.
-                p.join(timeout=EXIT_GRACE_S)
-            else:
-                p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
-            if p.is_alive():
-                (stuck_at_exit if rank in reported else timed_out).append(rank)
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(timeout=10)
-        results.close()
-        results.join_thread()
+        # A real interpreter exit (spawn) runs torch's static destructors, which
+        # take seconds on a loaded machine: a rank that reported gets EXIT_GRACE_S.
+        unreported_grace = max(0.0, min(5.0, deadline + 5.0 - time.monotonic()))
+        graces = [EXIT_GRACE_S if rank in reported else unreported_grace for rank in range(world_size)]
+        killed = launch.reap(ranks.procs, graces)
+        ranks.close()
+    timed_out = [rank for rank in killed if rank not in reported]
+    stuck_at_exit = [rank for rank in killed if rank in reported]
     outcome = Outcome(
         results=values,
         errors=errors,
-        exitcodes=[p.exitcode for p in procs],
+        exitcodes=ranks.exitcodes,
         timed_out=timed_out + stuck_at_exit,
-        elapsed_s=time.monotonic() - started,
+        elapsed_s=time.monotonic() - ranks.started,
     )
     problems = [
         f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed" for rank in stuck_at_exit
@@ -236,13 +216,12 @@ def run_ranks(
         if rank in outcome.timed_out or code is None or code >= 0 or expected.get(rank) == code:
             continue
         problems.append(
-            f"--- rank {rank} was ended by signal {_signal_name(-code)} (exit code {code})"
-            + (" after reporting its result" if rank in reported else "")
+            f"--- rank {rank} {launch.exit_text(code)}" + (" after reporting its result" if rank in reported else "")
         )
     for rank, code in sorted(expected.items()):
         if outcome.exitcodes[rank] != code:
             problems.append(
-                f"--- rank {rank} was expected to end by signal {_signal_name(-code)}, "
+                f"--- rank {rank} was expected to end by signal {launch.signal_name(-code)}, "
                 f"but its exit code is {outcome.exitcodes[rank]}"
             )
     if check:
@@ -285,19 +264,10 @@ def stay_until(count: int, max_s: float, name: str = "released") -> bool:
     return False
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
-
-
 def free_port() -> int:
-    import socket
+    from compiler_collectives.tools import launch
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return launch.free_port()
 
 
 @contextlib.contextmanager

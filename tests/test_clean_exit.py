@@ -42,37 +42,32 @@ RUNS = 4
 
 @pytest.mark.timeout(240)
 def test_a_job_with_a_busy_heartbeat_that_skips_destroy_exits_zero_on_every_rank_every_time(tmp_path):
+    from compiler_collectives.tools.launch import Agents
+
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
     for run in range(RUNS):
         # The ranks as torchrun starts them, from env vars, without its agent (a third
         # interpreter that adds a quarter to the cost and nothing to what is tested).
         port = str(free_port())
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=clean_env(
-                    COMPILER_COLLECTIVES_HEARTBEAT_S="0.0001",
-                    OMP_NUM_THREADS="1",
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port,
-                    WORLD_SIZE="2",
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                ),
-            )
-            for rank in range(2)
-        ]
-        try:
-            outputs = [rank.communicate(timeout=100) for rank in ranks]
-        finally:
-            for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait()
-        for rank, (proc, (_, err)) in enumerate(zip(ranks, outputs)):
+        with Agents() as started:  # a rank still running at the end is killed
+            ranks = [
+                started.start(
+                    [sys.executable, str(script)],
+                    log=subprocess.PIPE,
+                    env=clean_env(
+                        COMPILER_COLLECTIVES_HEARTBEAT_S="0.0001",
+                        OMP_NUM_THREADS="1",
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port,
+                        WORLD_SIZE="2",
+                        RANK=str(rank),
+                        LOCAL_RANK=str(rank),
+                    ),
+                )
+                for rank in range(2)
+            ]
+            outputs = [rank.communicate(timeout=100)[0].decode(errors="replace") for rank in ranks]
+        for rank, (proc, err) in enumerate(zip(ranks, outputs)):
             assert proc.returncode == 0, f"run {run}, rank {rank}: exit code {proc.returncode}\n{err[-3000:]}"
             assert "terminate called" not in err, f"run {run}, rank {rank}:\n{err[-3000:]}"

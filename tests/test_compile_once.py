@@ -439,20 +439,18 @@ def test_four_torchrun_agents_with_a_cache_dir_each_compile_once_and_each_dir_re
     env = dict(os.environ, **ENV, TORCH_COMPILER_COLLECTIVES="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    agents = []
-    for node in range(AGENTS):
-        agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--node-rank", str(node)]
-        cmd += ["--nproc-per-node", str(PER_AGENT), "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
-        agents.append(subprocess.Popen(cmd, env=agent_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outputs = [a.communicate(timeout=360)[0].decode() for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-                a.wait()
-    assert [a.returncode for a in agents] == [0] * AGENTS, outputs
+    # Imported here: the ranks of this file's other tests import it, and compiler_collectives
+    # only where their own code does.
+    from compiler_collectives.tools.launch import Agents
+
+    with Agents() as agents:  # what is still running at the end is killed, ranks included
+        for node in range(AGENTS):
+            agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--node-rank", str(node)]
+            cmd += ["--nproc-per-node", str(PER_AGENT), "--master-addr", "127.0.0.1", "--master-port", port]
+            agents.start([*cmd, str(script)], env=agent_env, log=subprocess.PIPE, cwd=REPO)
+        outputs = [a.communicate(timeout=360)[0].decode() for a in agents.procs]
+    assert [a.returncode for a in agents.procs] == [0] * AGENTS, outputs
     ranks = {}
     for line in (line for out in outputs for line in out.splitlines() if line.startswith("RANK ")):
         rank, rest = line[5:].split(" STATES ")

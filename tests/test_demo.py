@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import compiler_collectives
+from tests.fixtures import gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -44,19 +45,6 @@ def _table_rows(stdout: str, run: str) -> dict[int, str]:
         if m:
             rows[int(m.group(1))] = line
     return rows
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # Still there: only acceptable as a zombie waiting for init.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.mark.multiprocess
@@ -135,7 +123,7 @@ def test_the_default_demo_tells_the_story_hazard_stuck_cure_agrees_cost_shown(tm
     assert "scripts/dev demo --compile-once" in proc.stdout, output
     for run in (hazard, on):
         for rank in run["ranks"]:
-            assert _gone(rank["pid"]), f"rank process {rank['pid']} of run {run['run']} was not reaped"
+            assert gone(rank["pid"]), f"rank process {rank['pid']} of run {run['run']} was not reaped"
 
 
 def _demo_parser():

@@ -554,38 +554,33 @@ def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_seco
         RESULT_DIR=str(tmp_path),
         COMPILER_COLLECTIVES_TIMEOUT="60",
     )
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                str(script),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        logs = [a.communicate(timeout=170)[0] for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-                a.wait()
+    from compiler_collectives.tools.launch import Agents
+
+    with Agents() as started:  # an agent still running at the end is killed with its ranks
+        agents = [
+            started.start(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--nproc-per-node",
+                    "2",
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    str(port),
+                    str(script),
+                ],
+                env=env,
+                log=subprocess.PIPE,
+            )
+            for node in (0, 1)
+        ]
+        logs = [a.communicate(timeout=170)[0].decode(errors="replace") for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]

@@ -61,6 +61,18 @@ def test_a_ranks_tensor_result_arrives_by_value_not_through_its_process():
         assert not result["values"].is_shared()
 
 
+def sees_compiler_collectives_imported(rank: int, world: int) -> bool:
+    import sys
+
+    return "compiler_collectives" in sys.modules
+
+
+def test_a_rank_has_not_imported_compiler_collectives_before_its_own_code_does():
+    # The forkserver preloads tests.harness: had that imported the package, it would
+    # have read its settings there, before a rank's env was in place.
+    assert run_ranks(sees_compiler_collectives_imported, 2, init=False, timeout=60).results == [False, False]
+
+
 def _hold_machine(path: str, exclusive: bool, name: str, entered, release, order) -> None:
     with machine_lock(path, exclusive=exclusive):
         order.put(name)
