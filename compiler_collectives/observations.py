@@ -181,3 +181,14 @@ class DistributedState:
     # every rank's predicted entries for the frame's own arguments.
     early_states: list[LocalState] | None = None
     early_names: frozenset[str] = frozenset()
+
+    def end(self) -> None:
+        """The compile ended: let go of the compile group and of Dynamo's tracers.
+
+        Dynamo's tracers hold this box and sit in reference cycles of their
+        own (``origins`` adds one), freed only by a later garbage collection:
+        the compile group kept here would keep the default group's store, and
+        its port, open after ``destroy_process_group()`` until then.
+        """
+        self.compile_pg = None
+        self.origins.clear()

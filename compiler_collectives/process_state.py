@@ -15,6 +15,13 @@ The moments, and who calls ``run``:
 
 * ``RESET``: ``compiler_collectives.reset()`` on every rank together;
 * ``TORCH_RESET``: ``torch.compiler.reset()`` (Dynamo's caches went);
+* ``GROUP_ENDING``: ``destroy_process_group()`` of the default group is about
+  to run (the c10d seam): let go of its store, and nothing else. Threads are
+  signalled, not joined, and references dropped, so that torch's own teardown
+  drops the store's last reference and its server closes its port then, not
+  after our clears: a peer that re-initializes on the same port meanwhile
+  must not meet the old store. ``GROUP_DESTROYED`` follows once torch's
+  destroy returned;
 * ``GROUP_DESTROYED``: the default group ended: ``destroy_process_group()``
   (the c10d seam), or a new default group found where the old one's destroy
   was not seen (``transport.groups``' ``notice()``, the one place that
@@ -51,6 +58,7 @@ F = TypeVar("F", bound=Callable[..., object])
 class Moment(enum.Enum):
     RESET = "compiler_collectives.reset()"
     TORCH_RESET = "torch.compiler.reset()"
+    GROUP_ENDING = "the start of destroy_process_group() of the default group (its store is let go)"
     GROUP_DESTROYED = "the end of the default group (destroy_process_group(), or a new one noticed)"
     FORK = "a forked child"
     STATS = "compiler_collectives.reset_stats()"
@@ -58,6 +66,7 @@ class Moment(enum.Enum):
 
 RESET = Moment.RESET
 TORCH_RESET = Moment.TORCH_RESET
+GROUP_ENDING = Moment.GROUP_ENDING
 GROUP_DESTROYED = Moment.GROUP_DESTROYED
 FORK = Moment.FORK
 STATS = Moment.STATS

@@ -78,9 +78,14 @@ class Counters:
     # this rank's guards and artifacts refused (digest, layout, size): both
     # then compiled here; peers that compiled locally after a miss or refusal;
     # files whose SHA-256 did not match; copies of an artifact this rank sent
-    # (as its source, or forwarding down the tree), bytes moved; time spent waiting
+    # (as its source, or forwarding down the tree), bytes moved; time spent waiting.
+    # once_tree_exchanges: exchanges that went over the host tree (transport/hosttree.py: a
+    # key settle, a result broadcast, a load report as flags); once_gathers: all-gathers of the
+    # whole compile group (a generation's first graph, keys that differ, a miss or refusal)
     once_exchanges: int = 0
     once_keys_reduced: int = 0
+    once_tree_exchanges: int = 0
+    once_gathers: int = 0
     once_compiled: int = 0
     once_served: int = 0
     once_loaded: int = 0
@@ -95,6 +100,10 @@ class Counters:
     once_wait_s: float = 0.0
     # slow path: recompile reasons exchanged after an agreed miss
     guard_reason_exchanges: int = 0
+    # requests this rank's side channel sent to the c10d store (health/watchdog.py: heartbeats,
+    # failure reports, rendezvous, notices and the compile wait's waits and heartbeat reads; a
+    # timed-out wait counts two, its cancel included); groups made on the store are not counted
+    store_requests: int = 0
     # failures
     errors: int = 0
 

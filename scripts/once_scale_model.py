@@ -48,29 +48,58 @@ piece (every piece's receive is posted at once):
   again before it installs (``transfer.install``: S/h more), and its dir's other ranks check the
   files in place once it posted its install (S/h more for them).
 
-Exchanges per graph (every rank; they do not depend on S):
-  all-gathers (before issue 30, and at commit 0849bbd): three (keys, result, load report;
-      ``exchange.gather``), each one round of fixed slots of 16 + 4096 bytes
-      (COMPILER_COLLECTIVES_INLINE_SLOT_BYTES; an offer encodes to ~210 bytes, ``wire/once.py``)
-      on gloo's ring all-gather, and every rank decodes all N payloads (``--decode-us``, 20 per
-      payload; 72 measured here under load):
-      bytes per rank (N-1)*slot each way; time AG = (N-1)*(hop + slot/B) + N*decode.
-      (A result whose manifest and fingerprints pass 4,096 bytes takes a second round: not counted.)
-  reduced keys (issue 30 item 3 as designed here; commit 2bb40f3 built item 3 otherwise, as one
-      MIN all-reduce of a fixed record over the compile group, with the all-gather of offers at a
-      generation's first graph and on a mismatch: not modeled), every key matching: the ranks of a
-      host meet in shared memory (``--shm-us``, 5) as the guard's channel does; the host leaders
-      reduce one fixed record up a tree of fan-out Fk (``--key-fanout``, 2) and broadcast the
-      verdict down. The record: SHA-256 of the host's (local index, key, switches, graph) and,
-      per local index, the best (holds, warmth, rank), 32 + 16*L bytes; dirs are elected on the
-      host. With dk = depth(H, Fk):
-      bytes per rank at most (Fk+1)*record each way; time 2*shm + 2*dk*(hop + o).
-  reduced keys, a mismatch: the above, then the all-gather of every offer (AG).
-  Item 3 changes the keys only: the result and the load report stay all-gathers (2*AG),
-  which the last table column shows; reduced the same way they would cost about the keys' time each.
+Exchanges per graph (every rank; they do not depend on S), with R the result's encoded bytes
+(``--result-kib``, 8: a manifest and a digest per 1 MiB piece; a 100 MB artifact has 96) and
+S_src the sources of one graph (G: one per key group):
+  before issue 37 (the code up to its item 3, "before37" in the JSON): the keys one gloo ring
+      MIN all-reduce of 5 int64 over the N ranks, 2(N-1)*hop; GPU jobs (``--keys device``)
+      on more than one host never match it (the digest held the device's key) and all-gather
+      every offer after it; the result one all-gather of fixed slots of 16 + 4096 bytes
+      (COMPILER_COLLECTIVES_INLINE_SLOT_BYTES) and, where R passes 4,096 bytes, a second round of
+      R-byte slots; the load report one all-gather; every all-gather decodes N payloads
+      (``--decode-us``, 20):
+        AG(slot) = (N-1)*(hop + slot/B) + N*decode
+  as built (issue 37 item 3; ``transport/hosttree.py``), with L ranks per host:
+      tree MIN (the keys; the load report's flags): each rank sends a record of 8 + 4L int64 to
+          its host's leader over gloo's loopback (``--local-hop-us``, 30), the leaders MIN it by
+          recursive doubling (ceil(log2 H) rounds, two more when H is not a power of two; each a
+          send and a receive), the leader sends it back; the exchange runs on a helper thread
+          (``--thread-us``, 100):
+            Tmin = 2*(local + (L-1)*o) + rounds*(hop + 2*o + rec/B) + thread
+          bytes per rank: rec each way (a leader: (L-1)*rec each way plus rec per round);
+      result: each source's R bytes down a binomial tree over the N ranks (ceil(log2 N) levels,
+          a header and the bytes per level), sources one after another:
+            Tbc = S_src*(ceil(log2 N)*(hop + 2*o + R/B) + decode + thread)
+      per graph, keys matching and every rank loading: 2*Tmin + Tbc; a graph where some rank
+      missed or refused adds the load report's all-gather (AG of 4 KiB slots, for the names and
+      the reasons); a generation's first graph adds the all-gather of offers and one all-gather
+      of host keys (8 bytes per rank).
+  Keys per device index settle in the tree MIN: torch's own keys hold the device index (the FX
+  graph cache's pickler keys tensors with ``device_id_agnostic=False``) and so never match across
+  a host; the record compares each index's key across hosts instead (``protocol._settle_keys``).
+
+Store requests (the c10d store: one server, rank 0's under torchrun; every figure per second at
+that store):
+  heartbeat: every rank writes its record and reads the failure count every
+      COMPILER_COLLECTIVES_HEARTBEAT_S (``--heartbeat-s``, 1): 2N/hb;
+  compile wait: while a graph compiles, every rank but the sources waits for every source's
+      post (``compile_wait.wait_for_posts``). As built (issue 37 item 2) it blocks: a store
+      connection of its own (one request: ``watchdog.NoticeWait``), then per source one
+      blocking ``wait`` and one ``get``; the sources' liveness read once (per source its failure
+      key, whether it has a record, the record), then one ``multi_get`` of all their records
+      each time the last read makes them look silent: once per stale_after = 2.5 hb + 0.5 s
+      (3 s) while they beat (``watchdog.PeerRecords``); /proc and the gloo connection cost the
+      store nothing, failure reports come through the heartbeat. Steady state:
+      (N - S_src) / stale_after; per graph (N - S_src) * (1 + 5 S_src + C / stale_after) + S_src
+      over a compile of C seconds (``--compile-s``, 30).
+      Before, it polled: per pending source and look, one check of the post and three reads of
+      the source's liveness, looks backing off from 5 ms to every 0.2 s: (N - S_src) * S_src *
+      4 / 0.2 s, and about 7 + (C - 0.3)/0.2 looks per pending source over a compile.
+  Posts: one per source and one per receiver with readers per graph (a set each).
 
 Run:  scripts/dev python scripts/once_scale_model.py [--hosts 1,8,128,1024,2048] [--sizes-mb 100]
-      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 1] [--hop-us 25] [--keys device|job] [--json]
+      [--links-gbps 10,100] [--fanout 2] [--chunk-mib 1] [--hop-us 25] [--keys device|job]
+      [--result-kib 8] [--compile-s 30] [--json]
 """
 
 from __future__ import annotations
@@ -101,11 +130,26 @@ class Figures:
     send_us: float = 20.0
     hash_gbs: float = 1.5
     decode_us: float = 20.0
-    shm_us: float = 5.0
     fanout: int = 2
-    key_fanout: int = 2
     chunk_mib: float = 1.0
     keys: str = "device"  # or "job"
+    local_hop_us: float = 30.0  # one message between two ranks of a host over gloo's loopback
+    thread_us: float = 100.0  # starting and joining the helper thread of one tree exchange
+    result_kib: float = 8.0  # one source's encoded result
+    heartbeat_s: float = 1.0  # COMPILER_COLLECTIVES_HEARTBEAT_S
+    compile_s: float = 30.0  # how long the source's compile of one graph takes
+
+
+TARGET_EXCHANGES = (1024, 10.0, 0.1)  # issue 37's check: hosts, Gb/s, seconds per graph for the exchanges
+POLL_S = (0.005, 0.2)  # before issue 37 item 2: the polling wait's first and longest sleep between looks
+LOOK_REQUESTS = (
+    4  # before: per pending source and look: the post's check, the failure key, the heartbeat's check and get
+)
+WAIT_REQUESTS = 1  # per waiting rank and graph: its notice wait's own store connection (a clone connects)
+NOTICE_REQUESTS = 2  # per source: the blocking wait for its post, and the get of it
+FIRST_READ_REQUESTS = 3  # per source, once per graph: its failure key, whether it has a record, the record
+RECORD_EVERY_S = 1.0  # watchdog.RECORD_EVERY_S: heartbeats off, how often a source's failure key is read
+HEARTBEAT_REQUESTS = 2  # per beat: the record's set, the failure count's add
 
 
 def depth(dirs: int, fanout: int) -> int:
@@ -173,34 +217,139 @@ def all_gather(hosts: int, link: float, f: Figures) -> dict[str, float]:
     }
 
 
+def sources(hosts: int, f: Figures) -> int:
+    """The sources of one graph: one per key group; none where no two ranks share a key (one
+    host of a GPU job: every rank compiles its own, and no result or load report follows)."""
+    return 0 if f.keys == "device" and hosts == 1 else groups(hosts, f)[0]
+
+
+def _rounds(hosts: int) -> int:
+    """The leaders' recursive doubling (``hierarchy.doubling_plan``): the most steps any leader takes."""
+    if hosts <= 1:
+        return 0
+    p = 1 << (hosts.bit_length() - 1)
+    return (p.bit_length() - 1) + (2 if p != hosts else 0)
+
+
 def record_bytes(f: Figures) -> int:
-    return 32 + 16 * f.ranks_per_host
+    """The tree MIN's record (``protocol._record_width``): 8 + 4 int64 per index on a host."""
+    return 8 * (8 + 4 * f.ranks_per_host)
 
 
-def new_keys(hosts: int, link: float, f: Figures, match: bool = True) -> dict[str, float]:
-    """The reduced key exchange (issue 30 item 3 as designed here, not as built): a reduce of one
-    fixed record per host up a tree, the verdict down; on a mismatch, the all-gather after it."""
-    dk = depth(hosts, f.key_fanout)
+def tree_min(hosts: int, link: float, f: Figures) -> dict[str, float]:
+    """One MIN of a fixed record over the host tree (the keys; the load report's flags)."""
+    us = 1e-6
     rec = record_bytes(f)
-    wide = min(f.key_fanout, max(hosts - 1, 0))
-    out = {
-        "bytes_per_rank": (wide + 1) * rec if hosts > 1 else 0,
-        "time_s": 2 * f.shm_us * 1e-6 + 2 * dk * (f.hop_us * 1e-6 + f.send_us * 1e-6 + rec / link),
-        "rounds": 2 * dk,
+    rounds = _rounds(hosts)
+    local = 2 * (f.local_hop_us * us + (f.ranks_per_host - 1) * f.send_us * us) if f.ranks_per_host > 1 else 0.0
+    return {
+        "time_s": local + rounds * (f.hop_us * us + 2 * f.send_us * us + rec / link) + f.thread_us * us,
+        "rounds": rounds,
+        "bytes_per_rank": rec,
+        "leader_bytes": (f.ranks_per_host - 1) * rec + rounds * rec,
     }
-    if not match:
-        ag = all_gather(hosts, link, f)
-        out["bytes_per_rank"] += ag["bytes_per_rank"]
-        out["time_s"] += ag["time_s"]
-    return out
+
+
+def broadcast(hosts: int, link: float, f: Figures) -> dict[str, float]:
+    """Every source's result down a binomial tree over the N ranks, sources one after another."""
+    us = 1e-6
+    n = hosts * f.ranks_per_host
+    levels = math.ceil(math.log2(n)) if n > 1 else 0
+    r = f.result_kib * 1024
+    each = levels * (f.hop_us * us + 2 * f.send_us * us + r / link) + f.decode_us * us + f.thread_us * us
+    k = sources(hosts, f)
+    return {"time_s": k * each, "levels": levels, "sources": k, "bytes_per_rank": k * r}
+
+
+def before37(hosts: int, link: float, f: Figures) -> dict[str, float]:
+    """The exchanges per graph before issue 37's item 3: the ring reduce of the keys (and, for a
+    key per device on several hosts, the all-gather of offers), the result's all-gather (a second
+    round past 4 KiB) and the load report's all-gather."""
+    us = 1e-6
+    n = hosts * f.ranks_per_host
+    ag = all_gather(hosts, link, f)["time_s"]
+    keys = 2 * (n - 1) * f.hop_us * us  # gloo's ring: its hops are gloo's own, not Python send calls
+    shared = sources(hosts, f) > 0
+    if f.keys == "device":
+        keys += ag  # the digest held each rank's key: never the same on two ranks of a host
+    r = f.result_kib * 1024
+    second = r > SLOT_BYTES - 16
+    result = ag + ((n - 1) * (f.hop_us * us + r / link) if second else 0.0) if shared else 0.0
+    report = ag if shared else 0.0
+    gathers = (f.keys == "device") + 2 * shared
+    return {
+        "keys_s": keys,
+        "result_s": result,
+        "report_s": report,
+        "time_s": keys + result + report,
+        "bytes_per_rank": gathers * (n - 1) * SLOT_BYTES + ((n - 1) * r if second and shared else 0),
+    }
+
+
+def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
+    """The exchanges per graph as built (``transport/hosttree.py``, ``protocol``)."""
+    t, b = tree_min(hosts, link, f), broadcast(hosts, link, f)
+    ag = all_gather(hosts, link, f)
+    n = hosts * f.ranks_per_host
+    report = t["time_s"] if b["sources"] else 0.0
+    steady = t["time_s"] + b["time_s"] + report
+    layout = (n - 1) * (f.hop_us * 1e-6 + 8 / link)
+    return {
+        "keys_s": t["time_s"],
+        "result_s": b["time_s"],
+        "report_s": report,
+        "time_s": steady,
+        "with_miss_s": steady + ag["time_s"] if b["sources"] else steady,
+        "first_graph_s": steady + ag["time_s"] + layout,
+        "bytes_per_rank": (2 if b["sources"] else 1) * t["bytes_per_rank"] + b["bytes_per_rank"],
+        "rounds": t["rounds"],
+        "levels": b["levels"],
+    }
+
+
+def looks(compile_s: float) -> int:
+    """How often one waiting rank looks at the store for one source during a compile of ``compile_s``."""
+    sleep, elapsed, count = POLL_S[0], 0.0, 1
+    while elapsed < compile_s:
+        elapsed += sleep
+        count += 1
+        sleep = min(sleep * 2, POLL_S[1])
+    return count
+
+
+def stale_after(heartbeat_s: float) -> float:
+    """``health.liveness.stale_after``: how long a beat may stand still before a peer looks silent."""
+    return 2.5 * heartbeat_s + 0.5
+
+
+def store(hosts: int, f: Figures) -> dict[str, float]:
+    """Requests per second at the job's one store: the heartbeat's, and compile once's waits as
+    built (blocking) and before issue 37 item 2 (polling)."""
+    n = hosts * f.ranks_per_host
+    src = sources(hosts, f)
+    waiters = n - src if src else 0
+    heartbeat = HEARTBEAT_REQUESTS * n / f.heartbeat_s if f.heartbeat_s > 0 else 0.0
+    # Heartbeats on: one multi_get of the sources' records per stale_after; off: each source's
+    # failure key every RECORD_EVERY_S (watchdog.RECORD_EVERY_S, 1 s).
+    waiting = waiters / stale_after(f.heartbeat_s) if f.heartbeat_s > 0 else waiters * src / RECORD_EVERY_S
+    per_graph = waiters * (WAIT_REQUESTS + (NOTICE_REQUESTS + FIRST_READ_REQUESTS) * src) + waiting * f.compile_s + src
+    polling = waiters * src * LOOK_REQUESTS / POLL_S[1]
+    return {
+        "heartbeat_per_s": heartbeat,
+        "compile_wait_per_s": waiting,
+        "busiest_per_s": heartbeat + waiting,
+        "compile_wait_per_graph": per_graph,
+        "before_compile_wait_per_s": polling,
+        "before_busiest_per_s": heartbeat + polling,
+        "before_compile_wait_per_graph": waiters * src * LOOK_REQUESTS * looks(f.compile_s) + src,
+    }
 
 
 def row(hosts: int, size_mb: float, link_gbps: float, f: Figures) -> dict[str, Any]:
     size, link = size_mb * MB, link_gbps * 1e9 / 8
     a, b = today(hosts, size, link, f), new(hosts, size, link, f)
-    ag = all_gather(hosts, link, f)
-    keys, keys_bad = new_keys(hosts, link, f), new_keys(hosts, link, f, match=False)
     floor = size / link
+    ex, old = exchanges(hosts, link, f), before37(hosts, link, f)
     return {
         "hosts": hosts,
         "ranks": hosts * f.ranks_per_host,
@@ -213,16 +362,11 @@ def row(hosts: int, size_mb: float, link_gbps: float, f: Figures) -> dict[str, A
         "today_over_floor": a["time_s"] / floor if a["time_s"] else None,
         "new_over_floor": b["time_s"] / floor if b["time_s"] else None,
         "speedup": a["time_s"] / b["time_s"] if b["time_s"] else None,
-        "exchanges": {
-            "today_keys": ag,
-            "today_three_s": 3 * ag["time_s"],
-            "new_keys_match": keys,
-            "new_keys_mismatch": keys_bad,
-            "new_result_and_report_s": 2 * ag["time_s"],
-        },
-        "today_graph_s": a["time_s"] + 3 * ag["time_s"],
-        "new_graph_s": b["time_s"] + keys["time_s"] + 2 * ag["time_s"],  # with the reduced keys
-        "new_graph_keys_gathered_s": b["time_s"] + 3 * ag["time_s"],  # the tree, the keys all-gathered
+        "exchanges": {"before37": old, "built": ex, "all_gather": all_gather(hosts, link, f)},
+        "store": store(hosts, f),
+        "today_graph_s": a["time_s"] + 3 * all_gather(hosts, link, f)["time_s"],
+        "before37_graph_s": b["time_s"] + old["time_s"],
+        "new_graph_s": b["time_s"] + ex["time_s"],
     }
 
 
@@ -274,47 +418,58 @@ def main() -> None:
     parser.add_argument("--send-us", type=float, default=Figures.send_us, help="overhead of one send call (piece)")
     parser.add_argument("--hash-gbs", type=float, default=Figures.hash_gbs, help="SHA-256 of one core, GB/s")
     parser.add_argument("--decode-us", type=float, default=Figures.decode_us, help="decoding one rank's payload")
-    parser.add_argument("--shm-us", type=float, default=Figures.shm_us, help="the host's shared-memory step")
     parser.add_argument("--fanout", type=int, default=Figures.fanout, help="the artifact tree's (1: a chain)")
-    parser.add_argument("--key-fanout", type=int, default=Figures.key_fanout, help="the key reduce's tree")
     parser.add_argument("--chunk-mib", type=float, default=Figures.chunk_mib)
     parser.add_argument("--keys", choices=("device", "job"), default=Figures.keys)
+    parser.add_argument("--local-hop-us", type=float, default=Figures.local_hop_us, help="one message within a host")
+    parser.add_argument("--thread-us", type=float, default=Figures.thread_us, help="a tree exchange's helper thread")
+    parser.add_argument("--result-kib", type=float, default=Figures.result_kib, help="one source's encoded result")
+    parser.add_argument(
+        "--heartbeat-s", type=float, default=Figures.heartbeat_s, help="COMPILER_COLLECTIVES_HEARTBEAT_S"
+    )
+    parser.add_argument("--compile-s", type=float, default=Figures.compile_s, help="one graph's compile")
     parser.add_argument("--calibrate", action="store_true", help="measure the SHA-256 rate here (~0.1 s)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.fanout < 1 or args.key_fanout < 2 or args.ranks_per_host < 1 or args.chunk_mib <= 0:
-        parser.error("--fanout >= 1, --key-fanout >= 2, --ranks-per-host >= 1, --chunk-mib > 0")
-    hash_gbs = calibrate_hash() if args.calibrate else args.hash_gbs
+    if args.fanout < 1 or args.ranks_per_host < 1 or args.chunk_mib <= 0:
+        parser.error("--fanout >= 1, --ranks-per-host >= 1, --chunk-mib > 0")
     f = Figures(
-        args.ranks_per_host,
-        args.hop_us,
-        args.send_us,
-        hash_gbs,
-        args.decode_us,
-        args.shm_us,
-        args.fanout,
-        args.key_fanout,
-        args.chunk_mib,
-        args.keys,
+        ranks_per_host=args.ranks_per_host,
+        hop_us=args.hop_us,
+        send_us=args.send_us,
+        hash_gbs=calibrate_hash() if args.calibrate else args.hash_gbs,
+        decode_us=args.decode_us,
+        fanout=args.fanout,
+        chunk_mib=args.chunk_mib,
+        keys=args.keys,
+        local_hop_us=args.local_hop_us,
+        thread_us=args.thread_us,
+        result_kib=args.result_kib,
+        heartbeat_s=args.heartbeat_s,
+        compile_s=args.compile_s,
     )
     hosts = [int(h) for h in _floats(args.hosts)]
     rows = [row(h, s, b, f) for b in _floats(args.links_gbps) for s in _floats(args.sizes_mb) for h in hosts]
     target = row(*TARGET, f)
+    goal_hosts, goal_link, goal_s = TARGET_EXCHANGES
+    goal = row(goal_hosts, TARGET[1], goal_link, f)
     if args.json:
-        json.dump({"figures": dataclasses.asdict(f), "rows": rows, "target": target}, sys.stdout, indent=1)
+        out = {"figures": dataclasses.asdict(f), "rows": rows, "target": target, "target_exchanges": goal}
+        json.dump(out, sys.stdout, indent=1)
         print()
         return
     print("once_scale_model (A MODEL, not a measurement at scale)")
     print(
         f"figures: {f.ranks_per_host} ranks per host, keys per {f.keys}, hop {f.hop_us:g} µs, send call "
         f"{f.send_us:g} µs, SHA-256 {f.hash_gbs:.2f} GB/s{' (measured here)' if args.calibrate else ''}, "
-        f"decode {f.decode_us:g} µs a payload, shm {f.shm_us:g} µs; new: fan-out {f.fanout}, "
-        f"{f.chunk_mib:g} MiB pieces, key tree fan-out {f.key_fanout}"
+        f"decode {f.decode_us:g} µs a payload; new: fan-out {f.fanout}, {f.chunk_mib:g} MiB pieces; host tree: "
+        f"local hop {f.local_hop_us:g} µs, helper thread {f.thread_us:g} µs, result {f.result_kib:g} KiB; "
+        f"heartbeat {f.heartbeat_s:g} s, compile {f.compile_s:g} s"
     )
     print(
         "before: the transfer up to commit 801e892 (one copy per loader from the source); new: the tree "
-        "of agreements/once/transfer.py; reduced keys: issue 30 item 3 as designed here (commit 2bb40f3 "
-        "built it as one MIN all-reduce: not modeled)\n"
+        "of agreements/once/transfer.py; exchanges before issue 37 (ring reduce, all-gathers) and as built "
+        "(transport/hosttree.py)\n"
     )
     print("Artifact transfer per graph (busiest link: the busiest rank's; total: every link's bytes):\n")
     print(
@@ -333,22 +488,42 @@ def main() -> None:
         )
     print("\nExchanges per graph (they do not depend on the artifact's size):\n")
     print(
-        "| hosts | ranks | link | keys all-gather, bytes per rank | keys all-gather | 3 all-gathers "
-        "| reduced keys (as designed; match): bytes per rank | reduced keys (match) | reduced keys (mismatch) "
-        "| result + load report (still all-gathers) |"
+        "| hosts | ranks | link | before 37: keys | before 37: result | before 37: load report | before 37: total "
+        "| before 37: bytes per rank | built: tree MIN (rounds) | built: results (levels) | built: total "
+        "| built: bytes per rank | built: with a miss | built: first graph |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
     for r in rows:
         if (r["hosts"], r["link_gbps"]) in seen:
             continue
         seen.add((r["hosts"], r["link_gbps"]))
-        e = r["exchanges"]
+        o, e = r["exchanges"]["before37"], r["exchanges"]["built"]
         print(
-            f"| {r['hosts']} | {r['ranks']} | {r['link_gbps']:g} Gb/s | {_b(e['today_keys']['bytes_per_rank'])} "
-            f"| {_t(e['today_keys']['time_s'])} | {_t(e['today_three_s'])} "
-            f"| {_b(e['new_keys_match']['bytes_per_rank'])} | {_t(e['new_keys_match']['time_s'])} "
-            f"| {_t(e['new_keys_mismatch']['time_s'])} | {_t(e['new_result_and_report_s'])} |"
+            f"| {r['hosts']} | {r['ranks']} | {r['link_gbps']:g} Gb/s | {_t(o['keys_s'])} | {_t(o['result_s'])} "
+            f"| {_t(o['report_s'])} | {_t(o['time_s'])} | {_b(o['bytes_per_rank'])} "
+            f"| {_t(e['keys_s'])} ({e['rounds']}) | {_t(e['result_s'])} ({e['levels']}) | {_t(e['time_s'])} "
+            f"| {_b(e['bytes_per_rank'])} | {_t(e['with_miss_s'])} | {_t(e['first_graph_s'])} |"
+        )
+    print(
+        "\nStore requests per second at the job's one store (rank 0's), compile wait as built and before (polling):\n"
+    )
+    print(
+        "| hosts | ranks | heartbeat | compile wait (steady) | busiest | compile wait, one graph "
+        "| before: compile wait (steady) | before: busiest | before: one graph |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    seen = set()
+    for r in rows:
+        if r["hosts"] in seen:
+            continue
+        seen.add(r["hosts"])
+        st = r["store"]
+        print(
+            f"| {r['hosts']} | {r['ranks']} | {st['heartbeat_per_s']:,.0f}/s | {st['compile_wait_per_s']:,.0f}/s "
+            f"| {st['busiest_per_s']:,.0f}/s | {st['compile_wait_per_graph']:,.0f} "
+            f"| {st['before_compile_wait_per_s']:,.0f}/s | {st['before_busiest_per_s']:,.0f}/s "
+            f"| {st['before_compile_wait_per_graph']:,.0f} |"
         )
     t = target
     print(
@@ -358,10 +533,18 @@ def main() -> None:
         f"{'met' if (t['new_over_floor'] or 0) <= 2.5 else 'NOT met'}); before {_t(t['today']['time_s'])} = "
         f"{_x(t['today_over_floor'])} S/B ({t['hosts'] - 1:,} copies on one link, then the check), with "
         f"{_b(t['today']['source_ram_bytes'])} of send buffers in flight on the source; "
-        f"{_x(t['speedup'])} faster. Per graph with the exchanges: before {_t(t['today_graph_s'])}, "
-        f"new {_t(t['new_graph_keys_gathered_s'])} with the keys all-gathered, "
-        f"{_t(t['new_graph_s'])} with the reduced keys (of which "
-        f"{_t(t['exchanges']['new_result_and_report_s'])} the result and load-report all-gathers)."
+        f"{_x(t['speedup'])} faster."
+    )
+    e, o, st = goal["exchanges"]["built"], goal["exchanges"]["before37"], goal["store"]
+    print(
+        f"Target (issue 37): {goal_hosts:,} hosts x {f.ranks_per_host} ranks, {goal_link:g} Gb/s: the exchanges "
+        f"per graph as built {_t(e['time_s'])} (at most {_t(goal_s)}: {'met' if e['time_s'] <= goal_s else 'NOT met'}; "
+        f"before {_t(o['time_s'])}); with a miss {_t(e['with_miss_s'])}, a generation's first graph "
+        f"{_t(e['first_graph_s'])}. Store: {st['busiest_per_s']:,.0f} requests/s at the busiest store while a "
+        f"graph compiles ({st['heartbeat_per_s']:,.0f}/s of them heartbeats, {st['compile_wait_per_s']:,.0f}/s "
+        f"compile once's waits; before issue 37 item 2 they polled: {st['before_busiest_per_s']:,.0f}/s). "
+        f"Per graph with the transfer: {_t(goal['new_graph_s'])} "
+        f"(before issue 37: {_t(goal['before37_graph_s'])})."
     )
 
 

@@ -1,7 +1,9 @@
 """Two tiers, run side by side: the unit tier starts no process and runs in seconds; the multi-process tier is the rest.
 
-* ``scripts/dev test`` runs both (CI does) on several pytest-xdist workers;
-  ``scripts/dev test --fast`` runs the unit tier only.
+* ``scripts/dev test`` runs both on several pytest-xdist workers;
+  ``scripts/dev test --fast`` runs the unit tier only, and ``--tier seam`` the unit tier and
+  the multi-process tests a torch release can change (``tests/tiers.py``: every
+  multi-process test is ``torch_seam`` or ``release_independent``).
 * A test that starts a process (our rank harness, a subprocess, a
   multiprocessing pool) carries ``@pytest.mark.multiprocess``. An unmarked
   test that starts one fails at once, saying so: the tiers cannot drift.
@@ -29,6 +31,9 @@ import pytest
 
 from tests.harness import machine_lock
 
+# The tiers (unit, multi-process; torch_seam or release_independent) and --tier/--fast: tests/tiers.py.
+pytest_plugins = ("tests.tiers", "pytester")
+
 # The machine's temp dir, before any test moves TMPDIR: where every worker of a
 # run finds the machine lock, and where inductor keeps its default cache and its
 # precompiled headers (torch's rule: <tmp>/torchinductor_<user>; the headers stay
@@ -39,19 +44,7 @@ _INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(_MAC
 _SHARED_HEADERS = os.path.join(_MACHINE_TMP, _INDUCTOR_HOME, "precompiled_headers")
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--fast",
-        action="store_true",
-        default=False,
-        help="run the unit tier only: the tests that start no process (seconds)",
-    )
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "multiprocess: the test starts processes (ranks, a subprocess): the multi-process tier"
-    )
     config.addinivalue_line(
         "markers",
         "whole_machine(reason): the test asserts a time or memory bound that other tests' load would break: "
@@ -73,13 +66,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.get_closest_marker("multiprocess") is None,
         )
     )
-    if not config.getoption("--fast"):
-        return
-    keep = [item for item in items if item.get_closest_marker("multiprocess") is None]
-    dropped = [item for item in items if item.get_closest_marker("multiprocess") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-    items[:] = keep
 
 
 @pytest.fixture(autouse=True)

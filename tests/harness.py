@@ -31,6 +31,7 @@ import dataclasses
 import fcntl
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -39,8 +40,28 @@ from typing import Any
 
 EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
 # What the forkserver imports once for every rank; compile_fx: 1.5 CPU-s a rank
-# that uses inductor would pay again in every test. Not compiler_collectives.
-PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "tests.harness")
+# that uses inductor would pay again in every test. Then what ranks import later
+# (measured, issue 38): their test module's own imports (pytest, hypothesis, the
+# tests' helpers) and what a compile imports lazily (inductor's C++ builder pulls
+# in setuptools, DTensor's experimental API, the DDP optimizer, export's
+# tracer): 0.1-0.2 CPU-s a rank. Never compiler_collectives, nor a module that
+# imports it (msgpack is only its dependency).
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed",
+    "tests.harness",
+    "pytest",
+    "hypothesis",
+    "msgpack",
+    "tests.fixtures",
+    "tests.rankside",
+    "torch.utils.cpp_extension",
+    "torch.distributed.tensor.experimental",
+    "torch._dynamo.backends.distributed",
+    "torch.export._trace",
+)
 
 
 class RanksFailed(AssertionError):
@@ -60,6 +81,19 @@ class Outcome:
     elapsed_s: float
 
 
+def _read_again_what_the_forkserver_read(env: dict[str, str]) -> None:
+    """Settings that a preloaded module read from the environment at its import, in the
+    forkserver, before this rank's ``env`` existed: read them again from ``env``.
+
+    Inductor decides ``compile_threads`` at import (``TORCHINDUCTOR_COMPILE_THREADS``);
+    without this a rank that sets it to 1 still compiles on the forkserver's count.
+    A spawned rank imports inductor after its ``env`` is in place: nothing to redo.
+    """
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and "TORCHINDUCTOR_COMPILE_THREADS" in env:
+        config.compile_threads = config.decide_compile_threads()
+
+
 def _child(
     target: tuple[str, str],
     rank: int,
@@ -71,6 +105,7 @@ def _child(
     results: Any,
 ) -> None:
     os.environ.update(env)
+    _read_again_what_the_forkserver_read(env)
     tempfile.tempdir = None  # the forkserver's may be cached; this job's TMPDIR is its own
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)

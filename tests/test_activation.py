@@ -9,6 +9,9 @@ import torch.distributed as dist
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder, init_gloo, summary
 
+# Multi-process tests here: torch seam (tests/tiers.py).
+pytestmark = pytest.mark.torch_seam
+
 
 def _fn(x: torch.Tensor) -> torch.Tensor:
     return x.cos().sum(0)

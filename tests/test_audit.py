@@ -13,6 +13,9 @@ import torch.distributed as dist
 from tests.harness import run_ranks
 from tests.rankside import caught, kept_logs, line_of
 
+# Multi-process tests here: torch seam (tests/tiers.py).
+pytestmark = pytest.mark.torch_seam
+
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
 
 
@@ -319,6 +322,7 @@ def slow_recompile(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.release_independent
 def test_the_ranks_that_did_not_recompile_wait_for_a_recompile_longer_than_the_collective_timeout():
     """The wait tested: COMPILER_COLLECTIVES_TIMEOUT (4 s) against a recompile 7 s long. Rank 0
     waits for rank 1's recompile without caches (alive, up to the compile timeout) before the
@@ -332,6 +336,7 @@ def test_the_ranks_that_did_not_recompile_wait_for_a_recompile_longer_than_the_c
 
 
 @pytest.mark.multiprocess
+@pytest.mark.release_independent
 def test_a_recompile_past_the_compile_timeout_is_named_on_the_waiting_rank():
     """The wait tested: COMPILER_COLLECTIVES_COMPILE_TIMEOUT (2 s) against rank 1's 7 s recompile."""
     env = {**ENV, "COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "2"}
@@ -371,6 +376,7 @@ def backend_fails_on_rank_1(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.release_independent
 def test_a_rank_whose_backend_fails_makes_its_peers_raise_at_once_instead_of_waiting():
     outcome = run_ranks(backend_fails_on_rank_1, 2, env=ENV, timeout=120)
     r0, r1 = outcome.results

@@ -14,7 +14,7 @@ from tests.fixtures import clean_env
 from tests.harness import free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 PY = sys.executable
 OUR_VARS = (

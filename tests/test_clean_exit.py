@@ -21,7 +21,7 @@ from tests.fixtures import clean_env
 from tests.harness import free_port
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 # No destroy_process_group(): many scripts end without it, and then our exit handler, not
 # destroy's, must stop the heartbeat thread (destroy stops it on its own).

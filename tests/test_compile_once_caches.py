@@ -4,7 +4,8 @@ by two jobs, torn; and a compiling rank that stops, stalls past the compile time
 Real ranks and real inductor compiles on CPU (gloo), test_compile_once's one training step (a
 forward and a backward), a cache dir per rank or one shared dir under ``tmp_path``. Every test
 checks the step's gradients against eager and, where the job finishes, that no rank refused an
-artifact.
+artifact. The step has C++ kernels (``KERNELS``) where the dirs' kernel binaries are the subject:
+warmed by another run, built by each dir, or written by two jobs at once.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ from tests.fixtures import shared_cache
 from tests.harness import run_ranks
 from tests.test_compile_once import ENV, _assert_trained_right, _run, _states, job
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 # With no warm entry, ``plan.decide`` hands graph #1 to members[(seq 1 + turn 0) % 2] = rank 1.
+KERNELS = {"kernels": True}  # test_compile_once's job with its C++ kernel step
 COMPILING_RANK = 1
 WAITING_RANK = 0
 
 
-def _warm(cache_dir: os.PathLike) -> None:
+def _warm(cache_dir: os.PathLike, case: dict) -> None:
     """A 1-rank job over ``cache_dir`` that leaves it warm: a plain run, since compile once and
     the collectives only act with two ranks or more."""
-    run_ranks(job, 1, args=({},), env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}, timeout=240)
+    run_ranks(job, 1, args=(case,), env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}, timeout=240)
 
 
 def _assert_no_refusals(results: list) -> None:
@@ -58,8 +60,8 @@ def _binaries(root: os.PathLike) -> dict[str, bytes]:
 @pytest.mark.timeout(360)
 def test_a_dir_warmed_by_a_1_rank_run_serves_a_rank_whose_dir_is_empty(tmp_path):
     # Without the service's backward lowering in its key, a 1-rank entry is what a 2-rank job looks up.
-    _warm(tmp_path / "rank0")
-    results = _run(tmp_path, separate=True).results
+    _warm(tmp_path / "rank0", KERNELS)
+    results = _run(tmp_path, KERNELS, separate=True).results
     _assert_trained_right(results)
     _assert_no_refusals(results)
     assert _states(results) == ["served", "loaded"]
@@ -68,11 +70,11 @@ def test_a_dir_warmed_by_a_1_rank_run_serves_a_rank_whose_dir_is_empty(tmp_path)
 
 @pytest.mark.timeout(420)
 def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
-    _run(tmp_path, separate=True, env={"COMPILER_COLLECTIVES_COMPILE_ONCE": "0"})
+    _run(tmp_path, KERNELS, separate=True, env={"COMPILER_COLLECTIVES_COMPILE_ONCE": "0"})
     # Each dir built its own kernels: the same names, other bytes (a binary embeds its build dir).
     own = [_binaries(tmp_path / f"rank{r}") for r in range(2)]
     assert any(own[1].get(name, blob) != blob for name, blob in own[0].items()), "no kernel binary differs"
-    results = _run(tmp_path, separate=True).results
+    results = _run(tmp_path, KERNELS, separate=True).results
     _assert_trained_right(results)
     _assert_no_refusals(results)
     # Rank 0 serves its entry; rank 1 loads it into its own dir, whose kernel binaries differ.
@@ -83,7 +85,7 @@ def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
 @pytest.mark.timeout(420)
 def test_two_jobs_started_together_on_one_dir_both_train_right(tmp_path):
     with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(_run, tmp_path) for _ in range(2)]
+        jobs = [pool.submit(_run, tmp_path, KERNELS) for _ in range(2)]
         outcomes = [j.result() for j in jobs]
     for outcome in outcomes:
         _assert_trained_right(outcome.results)
@@ -96,7 +98,7 @@ def test_two_jobs_started_together_on_one_dir_both_train_right(tmp_path):
 @pytest.mark.timeout(360)
 def test_a_dir_whose_entries_are_all_truncated_is_compiled_again_and_served(tmp_path):
     shared = tmp_path / "shared"
-    _warm(shared)
+    _warm(shared, {})
     torn = 0
     for level in ("aotautograd", "fxgraph"):
         for d, _, files in os.walk(shared / level):
@@ -168,6 +170,7 @@ def _faulty(tmp_path, at_compile: str, seconds: float, env: dict, **kw):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.release_independent
 def test_a_compiling_rank_stopped_longer_than_its_heartbeat_staleness_is_waited_for(tmp_path):
     """The loader's compile wait (``liveness.COMPILE_WAIT``), not the failure diagnosis: the
     compiler's process is stopped (SIGSTOP) for 4 s, past the 1.75 s after which a 0.5 s
@@ -192,6 +195,7 @@ def test_a_compiling_rank_stopped_longer_than_its_heartbeat_staleness_is_waited_
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.release_independent
 def test_a_compile_past_the_compile_timeout_ends_the_job_on_every_rank_naming_it(tmp_path):
     outcome = _faulty(tmp_path, "stall", 6, {"COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "2"}, check=False)
     waiting, compiling = outcome.results[WAITING_RANK], outcome.results[COMPILING_RANK]
@@ -209,6 +213,7 @@ def test_a_compile_past_the_compile_timeout_ends_the_job_on_every_rank_naming_it
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.release_independent
 def test_a_compiling_rank_that_dies_with_heartbeats_off_is_named_within_seconds(tmp_path):
     # On this host /proc shows the death; no heartbeat is needed, nor the compile timeout.
     env = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0", "COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "120"}

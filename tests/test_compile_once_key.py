@@ -19,7 +19,7 @@ import torch
 
 from tests.harness import run_ranks
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
 

@@ -22,7 +22,7 @@ import torch
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 WORLD, PER_DIR = 8, 2
 SOURCE, FORWARDER, GRANDCHILD = 1, 2, 6

@@ -9,7 +9,7 @@ from tests.harness import run_ranks
 from tests.rankside import GraphRecorder, summary
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 
 def _fn(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ import demo_launch  # noqa: E402  (starting the ranks, what they came to)
 import demo_report  # noqa: E402  (the report's text)
 import demo_training  # noqa: E402  (the training a user copies)
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ)

@@ -110,9 +110,16 @@ def test_ci_runs_every_tested_torch_release_and_pyproject_and_the_docs_agree():
     from compiler_collectives import dynamo
 
     ci = (ROOT / ".ci" / "run").read_text()
-    releases = re.search(r"^releases=\((.*)\)$", ci, flags=re.MULTILINE).group(1).split()
+    runs = dict(run.split(":") for run in re.search(r"^runs=\((.*)\)$", ci, flags=re.MULTILINE).group(1).split())
+    releases = sorted(runs, key=lambda r: tuple(map(int, r.split("."))))
     assert tuple(releases) == dynamo.TESTED_TORCH
-    assert releases[0] == "2.13.0"  # the README's default, run by the README's own command
+    # The whole suite on the newest release, the tier a release can change on the others.
+    assert runs == {r: ("all" if r == releases[-1] else "seam") for r in releases}
+    # The README's default release, run by the README's own command; --all-releases knows them all.
+    assert re.search(r"^default_release=2\.13\.0\b", ci, flags=re.MULTILINE)
+    assert re.search(r'^default_torch="2\.13\.0"$', (ROOT / "scripts" / "dev").read_text(), flags=re.MULTILINE)
+    dev_releases = re.search(r"^supported_torch=\((.*)\)$", (ROOT / "scripts" / "dev").read_text(), re.MULTILINE)
+    assert tuple(dev_releases.group(1).split()) == dynamo.TESTED_TORCH
     assert all(dynamo.version_supported(r) for r in releases)
     (lo_major, lo_minor), (hi_major, hi_minor) = dynamo.SUPPORTED_TORCH
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]

@@ -10,7 +10,7 @@ from tests.harness import run_ranks
 from tests.rankside import caught, line_of
 
 # Every test here starts rank processes: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
 TRANSPORTS = ["auto", "gloo"]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tests.harness import run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 # A heartbeat every 0.5 ms keeps the thread inside store calls much of the time. One compile
 # thread: inductor's pool of compile workers (two fresh interpreters per rank) would start at the

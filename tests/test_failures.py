@@ -21,7 +21,7 @@ from tests.harness import release, run_ranks, stay_until
 from tests.rankside import caught
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
@@ -365,6 +365,7 @@ def absent_before_groups_exist(rank: int, world: int) -> dict:
     return result
 
 
+@pytest.mark.torch_seam
 def test_our_timeout_bounds_group_creation_even_with_a_30_minute_default_group():
     """Rank 0 waits out our timeout (TIMEOUT_S) for rank 1, which stays away until rank 0 has its error."""
     # HARNESS_PG_TIMEOUT=1800: init_process_group(timeout=30 min), as in many jobs
@@ -597,6 +598,7 @@ def guard_failure_reaches_user(rank: int, world: int) -> dict:
 
 @GUARD_TRANSPORTS
 @NAMED_WITHIN_SECONDS
+@pytest.mark.torch_seam
 def test_a_guard_collective_failure_is_a_catchable_error_at_the_call_site_never_an_abort(transport):
     outcome = run_ranks(guard_failure_reaches_user, 2, env=_env(transport, LONG_ENV), timeout=60, check=False)
     assert outcome.exitcodes[0] == 0, outcome  # not -6 (SIGABRT from C++)
@@ -760,6 +762,7 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
 
 
 @GUARD_TRANSPORTS
+@pytest.mark.torch_seam
 def test_ctrl_c_inside_the_guard_hook_stays_a_keyboard_interrupt_and_does_not_poison_other_ranks(transport):
     """Rank 0 listens for failure reports for three heartbeats, 0.25 s apart here."""
     env = {**_env(transport), "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.25"}

@@ -19,7 +19,7 @@ from tests.harness import run_ranks
 from tests.rankside import caught, kept_logs, line_of
 
 # Every test here starts rank processes: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
 # Rows per rank and phase: two compiles together (static, then dynamic with the

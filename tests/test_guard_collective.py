@@ -18,7 +18,7 @@ from tests.harness import release, run_ranks, stay_until
 from tests.rankside import GraphRecorder, summary
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:

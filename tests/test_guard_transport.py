@@ -28,7 +28,7 @@ from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import kept_logs
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
@@ -450,14 +450,15 @@ def test_a_segment_is_opened_only_under_our_name_as_our_file_with_our_header_and
 
 # ---------------------------------------------------------------- leaked segments
 
-LEAK = """
-import os, sys
-from compiler_collectives.transport import segment
-token = int(sys.argv[1])
-segment.Segment.create(segment.segment_path(os.getpid(), token), 2, token, 0)
-print(segment.segment_path(os.getpid(), token), flush=True)
-os._exit(0)  # as if killed between creating the segment and unlinking its name
-"""
+
+def leak_a_segment(rank: int, world: int, token: int, note: str) -> None:
+    """Create a segment, write its path to ``note``, and die: as if killed between creating the
+    segment and unlinking its name."""
+    path = segment.segment_path(os.getpid(), token)
+    segment.Segment.create(path, 2, token, 0)
+    with open(note, "w") as fh:
+        fh.write(path)
+    os._exit(0)
 
 
 @pytest.mark.timeout(120)
@@ -465,14 +466,12 @@ os._exit(0)  # as if killed between creating the segment and unlinking its name
     "/dev/shm is the machine's: any job setting up beside it collects the leaked segment first "
     "(CI run of cf989c8, 2.14.1), and the test would then see nothing to collect"
 )
-def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept():
+def test_a_segment_whose_ranks_all_died_is_removed_when_a_later_job_sets_up_and_a_live_one_is_kept(tmp_path):
     token = int.from_bytes(os.urandom(8), "little") >> 1
-    env = clean_env()
-    child = subprocess.run(
-        [sys.executable, "-c", LEAK, str(token)], capture_output=True, text=True, timeout=60, env=env
-    )
-    assert child.returncode == 0, child.stderr
-    leaked = child.stdout.strip()
+    note = tmp_path / "leaked"
+    child = run_ranks(leak_a_segment, 1, args=(token, str(note)), init=False, timeout=60, check=False)
+    assert child.exitcodes == [0], child
+    leaked = note.read_text()
     live_path = segment.segment_path(os.getpid(), token + 1)  # this test process is its live owner
     live = segment.Segment.create(live_path, 2, token + 1, 0)
     try:
@@ -540,6 +539,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.torch_seam
 def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_second_recompiles_all(tmp_path):
     import json
 

@@ -13,7 +13,7 @@ import pytest
 from tests.harness import RanksFailed, machine_lock, run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 
 def report_then_abort_at_exit(rank: int, world: int) -> str:
@@ -71,6 +71,21 @@ def test_a_rank_has_not_imported_compiler_collectives_before_its_own_code_does()
     # The forkserver preloads tests.harness: had that imported the package, it would
     # have read its settings there, before a rank's env was in place.
     assert run_ranks(sees_compiler_collectives_imported, 2, init=False, timeout=60).results == [False, False]
+
+
+def inductors_compile_threads(rank: int, world: int) -> int:
+    import torch._inductor.config
+
+    return torch._inductor.config.compile_threads
+
+
+@pytest.mark.torch_seam  # inductor reads the variable at its import: a torch release could move that
+def test_a_rank_compiles_on_the_inductor_thread_count_its_env_sets_though_the_forkserver_imported_inductor():
+    # The forkserver preloads inductor, which decided its thread count there (from the machine's
+    # cores, or the parent's env); each rank's own env must win. Two counts: the forkserver's
+    # can equal one of them, never both.
+    rank_env = {0: {"TORCHINDUCTOR_COMPILE_THREADS": "1"}, 1: {"TORCHINDUCTOR_COMPILE_THREADS": "3"}}
+    assert run_ranks(inductors_compile_threads, 2, init=False, rank_env=rank_env, timeout=60).results == [1, 3]
 
 
 def _hold_machine(path: str, exclusive: bool, name: str, entered, release, order) -> None:

@@ -19,6 +19,9 @@ import pytest
 from compiler_collectives.tools import launch
 from tests.fixtures import gone
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 
 def _wait_gone(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s

@@ -1,13 +1,15 @@
-"""One liveness verdict on a peer (issue 29): what shows a peer alive, stopped, wedged or gone,
-and what each wait makes of it.
+"""One liveness verdict on a peer (issues 29, 37): what shows a peer alive, stopped, wedged,
+silent or gone, and what each wait makes of it.
 
-The verdict (``health.liveness.judge``) reads a peer's heartbeat record and, for
-a process on this host, ``/proc``; the tests give it real processes: this test
-process, or a child that sleeps, stopped, resumed and killed for real. The
-failure diagnosis names a stopped or wedged peer absent; compile once's wait
-(``SideChannel.watch``, ``groups.watch_peer``) waits for both, warning once, and
-gives up only on a gone or failed one, heartbeats on or off. Side channels run
-over a real ``FileStore``: two in one process stand for two ranks.
+The verdict (``health.liveness.judge``) reads a peer's heartbeat record, for a
+process on this host ``/proc``, and what a look at its connection found; the
+tests give it real processes: this test process, or a child that sleeps,
+stopped, resumed and killed for real. The failure diagnosis names a stopped,
+wedged or silent peer absent; compile once's wait (``SideChannel.watch``,
+``groups.watch_peers``) waits for all three, warning when it starts and every
+period while it lasts, and gives up only on a gone or failed one (evidence of
+death, not silence), heartbeats on or off. Side channels run over a real
+``FileStore``: two in one process stand for two ranks.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
+import compiler_collectives
 from compiler_collectives import config
 from compiler_collectives.errors import StoreUnresponsive
 from compiler_collectives.health import liveness
 from compiler_collectives.health.liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, judge
 from compiler_collectives.health.watchdog import SideChannel, StoreCaller
 from compiler_collectives.transport.segment import process_identity
+
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
 
 HERE = 0x1234  # this host's key, as records carry it
 ELSEWHERE = 0x5678
@@ -67,18 +73,18 @@ def sleeper() -> Iterator[subprocess.Popen]:
         child.wait(10)
 
 
-def _channels(tmp_path, peer_pid: int) -> tuple[SideChannel, SideChannel]:
-    """Rank 0 (this process) and rank 1 (process ``peer_pid`` on this host), on one real FileStore."""
+def _channels(tmp_path, peer_pid: int, *, peer_host: int = HERE) -> tuple[SideChannel, SideChannel]:
+    """Rank 0 (this process) and rank 1 (process ``peer_pid`` on host ``peer_host``), on one real FileStore."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
 
-    def identity(pid: int) -> dict[str, int]:
+    def identity(pid: int, host: int) -> dict[str, object]:
         ident = process_identity(pid)
         assert ident is not None
-        return {"pid": pid, "start": ident[1], "host": HERE}
+        return {"pid": pid, "start": ident[1], "host": host, "node": f"node{host:x}"}
 
     channels = tuple(
-        SideChannel(r, 2, 1, dict, identity=identity(pid), probe=process_identity, store=store)
-        for r, pid in ((0, os.getpid()), (1, peer_pid))
+        SideChannel(r, 2, 1, dict, identity=identity(pid, host), probe=process_identity, store=store)
+        for r, pid, host in ((0, os.getpid(), HERE), (1, peer_pid, peer_host))
     )
     for side in channels:
         side.start(on_peer_failure=lambda peer, report: None)
@@ -125,12 +131,37 @@ def test_a_same_host_peer_whose_pid_now_names_another_process_is_gone():
     assert "is gone: crashed, killed or exited" in verdict.why
 
 
-def test_a_peer_on_another_host_is_alive_while_its_beat_moves_and_gone_once_silent():
-    record = _record_of(os.getpid(), host=ELSEWHERE)
+def test_a_peer_on_another_host_is_alive_while_its_beat_moves_and_silent_not_gone_once_it_stops():
+    record = {**_record_of(os.getpid(), host=ELSEWHERE), "node": "node7"}
     assert _judge(record, silent_s=liveness.stale_after(1.0) - 0.1).liveness is Liveness.ALIVE
     silent = _judge(record, silent_s=liveness.stale_after(1.0))
-    assert silent.liveness is Liveness.GONE
+    assert silent.liveness is Liveness.SILENT  # not heard from: no evidence of death
     assert "no heartbeat for 3.0s (crashed, killed, stopped or cut off from the store)" in silent.why
+    assert (silent.pid, silent.node) == (os.getpid(), "node7")  # where to look at it
+
+
+def test_a_peer_on_another_host_whose_connection_to_this_rank_broke_is_gone_heartbeats_on_or_off():
+    for record in (_record_of(os.getpid(), host=ELSEWHERE), _record_of(os.getpid(), host=ELSEWHERE, hb_s=0.0)):
+        verdict = judge(
+            record,
+            failed=False,
+            silent_s=0.0,
+            here=HERE,
+            probe=process_identity,
+            heartbeat_s=1.0,
+            broken="gloo: Connection reset by peer",
+        )
+        assert verdict.liveness is Liveness.GONE
+        assert "its connection to this rank broke (gloo: Connection reset by peer)" in verdict.why
+
+
+def test_the_compile_wait_warns_of_a_silent_peer_with_where_to_look_at_it():
+    silent = liveness.Verdict(Liveness.SILENT, "no heartbeat", pid=4242, silent_s=47.0, node="node7")
+    warning = COMPILE_WAIT.warning(3, silent, connected=True)
+    assert "rank 3 (pid 4242 on node7, another host) has not been heard from for 47s" in warning
+    assert "its connection to this rank is intact" in warning
+    assert "on node7, `py-spy dump --native --pid 4242` shows where it is" in warning
+    assert "COMPILER_COLLECTIVES_COMPILE_TIMEOUT" in warning
 
 
 def test_a_peer_on_another_host_without_a_heartbeat_is_unknown_never_gone():
@@ -149,7 +180,7 @@ def test_silence_is_timed_on_this_rank_clock_from_the_last_move_of_the_beat_coun
     assert watch.read({**record, "n": 2}, failed=False).liveness is Liveness.ALIVE  # silent 2.9 s < 3.0 s
     now[0] += 0.2
     verdict = watch.read({**record, "n": 2}, failed=False)
-    assert verdict.liveness is Liveness.GONE and verdict.silent_s == pytest.approx(3.1)
+    assert verdict.liveness is Liveness.SILENT and verdict.silent_s == pytest.approx(3.1)
 
 
 # ---------------------------------------------------------------- the policies
@@ -162,11 +193,12 @@ def test_silence_is_timed_on_this_rank_clock_from_the_last_move_of_the_beat_coun
         (Liveness.UNKNOWN, False, False, False),
         (Liveness.STOPPED, True, False, True),
         (Liveness.WEDGED, True, False, True),
+        (Liveness.SILENT, True, False, True),
         (Liveness.GONE, True, True, False),
         (Liveness.FAILED, True, True, False),
     ],
 )
-def test_the_diagnosis_gives_up_on_a_stopped_or_wedged_peer_the_compile_wait_waits_with_a_warning(
+def test_the_diagnosis_gives_up_on_a_stopped_wedged_or_silent_peer_the_compile_wait_waits_with_a_warning(
     verdict, diagnosis_absent, compile_wait_absent, compile_wait_warns
 ):
     v = liveness.Verdict(verdict, "why")
@@ -267,6 +299,48 @@ def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagno
         compiler.stop(1.0)
 
 
+@pytest.mark.timeout(60)
+def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period_until_its_connection_breaks(
+    tmp_path, caplog, monkeypatch
+):
+    """Issue 37: silence is no evidence of death; a broken connection is."""
+    from compiler_collectives.health import watchdog
+
+    monkeypatch.setattr(watchdog, "WARN_EVERY_S", 0.5)
+    monkeypatch.setattr(watchdog, "CONNECTION_EVERY_S", 0.0)
+    broken: list[str] = []
+    looks = []
+
+    def connection() -> str | None:
+        looks.append(time.monotonic())
+        return broken[0] if broken else None
+
+    with config.override(heartbeat_s=0.1):
+        waiter, compiler = _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE)
+        try:
+            probe = waiter.watch(1, policy=COMPILE_WAIT, connection=connection)
+            assert probe() is None
+            compiler.stop(1.0)  # its beat counter stands still from now on
+            with caplog.at_level(logging.WARNING, logger="compiler_collectives.watchdog"):
+                deadline = time.monotonic() + 2.0 + liveness.stale_after(0.1)
+                while time.monotonic() < deadline:
+                    assert probe() is None  # silent: waited for
+                    time.sleep(0.05)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert 3 <= len(warnings) <= 6, warnings  # when it fell silent, then every 0.5 s
+            assert all(
+                f"rank 1 (pid {os.getpid()} on node5678, another host) has not been heard" in w for w in warnings
+            )
+            assert looks  # its connection was looked at while it was silent
+            broken.append("gloo: Connection reset by peer")
+            gone = probe()
+            assert gone is not None and "its connection to this rank broke (gloo: Connection reset by peer)" in gone
+            assert waiter.diagnose(grace_s=3.0).absent == [1]  # the diagnosis: silent for 0.75 s is absent
+        finally:
+            waiter.stop(1.0)
+            compiler.stop(1.0)
+
+
 # ---------------------------------------------------------------- store calls
 
 
@@ -297,6 +371,73 @@ def test_polling_a_peer_and_its_notice_starts_no_thread_per_call(tmp_path, heart
     finally:
         waiter.stop(1.0)
         compiler.stop(1.0)
+
+
+def _store_requests() -> int:
+    return int(compiler_collectives.stats()["store_requests"])
+
+
+@pytest.mark.timeout(60)
+def test_the_compile_wait_reads_a_peer_s_record_once_then_only_what_can_change_at_its_own_pace(
+    tmp_path, heartbeats_off, monkeypatch
+):
+    """Issue 37: /proc is looked at on every call; the store (its failure report, heartbeats off)
+    once every ``RECORD_EVERY_S``, not at every poll."""
+    from compiler_collectives.health import watchdog
+
+    monkeypatch.setattr(watchdog, "RECORD_EVERY_S", 0.5)
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        probe = waiter.watch(1)
+        before = _store_requests()
+        assert [probe() for _ in range(50)] == [None] * 50
+        assert _store_requests() - before == 3  # its failure report, whether it has a record, the record
+        time.sleep(0.6)
+        assert [probe() for _ in range(50)] == [None] * 50
+        assert _store_requests() - before == 4  # its failure report again
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_wait_blocks_on_the_store_and_wakes_on_the_post_in_a_few_requests(tmp_path, heartbeats_off):
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        before = _store_requests()
+        notices = waiter.wait_posts(["once/1/1"], 30.0)
+        assert not notices.done(1.5)
+        assert notices.posted() == [None]
+        compiler.post("once/1/1", b"ok")
+        assert notices.done(5.0)
+        assert notices.result() == [b"ok"]
+        assert _store_requests() - before <= 4  # its connection, the wait, the get; the post
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_gets_the_post(tmp_path, heartbeats_off):
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        given_up = waiter.wait_posts(["once/1/1"], 30.0)
+        other = compiler.wait_posts(["once/1/1"], 30.0)  # another rank waiting for the same notice
+        assert not given_up.done(0.5)
+        assert _waiting_threads() == 2
+        given_up.cancel("rank 0 stopped waiting for it")
+        assert given_up.done(0.0) and _waiting_threads() == 1  # its thread ended with it
+        assert waiter.read_post("once/1/1") is None  # what it left there is no post
+        assert not other.done(0.5)
+        waiter.post("once/1/1", b"ok")
+        assert other.done(5.0) and other.result() == [b"ok"]
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+def _waiting_threads() -> int:
+    return sum(t.name == "compiler_collectives-notices" for t in threading.enumerate())
 
 
 @pytest.mark.timeout(60)

@@ -19,7 +19,7 @@ from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rankside import caught, init_gloo
 
 # Every test here starts rank processes: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 TIMEOUT_S = 6.0
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
@@ -282,6 +282,7 @@ def two_threads_run_compiled_code(rank: int, world: int, calls: int) -> dict:
 
 
 @GUARD_TRANSPORTS
+@pytest.mark.release_independent
 def test_a_second_thread_running_compiled_code_with_guards_gets_a_clear_error_naming_both_threads(transport):
     calls = 40
     outcome = run_ranks(two_threads_run_compiled_code, 2, args=(calls,), env=_env(transport), timeout=90)
@@ -344,6 +345,7 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
 
 @GUARD_TRANSPORTS
 @NAMED_WITHIN_SECONDS
+@pytest.mark.release_independent
 def test_an_exception_from_a_users_signal_handler_stays_itself_and_peers_hear_that_the_rank_left(transport):
     """No timeout is waited for (ours is TIMEOUT_S): rank 0 enters once rank 1 left, and hears
     of it through the failure word (shm) or a heartbeat (gloo)."""

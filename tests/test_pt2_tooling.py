@@ -23,6 +23,9 @@ from tests.rankside import kept_logs
 from tests.test_compile_once import ENV as ONCE_ENV
 from tests.test_compile_once import job as once_job
 
+# Multi-process tests here: torch seam (tests/tiers.py).
+pytestmark = pytest.mark.torch_seam
+
 
 def _step(x: torch.Tensor) -> torch.Tensor:
     return x.sin() * 2

@@ -23,6 +23,9 @@ from tests.fixtures import NAMED_WITHIN_SECONDS
 from tests.harness import release, run_ranks, stay_until
 from tests.rankside import caught
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "120"}
 
 

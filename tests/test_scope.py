@@ -21,6 +21,9 @@ import torch.distributed as dist
 from tests.harness import release, run_ranks, stay_until
 from tests.rankside import GraphRecorder, summary
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "120"}
 SHORT_TIMEOUT_S = 4.0
 SHORT_ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(SHORT_TIMEOUT_S), "HARNESS_PG_TIMEOUT": "120"}
@@ -340,6 +343,7 @@ def scope_with_meshes(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.torch_seam
 def test_a_one_dimensional_device_mesh_is_a_scope_and_a_two_dimensional_one_is_refused():
     outcome = run_ranks(scope_with_meshes, 4, env=ENV, timeout=120)
     for rank, r in enumerate(outcome.results):
@@ -489,6 +493,7 @@ def pipelining_schedule_scoped_to_the_stage(rank: int, world: int, schedule: str
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.torch_seam
 def test_torch_pipelining_stages_compile_alike_within_each_stage_under_scope(schedule):
     outcome = run_ranks(pipelining_schedule_scoped_to_the_stage, 4, args=(schedule,), env=ENV, timeout=180)
     results = outcome.results

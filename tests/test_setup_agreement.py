@@ -16,6 +16,9 @@ import torch
 
 from tests.harness import run_ranks
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 # Long enough that only the setup check, never a timeout, can end these jobs in time.
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "1800"}
 

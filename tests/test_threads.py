@@ -20,7 +20,7 @@ import torch
 from tests.harness import run_ranks
 from tests.rankside import caught
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "6", "HARNESS_PG_TIMEOUT": "1800"}
 

@@ -13,6 +13,9 @@ from compiler_collectives.tools import report
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
 
+# Multi-process tests here: release independent (tests/tiers.py).
+pytestmark = pytest.mark.release_independent
+
 CALLS = 6
 LATE_S = 0.5
 

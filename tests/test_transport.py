@@ -13,7 +13,7 @@ from tests.fixtures import GUARD_TRANSPORTS, guard_env
 from tests.harness import run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 MAX = 1 << 20
 

@@ -1,29 +1,27 @@
 """What a peer's bytes may cost to decode: memory and time bounded by the payload's size.
 
-Each case runs in a child process whose address space is capped (``RLIMIT_AS``:
-what it has mapped after importing the package, plus ``HEADROOM_MIB``) and
-whose wall time is capped by the parent, so a decoder that blows up fails the
-test (MemoryError, or killed at the deadline) instead of taking the machine
-down. Run as ``python -m tests.test_wire_bounds CASE PAYLOAD_FILE`` it is that
-child.
+Each case runs in a child process, a rank of the test harness, whose address
+space is capped (``RLIMIT_AS``: what it has mapped after importing the package,
+plus ``HEADROOM_MIB``) and whose wall time is capped by the parent, so a decoder
+that blows up fails the test (MemoryError, or killed at the deadline) instead of
+taking the machine down. The child forks from the harness's forkserver: a fresh
+interpreter would cost the start-up (importing torch) that no case tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import msgpack
 import pytest
 
 from compiler_collectives.agreements.wire import FORMAT_VERSION
-from tests.fixtures import clean_env
+from tests.harness import run_ranks
 
 # Every test here decodes in a child process under a memory limit: the multi-process tier.
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 HEADROOM_MIB = 256
 GROWTH_MIB = 128  # what one decode may add to the child's peak resident memory
@@ -47,7 +45,8 @@ def _cap_address_space() -> None:
     with open("/proc/self/statm") as fh:
         mapped = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = mapped + HEADROOM_MIB * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # The soft limit only: the child lifts it again to report (the harness's queue starts a thread).
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 def _decode_all(data: bytes) -> dict:
@@ -89,38 +88,34 @@ def _decode_all(data: bytes) -> dict:
     return out
 
 
-def _child_main(case: str, path: str) -> None:
+def capped(rank: int, world: int, case: str, arg: str) -> dict:
+    """The child: under the address-space cap, decode the payload in file ``arg`` with every
+    decoder (``case`` "decode") or fuzz ``arg`` examples ("fuzz")."""
+    import resource
+
     import hypothesis  # noqa: F401
 
     import compiler_collectives  # noqa: F401  (imports torch: its mappings count as the baseline)
 
+    uncapped = resource.getrlimit(resource.RLIMIT_AS)
     _cap_address_space()
-    if case == "decode":
-        with open(path, "rb") as fh:
-            data = fh.read()
-        print(json.dumps(_decode_all(data)))
-    elif case == "fuzz":
-        _fuzz(int(path))
-        print(json.dumps({"fuzz": "ok"}))
+    try:
+        if case == "decode":
+            with open(arg, "rb") as fh:
+                data = fh.read()
+            return _decode_all(data)
+        _fuzz(int(arg))
+        return {"fuzz": "ok"}
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, uncapped)
 
 
 def _bounded(case: str, arg: str, timeout: float = 120) -> dict:
-    env = clean_env()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.test_wire_bounds", case, arg],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=root,
-        )
-    except subprocess.TimeoutExpired:
+    outcome = run_ranks(capped, 1, args=(case, arg), init=False, timeout=timeout, check=False)
+    if outcome.timed_out:
         pytest.fail(f"decoding took more than {timeout:.0f}s")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not outcome.errors, outcome.errors[0]
+    return outcome.results[0]
 
 
 def _decode_in_child(tmp_path, payload: bytes, timeout: float = 120) -> dict:
@@ -280,7 +275,3 @@ def _fuzz(examples: int) -> None:
 )
 def test_fuzzed_payloads_decode_or_raise_wire_format_error_within_the_memory_and_time_bounds():
     assert _bounded("fuzz", "100", timeout=540) == {"fuzz": "ok"}
-
-
-if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])

@@ -1,6 +1,7 @@
 """Waiting for peers that compile: each posts to the store when its compile ended, and the
-others wait for those posts while the compiling ranks are alive, up to
-``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``.
+others wait for those posts until something shows a compiling rank dead (its process gone,
+its connection broken, a failure it reported: ``groups.watch_peers``; silence alone is
+waited through, with warnings), up to ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``.
 
 A compile may legitimately take far longer than ``COMPILER_COLLECTIVES_TIMEOUT`` allows a
 collective to wait. Wherever some ranks compile while the others are done (compile once's
@@ -8,6 +9,13 @@ source and the ranks that did not load its artifact; the audit's ranks that comp
 without caches), the others wait here, not at their next exchange: a rank that is gone, a
 failure this rank heard of, or the compile timeout ends the wait with an error that names
 the ranks, never a timeout that blames the collective timeout.
+
+Waiting blocks; it does not poll the store (issue 37): the posts are awaited with the store's
+own ``wait`` on a connection of their own (``groups.wait_posts``: a few store requests per
+post however long the compile), while this thread looks every ``TICK_S`` for a failure this
+rank heard of (``health.poisoned``, fed by the heartbeat thread: no store request) and every
+``PROBE_EVERY_S`` at the pending ranks (``/proc`` and the gloo connection cost the store
+nothing; the watch reads their heartbeat records at its own, slower pace).
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from . import failure as failure_procedure
 log = logging.getLogger("compiler_collectives.compile_wait")
 
 LOG_EVERY_S = 30.0
-_POLL_S = (0.005, 0.2)  # first and longest sleep between looks at the store while waiting
+TICK_S = 0.05  # how often the wait looks for a failure this rank heard of (no store request)
+PROBE_EVERY_S = 0.2  # how often it looks at the pending ranks (groups.watch_peers)
+_MARGIN_S = 60.0  # the store's own wait outlasts the compile timeout: this thread ends it first
 
 
 def wait_for_posts(
@@ -49,74 +59,77 @@ def wait_for_posts(
     ``on_timeout`` with ``advice``; the first two are published through the failure procedure
     so that the compiling ranks hear of them at their next exchange.
     """
-    pending = sorted(keys)
-    posted: dict[int, bytes] = {}
+    order = sorted(keys)
     started = time.monotonic()
     deadline = started + config.settings.compile_timeout_s
     next_log = started + LOG_EVERY_S
-    probes = {r: groups.watch_peer(r) for r in pending}
-    sleep = _POLL_S[0]
-    while pending:
-        for r in pending:
-            value = groups.read_post(keys[r])
-            if value is not None:
-                posted[r] = value
-        pending = [r for r in pending if r not in posted]
-        if not pending:
-            break
-        failure_seen = health.poisoned()
-        if failure_seen is not None:
-            stopped: CollectiveError = PeerFailureError(
-                f"{what} on rank {me}: stopped waiting for {ranks_text(pending)} to {doing}: {failure_seen}",
-                kind=kind,
-                rank=me,
-                seq=seq,
-                frame=frame,
-                ranks=failure_seen.ranks,
-                reported_by=failure_seen.reported_by,
-            )
-            if len(pending) == 1 and pending[0] not in failure_seen.reported_by:
-                # The first report heard may be a bystander's (a rank whose own exchange broke on
-                # the same failure, in words that name no one yet). The one rank this one waits
-                # for stops on it too, and its words say what happened where this rank waited.
-                stopped = failure_procedure.as_reported(stopped, pending[0], seq)
-            raise stopped
-        for r in pending:
-            gone = probes[r]()
-            if gone is not None:
-                counters.errors += 1
-                error: CollectiveError = PeerFailureError(
-                    f"{what} on rank {me}: rank {r} was to {doing} and is gone: {gone}. Check rank {r}'s "
-                    "log and exit status (killed by the OOM killer?).",
+    probes = groups.watch_peers(order)
+    notices = groups.wait_posts([keys[r] for r in order], config.settings.compile_timeout_s + _MARGIN_S)
+    why_not = "it stopped waiting"
+    try:
+        next_probe = started
+        while not notices.done(TICK_S):
+            pending = [r for r, value in zip(order, notices.posted()) if value is None]
+            failure_seen = health.poisoned()
+            if failure_seen is not None:
+                why_not = f"it heard of a failure: {failure_seen}"
+                stopped: CollectiveError = PeerFailureError(
+                    f"{what} on rank {me}: stopped waiting for {ranks_text(pending)} to {doing}: {failure_seen}",
                     kind=kind,
                     rank=me,
                     seq=seq,
                     frame=frame,
-                    ranks=(r,),
+                    ranks=failure_seen.ranks,
+                    reported_by=failure_seen.reported_by,
                 )
-                if groups.read_peer_report(r, me, wait_s=0.0) is not None:
-                    # It stopped on a failure of its own or one it heard of: its words name the rank.
-                    error = failure_procedure.as_reported(error, r, seq)
-                raise failure_procedure.known(error, seq=seq)
-        now = time.monotonic()
-        if now >= deadline:
-            counters.errors += 1
-            raise failure_procedure.known(
-                on_timeout(
-                    f"{what} on rank {me}: waited {now - started:.0f}s for {ranks_text(pending)} to {doing}, "
-                    f"and they are alive. {advice}",
-                    kind=kind,
-                    rank=me,
+                if len(pending) == 1 and pending[0] not in failure_seen.reported_by:
+                    # The first report heard may be a bystander's (a rank whose own exchange broke on
+                    # the same failure, in words that name no one yet). The one rank this one waits
+                    # for stops on it too, and its words say what happened where this rank waited.
+                    stopped = failure_procedure.as_reported(stopped, pending[0], seq)
+                raise stopped
+            now = time.monotonic()
+            if now >= next_probe:
+                next_probe = now + PROBE_EVERY_S
+                for r in pending:
+                    gone = probes[r]()
+                    if gone is None or groups.read_post(keys[r]) is not None:
+                        continue  # alive, or it posted (the wait had not got to its notice yet) and then went
+                    why_not = f"rank {r} is gone"
+                    counters.errors += 1
+                    error: CollectiveError = PeerFailureError(
+                        f"{what} on rank {me}: rank {r} was to {doing} and is gone: {gone}. Check rank {r}'s "
+                        "log and exit status (killed by the OOM killer?).",
+                        kind=kind,
+                        rank=me,
+                        seq=seq,
+                        frame=frame,
+                        ranks=(r,),
+                    )
+                    if groups.read_peer_report(r, me, wait_s=0.0) is not None:
+                        # It stopped on a failure of its own or one it heard of: its words name the rank.
+                        error = failure_procedure.as_reported(error, r, seq)
+                    raise failure_procedure.known(error, seq=seq)
+            if now >= deadline:
+                why_not = "its compile timeout passed"
+                counters.errors += 1
+                raise failure_procedure.known(
+                    on_timeout(
+                        f"{what} on rank {me}: waited {now - started:.0f}s for {ranks_text(pending)} to {doing}, "
+                        f"and nothing showed them dead. {advice}",
+                        kind=kind,
+                        rank=me,
+                        seq=seq,
+                        frame=frame,
+                        ranks=tuple(pending),
+                    ),
                     seq=seq,
-                    frame=frame,
-                    ranks=tuple(pending),
-                ),
-                seq=seq,
-            )
-        if now >= next_log:
-            next_log = now + LOG_EVERY_S
-            waited = now - started
-            log.warning("rank %d: waiting for %s to %s (%s, %.0f s)", me, ranks_text(pending), doing, what, waited)
-        time.sleep(sleep)
-        sleep = min(sleep * 2, _POLL_S[1])
-    return posted
+                )
+            if now >= next_log:
+                next_log = now + LOG_EVERY_S
+                waited = now - started
+                log.warning("rank %d: waiting for %s to %s (%s, %.0f s)", me, ranks_text(pending), doing, what, waited)
+        values = notices.result()
+    finally:
+        notices.cancel(f"rank {me} stopped waiting for it: {why_not}")
+    return dict(zip(order, values))

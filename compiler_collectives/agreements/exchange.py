@@ -90,7 +90,7 @@ def gather(
             check(envelopes, rank)
     except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
         counters.errors += 1
-        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where)
+        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
@@ -109,7 +109,28 @@ def reduce_min(
         return all_reduce_min(pg, values, where)
     except RuntimeError as e:
         counters.errors += 1
-        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where)
+        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
+        if err is e:
+            raise
+        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
+
+
+T = TypeVar("T")
+
+
+def framed(
+    pg: Any, op: Callable[[], T], *, kind: str, seq: int | None, frame: str | None, where: Callable[[], str]
+) -> T:
+    """``op()``, an exchange of ours on ``pg`` (a ``HostTree``'s), in ``gather``'s frame: a
+    failure is our error, through the failure procedure (this rank poisoned)."""
+    health.check(kind)
+    members = groups.member_ranks(pg)
+    rank = members[pg.rank()]
+    try:
+        return op()
+    except RuntimeError as e:
+        counters.errors += 1
+        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)

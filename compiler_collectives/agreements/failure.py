@@ -52,7 +52,7 @@ from typing import Any
 from .. import config, health
 from ..errors import CollectiveDesyncError, CollectiveError, PeerFailureError, WireFormatError, describe
 from ..health.watchdog import Diagnosis, diagnose_with_deadline
-from ..transport import groups, set_peer_report_handler, translate_failure
+from ..transport import groups, is_connection_failure, set_peer_report_handler, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")
 
@@ -62,11 +62,20 @@ words): the peer publishes the word first, the report a store round-trip later."
 
 
 def exchange_failed(
-    error: BaseException, *, kind: str, rank: int, seq: int | None, frame: str | None, where: Callable[[], str]
+    error: BaseException,
+    *,
+    kind: str,
+    rank: int,
+    seq: int | None,
+    frame: str | None,
+    where: Callable[[], str],
+    pg: Any = None,
 ) -> CollectiveError:
     """The error a byte exchange raises after ``error``; this rank is poisoned either way.
 
-    Our own errors take the exchange's context.
+    Our own errors take the exchange's context. Where gloo says a connection broke, this
+    rank's connections in ``pg`` (the exchange's group) are looked at: the error names the
+    peers whose connection broke, and the diagnosis takes that as evidence of their death.
     """
     if isinstance(error, CollectiveError):
         error.kind, error.rank, error.seq, error.frame = kind, rank, seq, frame
@@ -77,19 +86,21 @@ def exchange_failed(
             return error
         err = fail(error, seq=seq)
     else:
-        translated = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame)
+        broken = groups.broken_peers(pg) if pg is not None and is_connection_failure(error) else {}
+        translated = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame, broken=broken)
         translated.__cause__ = error
-        err = fail(translated, seq=seq)
+        err = fail(translated, seq=seq, broken=broken)
     health.poison(err)
     return err
 
 
-def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
+def fail(error: CollectiveError, *, seq: int | None, broken: dict[int, str] | None = None) -> CollectiveError:
     """Publish, diagnose; returns the error to raise (maybe re-typed to name the culprits).
 
     Gloo's own ``abort`` does nothing, so a blocked gloo operation cannot be
     ended from here: publishing is what makes a peer waiting in one of our
-    collectives stop.
+    collectives stop. ``broken``: peers whose connection to this rank broke (global
+    rank -> what showed it), gone for the diagnosis without waiting for their silence.
     """
     side = groups.side
     heard = error.reported_by[0] if error.reported_by else None  # the peer whose report stopped us
@@ -112,10 +123,12 @@ def fail(error: CollectiveError, *, seq: int | None) -> CollectiveError:
         # Only absent ranks are worth adding; a rank that left names itself already (and
         # waiting for a verdict costs heartbeats).
         left = getattr(reported, "left", False)
-        diagnosis = None if left else diagnose_with_deadline(side, deadline_s=deadline_s, until_absent=True)
+        diagnosis = (
+            None if left else diagnose_with_deadline(side, deadline_s=deadline_s, until_absent=True, broken=broken)
+        )
         explained = explain(reported, diagnosis)
     else:
-        explained = explain(error, diagnose_with_deadline(side, deadline_s=deadline_s))
+        explained = explain(error, diagnose_with_deadline(side, deadline_s=deadline_s, broken=broken))
     if side is not None and explained is not error:
         try:  # peers that read the report from now on name the ranks the diagnosis found
             side.report_failure(
@@ -270,9 +283,16 @@ def peer_reported(own_rank: int, peer: int, report: dict[str, Any]) -> None:
 
 
 def explain_report(error: PeerFailureError) -> PeerFailureError:
-    """A peer's report heard through the store, naming the absent rank(s) where it names none
-    (the reporter sends before its own diagnosis): this rank's own short diagnosis."""
-    if error.left or (error.ranks and error.ranks != error.reported_by):
+    """A peer's report heard through the store, naming the absent rank(s) and what became of
+    them where it does not say (the reporter sends before its own diagnosis; a broken
+    connection names its peer, not its fate): this rank's own short diagnosis."""
+    lines = str(error).splitlines()
+    # A report named for a broken connection (``translate_failure``) says who, not what became
+    # of them, until its sender's diagnosis updates it: this rank diagnoses unless it has.
+    untold = "broke (gloo: " in lines[0] and not any(
+        line.strip().startswith(f"rank {r}:") for line in lines[1:] for r in error.ranks
+    )
+    if error.left or (error.ranks and error.ranks != error.reported_by and not untold):
         return error  # the report names its culprit (a rank that left names itself)
     diagnosis = diagnose_with_deadline(
         groups.side, deadline_s=2.5 * config.settings.heartbeat_s + 1.0, until_absent=True

@@ -62,7 +62,7 @@ from ..errors import (
 )
 from ..instrument import timing
 from ..stats import counters
-from ..transport import GuardChannel, groups, translate_failure
+from ..transport import GuardChannel, groups, is_connection_failure, translate_failure
 from . import failure
 
 log = logging.getLogger("compiler_collectives.guard")
@@ -217,6 +217,12 @@ def reset_sequence() -> None:
     _state.solo = False
 
 
+@process_state.clears(process_state.GROUP_ENDING, names=("_state",), what="the guard channel (it holds the store)")
+def let_go() -> None:
+    """The default group is about to go: drop what holds its store (the rest goes after)."""
+    _state.channel = None
+
+
 @process_state.clears(
     process_state.FORK,
     names=("_state", "_claim_lock"),
@@ -270,15 +276,22 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
 def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
     """An entry check's transport failure, through the same failure procedure as the hook's."""
     rank = dist.get_rank() if dist.is_initialized() else None
+    broken = {} if isinstance(error, CollectiveError) else _broken_guard_peers(error)
     err = (
         error
         if isinstance(error, CollectiveError)
         else translate_failure(
-            error, kind="entry", describe=lambda: describe("entry", rank, seq, frame), rank=rank, seq=seq, frame=frame
+            error,
+            kind="entry",
+            describe=lambda: describe("entry", rank, seq, frame),
+            rank=rank,
+            seq=seq,
+            frame=frame,
+            broken=broken,
         )
     )
     if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):
-        err = failure.fail(err, seq=seq)
+        err = failure.fail(err, seq=seq, broken=broken)
     counters.errors += 1
     health.poison(err)
     return err
@@ -626,6 +639,15 @@ def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int
     )
 
 
+def _broken_guard_peers(error: BaseException) -> dict[int, str]:
+    """After gloo's ``error`` in a guard collective: the peers whose connection in the guard
+    group broke (they are named), if it says a connection broke."""
+    channel = groups.built_guard_channel()
+    if channel is None or not is_connection_failure(error):
+        return {}
+    return groups.broken_peers(channel.pg)
+
+
 def _park_failure(error: BaseException) -> None:
     rank = dist.get_rank() if dist.is_initialized() else None
     seq = _state.seq
@@ -633,7 +655,9 @@ def _park_failure(error: BaseException) -> None:
         err = error
         if err.kind is None:  # raised by a transport wait that knows no context: the hook does
             err.kind, err.rank, err.seq = "guard", rank, seq
+        broken: dict[int, str] = {}
     else:
+        broken = _broken_guard_peers(error)
         err = translate_failure(
             error,
             kind="guard",
@@ -641,10 +665,11 @@ def _park_failure(error: BaseException) -> None:
             rank=rank,
             seq=seq,
             frame=None,
+            broken=broken,
         )
         err.__cause__ = error
     if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):  # seen by every rank alike
-        err = failure.fail(err, seq=seq)
+        err = failure.fail(err, seq=seq, broken=broken)
     counters.errors += 1
     health.poison(err)
     health.park(err)

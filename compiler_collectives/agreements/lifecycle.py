@@ -7,11 +7,15 @@ Every module declares what it holds in ``compiler_collectives/process_state.py``
   a failure, forget our groups, start every sequence again (a new generation).
 * ``torch_reset()``: ``torch.compiler.reset()`` (the Dynamo seam calls it):
   Dynamo's caches went, entry agreement's registry of them goes too.
+* ``default_group_ending()``: ``destroy_process_group()`` of the default group
+  is about to run (the c10d seam calls it first): every reference of ours to
+  its store goes, and our threads are told to stop, nothing waited for, so
+  that torch's own teardown closes the store's server.
 * ``default_group_destroyed()``: ``destroy_process_group()`` of the default
-  group (the c10d seam calls it). The same as ``reset()``, without destroying
-  anything (torch has shut our groups down with the default group), so that a
-  later ``init_process_group``, on the same port too, starts a new generation
-  from nothing.
+  group returned (the c10d seam calls it then). The same as ``reset()``,
+  without destroying anything (torch has shut our groups down with the
+  default group), so that a later ``init_process_group``, on the same port
+  too, starts a new generation from nothing.
 * ``after_fork_in_child()``: a forked child (a DataLoader worker) gets a fresh
   state of its own; what it inherited from its parent is kept alive but
   never used (``transport.groups``).
@@ -22,8 +26,6 @@ declared it before any moment runs.
 """
 
 from __future__ import annotations
-
-import gc
 
 from .. import health, process_state, stats
 from ..transport import groups
@@ -41,11 +43,12 @@ def torch_reset() -> None:
     process_state.run(process_state.TORCH_RESET)
 
 
+def default_group_ending() -> None:
+    process_state.run(process_state.GROUP_ENDING)
+
+
 def default_group_destroyed() -> None:
     process_state.run(process_state.GROUP_DESTROYED)
-    # A guard channel sits in a reference cycle (its bound methods): collect it now, so
-    # that the old store's server closes its port before a new init_process_group binds it.
-    gc.collect()
 
 
 def after_fork_in_child() -> None:

@@ -8,6 +8,14 @@ a later ``init_process_group`` on the same port must find the old store's
 server gone, and our next collective must start a new generation. Noticing
 the change only at our next collective would be too late for the port.
 
+In two steps around torch's own destroy: before it, we let go of the store
+(references dropped, threads told to stop: microseconds), so that torch's
+teardown drops the store's last reference and its server closes within
+torch's own time; after it, the moment that ends our generation runs. A peer
+that finished its destroy first and re-initializes on the same port at once
+would otherwise connect to the old server while ours is still up, and both
+ranks hang (one binding the port, the other waiting on the old store).
+
 Both names users call it by are rows of the seam table
 (``torch.distributed`` and ``torch.distributed.distributed_c10d``). Code that
 took a reference to the function before our import calls torch's own; then
@@ -25,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..agreements import lifecycle
+from ..transport import groups
 
 log = logging.getLogger("compiler_collectives.c10d")
 
@@ -35,10 +44,18 @@ def wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         had_default = dist.is_initialized()
+        # A subgroup's destroy is torch's alone: nothing of ours goes with it.
+        ending = groups.ends_the_default_group(kwargs["group"] if "group" in kwargs else (args[0] if args else None))
+        if ending:
+            try:
+                lifecycle.default_group_ending()
+            except Exception as e:  # noqa: BLE001 - never fail the user's destroy
+                log.warning("letting go of the default group's store failed: %s", e)
         try:
             return original(*args, **kwargs)
         finally:
-            if had_default and not dist.is_initialized():  # not a subgroup's destroy
+            # Once we let go, a new generation starts even if torch's destroy raised.
+            if ending or (had_default and not dist.is_initialized()):
                 try:
                     lifecycle.default_group_destroyed()
                 except Exception as e:  # noqa: BLE001 - never fail the user's destroy

@@ -138,6 +138,9 @@ def predicted_entry(value: Any) -> SizeEntry | None:
 def new_distributed_state(compile_pg: Any, local_state: LocalState) -> DistributedState:
     """Dynamo's constructor call for the per-compile box; also runs the input exchange."""
     ds = DistributedState(compile_pg, local_state)
+    boxes = getattr(_pending, "boxes", None)
+    if boxes is not None:
+        boxes.append(ds)  # ``_compile`` ends it
     pending = getattr(_pending, "frame", None)
     settings = config.settings
     if (
@@ -237,6 +240,11 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         previous = getattr(_pending, "frame", None)
         _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
+        # The DistributedState boxes of this compile: ended with it, so that nothing of the
+        # compile that Dynamo leaves in reference cycles holds our compile group.
+        previous_boxes = getattr(_pending, "boxes", None)
+        boxes: list[DistributedState] = []
+        _pending.boxes = boxes
         # Entry agreement: which cache entries this frame's compiles add, in order.
         building = entry.compile_started(code)
         kept = False
@@ -260,6 +268,9 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             _pending.frame = previous
+            _pending.boxes = previous_boxes
+            for box in boxes:
+                box.end()
             if code is not None:
                 entry.compile_finished(
                     code,

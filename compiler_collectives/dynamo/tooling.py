@@ -42,6 +42,9 @@ def structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
 def trace_exchange(result: Any, ds: DistributedState) -> None:
     """The ``compiler_collective`` artifact and the INFO line for one exchange."""
     built: dict[str, Any] = {}
+    # Read now: the box lets go of its group when the compile ends (``DistributedState.end``).
+    rank = result.envelopes[ds.compile_pg.rank()].rank  # global rank, under a scope too
+    frame, seq = str(ds.frame), ds.seq or 0
 
     def payload() -> dict[str, Any]:
         if not built:
@@ -49,9 +52,9 @@ def trace_exchange(result: Any, ds: DistributedState) -> None:
             built.update(
                 artifacts.compiler_collective(
                     phase=result.phase,
-                    rank=result.envelopes[ds.compile_pg.rank()].rank,  # global rank, under a scope too
-                    frame=str(ds.frame),
-                    seq=ds.seq or 0,
+                    rank=rank,
+                    frame=frame,
+                    seq=seq,
                     states=result.states,
                     restart=None if result.phase == "inputs" else result.restart,
                     restart_why=result.restart_why,

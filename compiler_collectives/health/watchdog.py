@@ -29,23 +29,29 @@ but ``hb/<rank>`` is still written once at start: the process's identity, so
 that a peer on the same host can look for it in ``/proc``.
 
 Whether a peer lives is one verdict (``liveness.judge``: alive, stopped,
-wedged, gone, failed), read from its record and, on this host, ``/proc``;
+wedged, silent, gone, failed), read from its record, on this host ``/proc``,
+and where a caller hands one, the state of this rank's connection to it (a
+broken one is evidence of death: transport looks, this module only asks);
 each wait applies its own policy to it. On a failure, ``diagnose``
 (``liveness.DIAGNOSIS``) waits briefly for every peer to either report its
-own failure or be seen absent (gone, stopped or wedged), then says which
-ranks are absent and which are alive but elsewhere (a desync). ``watch``
-(compile once's loader, ``liveness.COMPILE_WAIT``) waits for a stopped or
-wedged peer, warning once, and gives up on a gone or failed one. Beat
-counters are timed on this rank's own monotonic clock: no two hosts' clocks
-are ever compared.
+own failure or be seen absent (gone, stopped, wedged or silent), then says
+which ranks are absent and which are alive but elsewhere (a desync).
+``watch`` (compile once's loader, ``liveness.COMPILE_WAIT``) waits for a
+stopped, wedged or silent peer, warning every ``liveness.WARN_EVERY_S``, and
+gives up on a gone or failed one. Beat counters are timed on this rank's own
+monotonic clock: no two hosts' clocks are ever compared.
 
 Store calls from the caller's thread are bounded: the c10d store bounds none
 of them (a stopped store host blocks a ``set`` for as long as the process
 group's own timeout, 30 minutes by default), ours are bounded by
 ``COMPILER_COLLECTIVES_TIMEOUT`` or less. One-off calls go through
-``bounded`` (a thread each); the frequent ones (a loader polls notices and
-its peers' liveness every 200 ms for as long as a compile takes) through
-the side channel's ``StoreCaller``, one long-lived thread.
+``bounded`` (a thread each); the frequent ones (a loader reads its peers'
+records for as long as a compile takes) through the side channel's
+``StoreCaller``, one long-lived thread. A loader's wait for a notice
+(``NoticeWait``) blocks in the store's own ``wait`` on a connection of its
+own, so that it asks the store a few requests per notice, not one per poll,
+and holds up nothing else; ``stats()["store_requests"]`` counts every request
+this module sends.
 
 At interpreter exit the heartbeat thread is stopped and joined (``shutdown``):
 a daemon thread that is inside a store call while Python finalizes is killed
@@ -62,16 +68,44 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from .. import config, process_state
 from ..errors import StoreUnresponsive
-from .liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, Probe, WaitPolicy
+from ..stats import counters
+from .liveness import COMPILE_WAIT, DIAGNOSIS, WARN_EVERY_S, Liveness, PeerWatch, Probe, WaitPolicy, stale_after
 
 log = logging.getLogger("compiler_collectives.watchdog")
+
+CONNECTION_EVERY_S = 1.0
+"""How often ``SideChannel.watch`` looks at its connection to a peer it cannot see in /proc
+(each look sends that peer one small gloo message)."""
+
+RECORD_EVERY_S = 1.0
+"""How often ``SideChannel.watch`` reads the failure key of a peer that beats no heartbeat (one
+store request; with heartbeats on, failure reports reach a rank through its heartbeat thread)."""
+
+_DOUBTS = (Liveness.SILENT, Liveness.WEDGED)  # verdicts from an old record that a new one may undo
+
+GAVE_UP = b"\x00gave up: "
+"""What a ``NoticeWait`` leaves under a notice it stops waiting for (it is cancelled): its wait
+on the store returns only once the key exists. Never a notice's value (notices are text);
+``read_post`` reads it as nothing posted, and the poster's own post replaces it."""
+
+GAVE_UP_POLL_S = 0.2  # how often a wait that found another rank's GAVE_UP looks for the real post
+
+_counted = threading.Lock()
+
+
+@process_state.kept(names=("_counted",), why="a lock around the store-request counter, for the process's life")
+def count_requests(n: int = 1) -> None:
+    """Count ``n`` requests to the c10d store (``stats()["store_requests"]``); from any thread."""
+    with _counted:
+        counters.store_requests += n
+
 
 T = TypeVar("T")
 
@@ -186,14 +220,114 @@ class StoreCaller:
 
     def close(self, join_s: float = 0.0) -> bool:
         """End the worker (once its call, if any, returns); with ``join_s``, wait that long. True if it ended."""
+        thread = self.end()
+        if thread is None:
+            return True
+        if join_s > 0 and thread is not threading.current_thread():
+            thread.join(join_s)
+        return not thread.is_alive()
+
+    def end(self) -> threading.Thread | None:
+        """Tell the worker to end (once its call, if any, returns) without waiting: its thread, or None."""
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is None:
-            return True
+            return None
         worker.requests.put(None)
-        if join_s > 0 and worker.thread is not threading.current_thread():
-            worker.thread.join(join_s)
-        return not worker.thread.is_alive()
+        return worker.thread
+
+
+class NoticeWait:
+    """Notices awaited with the store's own blocking ``wait``, on one daemon thread and a store
+    connection of its own (``Store.clone``): each notice costs one wait and one get however
+    long it takes, and the wait never holds up the heartbeat's or any other store call (a
+    TCPStore client runs one call at a time). The waiting thread asks ``done`` (no store
+    request) and ``cancel``s when it stops waiting: that leaves ``GAVE_UP`` under the notice
+    being waited for, which ends the store's wait, so this thread never outlives its waiter by
+    more than a store call. Every other rank waiting for that notice then looks for the real
+    post every ``GAVE_UP_POLL_S`` (it is hearing of the failure that made this rank give up).
+    A store that cannot be cloned (a Python ``Store``) is polled at that pace instead."""
+
+    CANCEL_JOIN_S = 1.0
+
+    def __init__(self, side: SideChannel, keys: Sequence[str], timeout_s: float) -> None:
+        self._side = side
+        self._keys = list(keys)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._values: list[bytes | None] = [None] * len(self._keys)
+        self._at = 0  # the key being waited for
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="compiler_collectives-notices", daemon=True)
+        self._thread.start()
+
+    def done(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every notice (or the store's error): True once there."""
+        return self._done.wait(timeout_s)
+
+    def posted(self) -> list[bytes | None]:
+        """Each key's notice, None where none arrived yet (``result`` raises the store's error)."""
+        return list(self._values)
+
+    def result(self) -> list[bytes]:
+        """Every notice, once ``done``; the store's error if its wait raised."""
+        if self._error is not None:
+            raise self._error
+        values = [v for v in self._values if v is not None]
+        assert len(values) == len(self._keys), "result() before done()"
+        return values
+
+    def cancel(self, why: str) -> None:
+        """Stop waiting (``why`` is left with ``GAVE_UP`` for the other ranks' logs)."""
+        if self._done.is_set():
+            return
+        self._stop.set()
+        try:
+            self._side.give_up_on(self._keys[self._at], why)
+        except Exception as e:  # noqa: BLE001 - a store that does not answer ends the wait with an error
+            log.debug("ending a wait for a notice: %s", e)
+        self._thread.join(self.CANCEL_JOIN_S)
+
+    def _run(self) -> None:
+        try:
+            own = self._own_store()
+            for i, key in enumerate(self._keys):
+                self._at = i  # before looking at _stop: a cancel gives up on this key or finds _stop set
+                value = self._wait_for(own, key)
+                if value is None:
+                    return
+                self._values[i] = value
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
+        finally:
+            self._done.set()
+
+    def _own_store(self) -> Any:
+        count_requests()  # a TCPStore's clone connects
+        try:
+            store: Any = self._side.store  # PrefixStore: its stubs lack clone
+            return store.clone()
+        except Exception as e:  # noqa: BLE001 - a store type without clone: polled instead
+            log.debug("the store cannot be cloned (%s): notices are polled", e)
+            return None
+
+    def _wait_for(self, own: Any, key: str) -> bytes | None:
+        if own is not None and not self._stop.is_set():
+            count_requests(2)
+            own.wait([key], self._timeout)
+            value: bytes = own.get(key)
+            if not value.startswith(GAVE_UP):
+                return value
+        store = own if own is not None else self._side.store
+        while not self._stop.wait(GAVE_UP_POLL_S):
+            count_requests()
+            if store.check([key]):
+                count_requests()
+                value = store.get(key)
+                if not value.startswith(GAVE_UP):
+                    return value
+        return None
 
 
 @dataclasses.dataclass
@@ -277,6 +411,57 @@ def default_store() -> Any:
     return _default_store()
 
 
+class PeerRecords:
+    """What the watches of one wait (``SideChannel.watch``) last read of their peers on the
+    store, and when: one read serves them all. The first reads every peer's failure key and
+    record; later ones read only what can change: one ``multi_get`` of the records of the peers
+    that beat, and the failure key of each that does not (heartbeats off: no heartbeat thread
+    hears its reports)."""
+
+    def __init__(self, side: SideChannel, ranks: Sequence[int]) -> None:
+        self._side = side
+        self.ranks = list(ranks)
+        self.read_at: float | None = None
+        self.failed: dict[int, bool] = {r: False for r in self.ranks}
+        self.records: dict[int, dict[str, Any] | None] = {r: None for r in self.ranks}
+
+    def interval(self, rank: int) -> float:
+        """``rank``'s heartbeat interval as its record says (0: it beats none, or no record)."""
+        record = self.records.get(rank)
+        value = None if record is None else record.get("hb_s")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    def due(self, now: float, rank: int, doubt: bool) -> bool:
+        """Whether to read the store again for ``rank``'s watch: never read; a peer without a
+        heartbeat's failure key every ``RECORD_EVERY_S``; a beating one only while what was last
+        read makes it look silent or wedged (``doubt``), every half of ``stale_after``: a peer
+        whose beat moves is read about once per ``stale_after``."""
+        if self.read_at is None:
+            return True
+        waited = now - self.read_at
+        interval = self.interval(rank)
+        if interval <= 0:
+            return self.records.get(rank) is not None and waited >= RECORD_EVERY_S
+        return doubt and waited >= stale_after(interval) / 2
+
+    def read(self) -> None:
+        """Read the store (bounded, on the side channel's store-call thread)."""
+        self._side.call(self._read, config.settings.timeout_s, "reading a heartbeat")
+        self.read_at = time.monotonic()
+
+    def _read(self) -> None:
+        side = self._side
+        if self.read_at is None:
+            for r in self.ranks:
+                self.failed[r], self.records[r] = side._read_peer(r)
+            return
+        beating = [r for r in self.ranks if self.interval(r) > 0]
+        self.records.update(zip(beating, side._read_records(beating)))
+        for r in self.ranks:
+            if r not in beating and self.records[r] is not None:
+                self.failed[r] = side._reported(r)
+
+
 class SideChannel:
     """One per generation of our groups (a new default group starts a new one)."""
 
@@ -287,7 +472,7 @@ class SideChannel:
         generation: int,
         progress: Callable[[], dict[str, Any]],
         *,
-        identity: dict[str, int] | None = None,
+        identity: dict[str, Any] | None = None,
         probe: Probe | None = None,
         current: Callable[[], bool] = lambda: True,
         store: Any = None,
@@ -328,11 +513,13 @@ class SideChannel:
         keys = [f"join/{name}/{r}" for r in peers]
 
         def meet() -> list[int]:
+            count_requests(2)
             self.store.set(f"join/{name}/{self.rank}", "1")
             try:
                 self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
                 return []
             except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError
+                count_requests(1 + len(keys))
                 return [r for r, key in zip(peers, keys) if not self.store.check([key])]
 
         return bounded(meet, timeout_s + 5.0, f"at the {name} rendezvous")
@@ -369,15 +556,26 @@ class SideChannel:
 
     def stop(self, join_s: float = 0.0) -> bool:
         """Stop the heartbeat and the store caller's thread; with ``join_s``, wait that long
-        for each. True if both ended."""
+        for them. True if both ended."""
+        return self.stopping()(join_s)
+
+    def stopping(self) -> Callable[[float], bool]:
+        """Tell the heartbeat and the store caller's thread to stop, without waiting: both wake
+        at once (an ``Event``, a queue), and end unless inside a store call. Returns
+        ``join(join_s)``, which waits up to ``join_s`` for both (True if both ended); it holds
+        their threads only, not this channel or its store, which the threads let go as they end."""
         self._stop.set()
-        caller_ended = self._caller.close(join_s)
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return caller_ended
-        if join_s > 0:
-            thread.join(join_s)
-        return caller_ended and not thread.is_alive()
+        current = threading.current_thread()
+        threads = [t for t in (self._caller.end(), self._thread) if t is not None and t is not current]
+
+        def join(join_s: float) -> bool:
+            deadline = time.monotonic() + join_s
+            for thread in threads:
+                if join_s > 0:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            return not any(thread.is_alive() for thread in threads)
+
+        return join
 
     def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
         """Run ``fn`` (store calls) bounded by ``timeout_s`` on this channel's one store-call
@@ -390,6 +588,7 @@ class SideChannel:
         record.update(self._identity)
         record["n"] = self._beats
         record["hb_s"] = config.settings.heartbeat_s  # 0: this counter never moves (liveness.judge)
+        count_requests()
         self.store.set(f"hb/{self.rank}", json.dumps(record))
 
     def _run(self, interval: float) -> None:
@@ -398,6 +597,7 @@ class SideChannel:
                 return  # the default group is gone (destroyed or replaced): so is our job here
             try:
                 self._beat()
+                count_requests()
                 failures = self.store.add("failures", 0)
                 if failures > self._seen_failures:
                     self._seen_failures = failures
@@ -442,8 +642,10 @@ class SideChannel:
 
     def _report(self, r: int) -> dict[str, Any] | None:
         key = f"fail/{r}"
+        count_requests()
         if not self.store.check([key]):
             return None
+        count_requests()
         try:
             report = json.loads(self.store.get(key))
         except ValueError:
@@ -457,9 +659,11 @@ class SideChannel:
 
         def read() -> dict[str, Any] | None:
             if wait_s > 0:
+                count_requests()
                 try:
                     self.store.wait([f"fail/{r}"], datetime.timedelta(seconds=wait_s))
                 except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
+                    count_requests()  # its cancel
                     return None
             return self._report(r)
 
@@ -497,6 +701,7 @@ class SideChannel:
         }
 
         def report() -> None:
+            count_requests(1 if update else 2)
             self.store.set(f"fail/{self.rank}", json.dumps(record))
             if not update:
                 self.store.add("failures", 1)
@@ -505,33 +710,78 @@ class SideChannel:
 
     def _read_peer(self, r: int) -> tuple[bool, dict[str, Any] | None]:
         """(reported a failure, heartbeat record or None)."""
+        count_requests(2)
         failed = self.store.check([f"fail/{r}"])
         if not self.store.check([f"hb/{r}"]):
             return failed, None
+        return failed, self._read_record(r)
+
+    def _read_record(self, r: int) -> dict[str, Any] | None:
+        """Rank ``r``'s heartbeat record, known to exist (a ``get`` of a missing key would block)."""
+        count_requests()
         try:
             record = json.loads(self.store.get(f"hb/{r}"))
         except ValueError:
             record = None
-        return failed, record if isinstance(record, dict) else None
+        return record if isinstance(record, dict) else None
+
+    def _read_records(self, ranks: Sequence[int]) -> list[dict[str, Any] | None]:
+        """The heartbeat records of ``ranks``, each known to exist: one request."""
+        if not ranks:
+            return []
+        count_requests()
+        out: list[dict[str, Any] | None] = []
+        for raw in self.store.multi_get([f"hb/{r}" for r in ranks]):
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            out.append(record if isinstance(record, dict) else None)
+        return out
+
+    def _reported(self, r: int) -> bool:
+        count_requests()
+        return bool(self.store.check([f"fail/{r}"]))
 
     # ------------------------------------------------------------ notices
 
     def post(self, name: str, value: bytes) -> None:
         """Leave ``value`` under ``name`` for the peers (bounded like every store call of ours)."""
-        # c10d stores take bytes at run time; their stubs declare str only.
-        self.call(lambda: self.store.set(f"post/{name}", value), config.settings.timeout_s, "posting a notice")  # type: ignore[arg-type]
+
+        def post() -> None:
+            count_requests()
+            self.store.set(f"post/{name}", value)  # type: ignore[arg-type]  # c10d takes bytes; its stubs say str
+
+        self.call(post, config.settings.timeout_s, "posting a notice")
 
     def read_post(self, name: str) -> bytes | None:
         """The value posted under ``name``, or None if nothing is posted yet (never waits)."""
 
         def read() -> bytes | None:
             key = f"post/{name}"
+            count_requests()
             if not self.store.check([key]):
                 return None
+            count_requests()
             value: bytes = self.store.get(key)
-            return value
+            return None if value.startswith(GAVE_UP) else value
 
         return self.call(read, config.settings.timeout_s, "reading a notice")
+
+    def wait_posts(self, names: Sequence[str], timeout_s: float) -> NoticeWait:
+        """Start waiting for a notice under each of ``names`` (``NoticeWait``): on a store
+        connection of its own, so that the heartbeat's and every other store call go on meanwhile."""
+        return NoticeWait(self, [f"post/{name}" for name in names], timeout_s)
+
+    def give_up_on(self, key: str, why: str) -> None:
+        """Leave ``GAVE_UP`` under ``key`` unless something is posted there (bounded): it ends a
+        store wait for that key, on any rank."""
+
+        def leave() -> None:
+            count_requests()
+            self.store.compare_set(key, b"", GAVE_UP + why.encode()[:200])  # type: ignore[arg-type]
+
+        self.call(leave, min(config.settings.timeout_s, 5.0), "ending a wait for a notice")
 
     # ------------------------------------------------------------ liveness
 
@@ -541,22 +791,57 @@ class SideChannel:
             here=_as_int(self._identity.get("host")), probe=self._probe, heartbeat_s=config.settings.heartbeat_s
         )
 
-    def watch(self, rank: int, *, policy: WaitPolicy = COMPILE_WAIT) -> Callable[[], str | None]:
+    def watch(
+        self,
+        rank: int,
+        *,
+        policy: WaitPolicy = COMPILE_WAIT,
+        connection: Callable[[], str | None] | None = None,
+        records: PeerRecords | None = None,
+    ) -> Callable[[], str | None]:
         """A probe of peer ``rank``: each call returns why ``policy`` gives up on it (absent), or
         None while ``policy`` waits for it. Each verdict ``policy`` waits through with a warning
-        (compile once's wait: a stopped or wedged peer on this host) is logged once. Peers on
-        this host are looked for in ``/proc`` at each call, with heartbeats on or off."""
+        (compile once's wait: a stopped or wedged peer on this host, a silent one elsewhere) is
+        logged when it starts and every ``WARN_EVERY_S`` while it lasts. Peers on this host are
+        looked for in ``/proc`` at each call, with heartbeats on or off. ``connection`` (transport's
+        look at this rank's connection to the peer: what broke, or None) is asked about a peer
+        that /proc cannot see and that is silent or beats no heartbeat, at most every
+        ``CONNECTION_EVERY_S``: a process that ended on another host is known by its reset
+        connection, heartbeats on or off, within about that.
+
+        The store is read rarely (``PeerRecords``, shared by the watches of one wait where
+        ``records`` is given): the verdict is judged from the record last read, its process
+        looked for in ``/proc`` at each call, and the record read again only where that
+        verdict says silent or wedged (about once per ``stale_after`` while the peer beats: its
+        failure reports reach this rank through the heartbeat thread instead)."""
         watch = self.peer_watch()
-        warned: set[Liveness] = set()
+        warned: dict[Liveness, float] = {}  # verdict -> when it was last warned of
+        looked = [float("-inf")]  # when the connection was last looked at
+        seen = records if records is not None else PeerRecords(self, [rank])
 
         def absent() -> str | None:
-            failed, record = self.call(lambda: self._read_peer(rank), config.settings.timeout_s, "reading a heartbeat")
-            verdict = watch.read(record, failed=failed)
+            now = time.monotonic()
+            verdict = None
+            if seen.read_at is not None:
+                verdict = watch.read(seen.records[rank], failed=seen.failed[rank])
+            if seen.due(now, rank, doubt=verdict is not None and verdict.liveness in _DOUBTS):
+                seen.read()
+                verdict = watch.read(seen.records[rank], failed=seen.failed[rank])
+            assert verdict is not None
+            failed, record = seen.failed[rank], seen.records[rank]
+            undecided = verdict.liveness in (Liveness.SILENT, Liveness.UNKNOWN)
+            if undecided and connection is not None and now - looked[0] >= CONNECTION_EVERY_S:
+                looked[0] = now
+                broken = connection()
+                if broken is not None:
+                    verdict = watch.read(record, failed=failed, broken=broken)
             if policy.gives_up(verdict):
                 return verdict.why
-            if verdict.liveness in policy.warn and verdict.liveness not in warned:
-                warned.add(verdict.liveness)
-                log.warning("%s", policy.warning(rank, verdict))
+            if verdict.liveness in policy.warn:
+                last = warned.get(verdict.liveness)
+                if last is None or now - last >= WARN_EVERY_S:
+                    warned[verdict.liveness] = now
+                    log.warning("%s", policy.warning(rank, verdict, connected=connection is not None))
             elif verdict.liveness is Liveness.ALIVE and warned:
                 warned.clear()  # so that a second stop (or silence) is told as well
                 log.info("rank %d runs again: %s", rank, verdict.why)
@@ -564,9 +849,13 @@ class SideChannel:
 
         return absent
 
-    def diagnose(self, grace_s: float, *, until_absent: bool = False) -> Diagnosis:
+    def diagnose(
+        self, grace_s: float, *, until_absent: bool = False, broken: Mapping[int, str] | None = None
+    ) -> Diagnosis:
         """Classify every peer (``liveness.DIAGNOSIS``); waits up to ``grace_s`` for undecided
-        ones (with ``until_absent``, only until some peer is found absent)."""
+        ones (with ``until_absent``, only until some peer is found absent). ``broken``: peers
+        whose connection to this rank broke (rank -> what showed it): evidence of their death."""
+        broken = broken or {}
         deadline = time.monotonic() + grace_s
         watches: dict[int, PeerWatch] = {}
         decided: dict[int, PeerStatus] = {}
@@ -579,7 +868,7 @@ class SideChannel:
                     peers.append(decided[r])
                     continue
                 failed, record = self._read_peer(r)
-                verdict = watches.setdefault(r, self.peer_watch()).read(record, failed=failed)
+                verdict = watches.setdefault(r, self.peer_watch()).read(record, failed=failed, broken=broken.get(r))
                 status = PeerStatus(r, "alive", liveness=verdict.liveness)
                 if record is not None:
                     status.guard_seq = _as_int(record.get("guard_seq"))
@@ -605,7 +894,11 @@ class SideChannel:
 
 
 def diagnose_with_deadline(
-    channel: SideChannel | None, deadline_s: float, *, until_absent: bool = False
+    channel: SideChannel | None,
+    deadline_s: float,
+    *,
+    until_absent: bool = False,
+    broken: Mapping[int, str] | None = None,
 ) -> Diagnosis | None:
     """Run ``channel.diagnose`` for about ``deadline_s``; give up 1.5 s after that (a dead store hangs).
 
@@ -617,7 +910,7 @@ def diagnose_with_deadline(
         return None
     try:
         return bounded(
-            lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5), until_absent=until_absent),
+            lambda: channel.diagnose(grace_s=max(0.0, deadline_s - 0.5), until_absent=until_absent, broken=broken),
             deadline_s + 1.5,
             "during the diagnosis",
         )

@@ -13,6 +13,9 @@ One module per concern:
 * ``futex``: the kernel sleeps and wake-ups the wait protocol uses;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
+* ``hosttree``: a tree over a group's ranks by host (host leaders, recursive
+  doubling between them, a binomial broadcast): compile once's exchanges in
+  O(log hosts) steps;
 * ``groups``: lazily created groups (after the first rendezvous, the
   agreements layer's setup check, wired at install), the store side channel,
   and the teardown at interpreter exit;
@@ -37,8 +40,11 @@ from .gloo import (
     GlooGuardChannel,
     all_gather_bytes,
     all_reduce_min,
+    broken_connection,
+    broken_peers,
     byte_tensor,
     guard_key,
+    is_connection_failure,
     set_enqueue_context,
     start_recv,
     start_send,
@@ -48,6 +54,7 @@ from .gloo import (
 )
 from .groups import Groups, PeerReportHandler, groups, set_first_rendezvous, set_peer_report_handler
 from .hierarchy import ShmGuardChannel
+from .hosttree import HostTree, run_p2p
 from .scope import Scope
 from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 
@@ -62,14 +69,19 @@ __all__ = [
     "GlooGuardChannel",
     "Groups",
     "GuardChannel",
+    "HostTree",
     "PeerReportHandler",
     "Scope",
     "ShmGuardChannel",
     "all_gather_bytes",
     "all_reduce_min",
+    "broken_connection",
+    "broken_peers",
     "byte_tensor",
     "groups",
     "guard_key",
+    "is_connection_failure",
+    "run_p2p",
     "set_enqueue_context",
     "set_first_rendezvous",
     "set_peer_report_handler",

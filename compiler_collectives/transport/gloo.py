@@ -18,7 +18,18 @@ and the fallback where shared memory cannot be used).
   after ``COMPILER_COLLECTIVES_TIMEOUT``, so no wait of ours is unbounded.
 * ``GlooGuardChannel.agree``: one all-reduce (MIN) of a preallocated
   two-element int64 tensor (one element without the desync check).
-* ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors.
+* ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors,
+  naming the peers whose connection broke where the caller looked
+  (``broken_peers``).
+* ``broken_connection``: whether this rank's connection to one peer broke.
+  When a process ends, its host's kernel closes its sockets and gloo marks
+  each of its connections broken; an operation started on a broken one raises
+  at once. A zero-byte receive on a tag nobody sends on (``PROBE_TAG``) is that
+  look: on an intact connection it is dropped unanswered (it leaves a small
+  "ready to receive" entry on the peer, which nobody matches), so no
+  collective of ours ever meets it. This is evidence of death that needs no
+  heartbeat: a stopped process, or one whose native call holds the GIL, keeps
+  its connections (gloo's own threads serve them).
 * ``started``: how every operation of ours off the guard path is started:
   outside torch's Python dispatcher. Compile once exchanges inside
   AOTAutograd, where that dispatcher is on; an operation started there keeps
@@ -39,6 +50,8 @@ import contextlib
 import ctypes
 import datetime
 import logging
+import os
+import re
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -146,6 +159,59 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
             )
 
 
+PROBE_TAG = 1 << 29
+"""The tag of ``broken_connection``'s receives: no operation of ours sends on it (compile once's
+pieces have bit 30 set; collectives use slots of their own)."""
+
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def gloo_words(error: BaseException) -> str:
+    """The first line of gloo's error, without its source location or its advice."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return _GLOO_SOURCE.sub("", text).split(". This is typically")[0]
+
+
+def connections_can_be_looked_at() -> bool:
+    """Whether ``broken_connection`` can look: not in torch's lazily connected gloo groups
+    (``TORCH_GLOO_LAZY_INIT``), which connect at a pair's first operation, so that a look at
+    a connection never made would make it (and wait for the peer)."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0").lower() not in ("1", "true", "yes", "on")
+
+
+def broken_connection(pg: dist.ProcessGroup, peer: int) -> str | None:
+    """What broke this rank's connection to group rank ``peer`` of ``pg`` (gloo's words, as
+    ``gloo: ...``), or None while it is intact or cannot be looked at (see the module docstring)."""
+    if peer == pg.rank() or not connections_can_be_looked_at():
+        return None
+    try:
+        started(pg.recv, [torch.empty(0, dtype=torch.uint8)], peer, PROBE_TAG)
+    except RuntimeError as e:
+        return f"gloo: {gloo_words(e)}"
+    return None
+
+
+def broken_peers(pg: dist.ProcessGroup, members: Sequence[int] | None = None) -> dict[int, str]:
+    """Every member of ``pg`` whose connection to this rank broke: global rank (``members``
+    names them; None: the group's ranks) -> gloo's words. For a failed operation: which peer's
+    connection broke, where gloo's error names only an address."""
+    named = list(members) if members is not None else list(range(pg.size()))
+    found: dict[int, str] = {}
+    for peer in range(pg.size()):
+        why = broken_connection(pg, peer)
+        if why is not None:
+            found[named[peer]] = why
+    return found
+
+
+def is_connection_failure(error: BaseException) -> bool:
+    """Whether gloo's ``error`` says a connection broke (not a timeout)."""
+    lowered = str(error).lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return False
+    return any(w in lowered for w in ("connection", "closed", "reset", "broken pipe"))
+
+
 def translate_failure(
     error: BaseException,
     *,
@@ -154,8 +220,10 @@ def translate_failure(
     rank: int | None,
     seq: int | None,
     frame: str | None,
+    broken: dict[int, str] | None = None,
 ) -> CollectiveError:
-    """Turn a gloo RuntimeError into one of our errors with an actionable message."""
+    """Turn a gloo RuntimeError into one of our errors with an actionable message. ``broken``:
+    the peers whose connection to this rank broke (``broken_peers``), named where the error is one."""
     text = str(error)
     lowered = text.lower()
     where = describe()
@@ -170,7 +238,19 @@ def translate_failure(
             seq=seq,
             frame=frame,
         )
-    if "connection" in lowered or "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
+    if is_connection_failure(error) and broken:
+        peers = sorted(broken)
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {peers}"
+        return PeerFailureError(
+            f"{where} failed: the connection to {who} broke ({broken[peers[0]]}). {who.capitalize()} most "
+            "likely crashed or was killed; check its log and exit status.",
+            kind=kind,
+            rank=rank,
+            seq=seq,
+            frame=frame,
+            ranks=tuple(peers),
+        )
+    if is_connection_failure(error):
         return PeerFailureError(
             f"{where} failed: a peer's connection broke (gloo: {text.splitlines()[0]}). "
             "A peer process most likely crashed or was killed; check the other ranks' logs.",
@@ -306,6 +386,19 @@ def guard_key(seq: int, site: int) -> int:
     return ((site * _GOLDEN) ^ seq) & _KEY_MASK
 
 
+class _Where:
+    """The guard call a ``GlooGuardChannel`` is at, and how its waits describe it."""
+
+    __slots__ = ("rank", "seq")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.seq = 0
+
+    def describe(self) -> str:
+        return describe("guard", self.rank, self.seq, None)
+
+
 class GlooGuardChannel:
     """The guard collective's transport: one MIN all-reduce of two int64 per call.
 
@@ -317,14 +410,17 @@ class GlooGuardChannel:
     past two or three elements (measured ~145 µs vs ~365 µs on this machine).
     """
 
-    __slots__ = ("_describe", "_list", "_opts", "_seq", "_tensor", "_view", "check_desync", "name", "pg", "rank")
+    __slots__ = ("_at", "_describe", "_list", "_opts", "_tensor", "_view", "check_desync", "name", "pg", "rank")
 
     def __init__(self, pg: dist.ProcessGroup, check_desync: bool = True, rank: int | None = None) -> None:
         self.pg = pg
         self.rank = pg.rank() if rank is None else rank  # global: messages name global ranks
         self.name = "gloo"
-        self._seq = 0
-        self._describe = self._where  # made once: the fast path allocates nothing
+        self._at = _Where(self.rank)
+        # Made once: the fast path allocates nothing. Not a bound method of the channel: that
+        # would be a reference cycle, which keeps the group and its store alive after a
+        # destroy_process_group until a garbage collection, and the store's port with them.
+        self._describe = self._at.describe
         # Without the desync check only [hit] travels: one int64.
         self.check_desync = check_desync
         n = 2 if check_desync else 1
@@ -340,7 +436,7 @@ class GlooGuardChannel:
     def agree(self, hit: bool, seq: int, site: int = 0) -> tuple[bool, bool]:
         """Returns (every rank hit, every rank at the same call of the same frame)."""
         view = self._view
-        self._seq = seq
+        self._at.seq = seq
         if not self.check_desync:
             view[0] = 1 if hit else 0
             wait(self.pg.allreduce(self._list, self._opts), self._describe)
@@ -355,9 +451,6 @@ class GlooGuardChannel:
         low, neg_high = view[0], view[1]
         in_step = (low >> 1) == -neg_high
         return in_step and bool(low & 1), in_step
-
-    def _where(self) -> str:
-        return describe("guard", self.rank, self._seq, None)
 
     def publish_failure(self, rank: int, left: bool = False) -> None:
         """Nothing to publish on this path: peers learn through the store (see ``wait``)."""

@@ -33,7 +33,10 @@ Two changes of process model drop everything of a generation at once:
   heartbeat go with it, so that a later ``init_process_group`` (on the same
   port, say) starts a new generation from nothing, as
   ``compiler_collectives.reset()`` would. The c10d seam runs that moment at
-  ``destroy_process_group()``; ``notice()`` runs it when it finds a default
+  ``destroy_process_group()``, once torch's destroy returned, and before it
+  ``let_go`` (its own moment): every reference to the store goes and the
+  heartbeat is told to stop, so that the store's server closes within
+  torch's destroy; ``notice()`` runs the moment when it finds a default
   group other than the last one it saw (a destroy the seam did not see: code
   that held torch's own function). ``notice()`` is the one place that notices
   a new default group; every other module calls it, and keeps
@@ -55,8 +58,9 @@ import functools
 import hashlib
 import logging
 import os
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -71,10 +75,11 @@ from ..errors import (
     StoreUnresponsive,
 )
 from ..health.liveness import COMPILE_WAIT, WaitPolicy
-from ..health.watchdog import SideChannel, bounded, diagnose_with_deadline
+from ..health.watchdog import NoticeWait, PeerRecords, SideChannel, bounded, diagnose_with_deadline
 from . import scope as scope_mod
 from . import segment
 from .channel import GuardChannel
+from .gloo import broken_connection, broken_peers, connections_can_be_looked_at
 from .hierarchy import build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
@@ -84,8 +89,9 @@ log = logging.getLogger("compiler_collectives.transport")
 _inherited: list[Any] = []
 
 
-def _identity() -> dict[str, int]:
-    """This process as a peer on the same machine and pid namespace can check it in /proc."""
+def _identity() -> dict[str, Any]:
+    """This process as a peer on the same machine and pid namespace can check it in /proc, and
+    the name of its host, where a peer elsewhere says where to look at it (``node``)."""
     pid = os.getpid()
     ident = segment.process_identity(pid)
     try:
@@ -93,7 +99,12 @@ def _identity() -> dict[str, int]:
     except OSError:
         pid_ns = ""
     place = hashlib.blake2b(f"{host_key()}|{pid_ns}".encode(), digest_size=7).digest()
-    return {"pid": pid, "start": ident[1] if ident else 0, "host": int.from_bytes(place, "little")}
+    return {
+        "pid": pid,
+        "start": ident[1] if ident else 0,
+        "host": int.from_bytes(place, "little"),
+        "node": socket.gethostname(),
+    }
 
 
 class Groups:
@@ -112,6 +123,8 @@ class Groups:
         self._on_inherited = False  # a forked child whose default group is still its parent's
         self._told_child = False
         self.side: SideChannel | None = None
+        # Joins of the threads of a side channel let go of (``let_go``), waited for by the moment.
+        self._stopping: list[Callable[[float], bool]] = []
         # Callables returning this rank's progress for the heartbeat (``add_progress_source``).
         self.progress_sources: list[Callable[[], dict[str, Any]]] = []
 
@@ -141,6 +154,12 @@ class Groups:
                 # Outside ``self._lock``: this moment's clear of our groups takes it.
                 process_state.run(process_state.GROUP_DESTROYED)
             self._world = world
+
+    @staticmethod
+    def ends_the_default_group(group: object | None) -> bool:
+        """Whether ``destroy_process_group(group)`` destroys the default group (None names it)
+        while there is one; a subgroup's destroy is not."""
+        return dist.is_initialized() and (group is None or group is dist.group.WORLD)
 
     def is_current(self, generation: int) -> bool:
         """Whether ``generation`` is still the current one, for another thread (the heartbeat):
@@ -184,26 +203,49 @@ class Groups:
         self._world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self._on_inherited = self._world is not None
         self.side = None
+        self._stopping = []
         self._compile_pg = self._guard_pg = self._guard_channel = None
         self._agreed = False
         self._told_child = False
+
+    def let_go(self) -> None:
+        """``destroy_process_group()`` of the default group is about to run: let go of its store.
+
+        Every reference of ours to it goes (our groups, the guard channel, the
+        side channel and its store) and our threads are told to stop, not
+        waited for: they wake at once and let go as they end. Torch's own
+        teardown then drops the store's last reference, and the store's
+        server closes its port there, within torch's time: a peer that
+        re-initializes on the same port never meets the old store while our
+        moment runs. Nothing here waits or collects: none of these objects
+        sits in a reference cycle (a cycle would keep the store until a
+        garbage collection, hundreds of milliseconds later).
+        """
+        with self._lock:
+            side, self.side = self.side, None
+            self._drop()
+            self._world = None
+            if side is not None:
+                self._stopping.append(side.stopping())
 
     def default_group_destroyed(self) -> None:
         """``destroy_process_group()`` ended the default group: drop this generation now
         (the moment's run starts the next generation's number).
 
-        Torch has shut our groups down with it. What is left holding the old
-        store (the heartbeat, our group objects) goes now, not at the next
-        collective: the store's server must be gone before a new
-        ``init_process_group`` binds its port again (the caller collects the
-        reference cycles some of them sit in, once every holder let go).
+        After ``let_go`` (the c10d seam) there is nothing left to drop but the
+        wait for our threads, which have ended already unless a store call held
+        one. Without it (``notice()`` found a new default group) what is left
+        holding the old store goes now, not at the next collective.
         """
         with self._lock:
-            side = self.side
+            side, self.side = self.side, None
             self._drop()
             self._world = None
             self._on_inherited = False
-        if side is not None and not side.stop(join_s=2.0):
+            joins, self._stopping = self._stopping, []
+        if side is not None:
+            joins.append(side.stopping())
+        if not all([join(2.0) for join in joins]):
             log.debug("the heartbeat thread did not end within 2s of destroy_process_group")
 
     def add_progress_source(self, source: Callable[[], dict[str, Any]]) -> None:
@@ -492,13 +534,45 @@ class Groups:
         """A notice a peer posted (``post``), or None if there is none yet."""
         return self._side_channel().read_post(self._notice(name))
 
-    def watch_peer(self, rank: int, *, policy: WaitPolicy = COMPILE_WAIT) -> Callable[[], str | None]:
-        """A probe of global rank ``rank``: each call says why ``policy`` gives up on it (it is
-        absent), or None while ``policy`` waits for it. The default is compile once's loader wait
-        (its only caller): a gone or failed peer is absent; a stopped or wedged one on this host is
-        waited for, with one warning each (``health.liveness``). Cheap enough to call every
-        poll: no thread per call, and ``/proc`` is read for a peer on this host, heartbeats or not."""
-        return self._side_channel().watch(rank, policy=policy)
+    def wait_posts(self, names: Sequence[str], timeout_s: float) -> NoticeWait:
+        """Start waiting for the notices ``names`` (``post``) on a store connection of their own
+        (``health.watchdog.NoticeWait``): ``done``, ``posted``, ``result``, and ``cancel`` when the
+        caller stops waiting. A few store requests per notice, however long it takes."""
+        return self._side_channel().wait_posts([self._notice(name) for name in names], timeout_s)
+
+    def watch_peers(
+        self, ranks: Sequence[int], *, policy: WaitPolicy = COMPILE_WAIT
+    ) -> dict[int, Callable[[], str | None]]:
+        """A probe of each global rank of ``ranks``: each call says why ``policy`` gives up on it
+        (it is absent), or None while ``policy`` waits for it. The default is compile once's loader
+        wait (its only caller): a gone or failed peer is absent; a stopped or wedged one on this
+        host, or a silent one on another, is waited for, with a warning every 30 s
+        (``health.liveness``). Cheap enough to call every poll: no thread per call, no store
+        request at most calls (the probes share one read of their records, made again only where
+        a record looks silent: ``health.watchdog.PeerRecords``), ``/proc`` read for a peer on this
+        host, heartbeats or not, and for one elsewhere that is silent or beats no heartbeat, this
+        rank's gloo connection to it (in the compile group) looked at about once a second: a
+        reset connection is how a process that ended on another host is known."""
+        side = self._side_channel()
+        pg = self._compile_pg
+        members = self.member_ranks(pg) if pg is not None and connections_can_be_looked_at() else ()
+        records = PeerRecords(side, ranks)
+        probes = {}
+        for rank in ranks:
+            connection: Callable[[], str | None] | None = None
+            if pg is not None and rank in members:
+                connection = functools.partial(broken_connection, pg, members.index(rank))
+            probes[rank] = side.watch(rank, policy=policy, connection=connection, records=records)
+        return probes
+
+    def broken_peers(self, pg: Any) -> dict[int, str]:
+        """The members of ``pg`` (global ranks) whose gloo connection to this rank broke, each with
+        gloo's words: after an operation on ``pg`` failed on a broken connection, who it was."""
+        try:
+            return broken_peers(pg, self.member_ranks(pg))
+        except Exception as e:  # noqa: BLE001 - the error then names nobody, as before
+            log.debug("looking for broken connections: %s", e)
+            return {}
 
     def _notice(self, name: str) -> str:
         return name if self._scope is None else f"scope/{self._scope.key}/{name}"
@@ -596,6 +670,16 @@ _GROUPS = (
 @process_state.clears(process_state.RESET, names=("groups",), what=_GROUPS, first=True)
 def forget() -> None:
     groups.forget()
+
+
+@process_state.clears(
+    process_state.GROUP_ENDING,
+    names=("groups",),
+    what="every reference to the store: our groups, the guard channel, the side channel (its threads told to stop)",
+    first=True,
+)
+def let_go() -> None:
+    groups.let_go()
 
 
 @process_state.clears(process_state.GROUP_DESTROYED, names=("groups",), what=_GROUPS, first=True)

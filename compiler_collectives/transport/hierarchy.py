@@ -81,6 +81,29 @@ def _all_gather_ints(pg: dist.ProcessGroup, values: list[int]) -> list[list[int]
     return [t.tolist() for t in out]
 
 
+def doubling_plan(index: int, hosts: int) -> tuple[tuple[str, int, int], ...]:
+    """Leader ``index``'s steps of a recursive-doubling all-reduce among ``hosts`` leaders:
+    (op, peer, tag), op one of give/take (a leader past the largest power of two P <= H hands
+    its value to ``index - P`` and takes the result back), fold/tell (its partner's side) and
+    swap (exchange and fold). Partners use the same tag, so tags name the phase."""
+    p = 1
+    while p * 2 <= hosts:
+        p *= 2
+    last = p.bit_length()
+    plan: list[tuple[str, int, int]] = []
+    if index >= p:
+        return (("give", index - p, 0), ("take", index - p, last))
+    if index + p < hosts:
+        plan.append(("fold", index + p, 0))
+    step, k = 1, 1
+    while step < p:
+        plan.append(("swap", index ^ step, k))
+        step, k = step * 2, k + 1
+    if index + p < hosts:
+        plan.append(("tell", index + p, last))
+    return tuple(plan)
+
+
 class LeaderExchange:
     """MIN all-reduce of two int64 among host leaders, by recursive doubling over send/recv.
 
@@ -96,24 +119,7 @@ class LeaderExchange:
         self.pg = pg
         self.index = index
         self.hosts = hosts
-        p = 1
-        while p * 2 <= hosts:
-            p *= 2
-        # (op, peer, tag): partners must use the same tag, so tags name the phase.
-        last = p.bit_length()
-        plan: list[tuple[str, int, int]] = []
-        if index >= p:
-            plan = [("give", index - p, 0), ("take", index - p, last)]
-        else:
-            if index + p < hosts:
-                plan.append(("fold", index + p, 0))
-            step, k = 1, 1
-            while step < p:
-                plan.append(("swap", index ^ step, k))
-                step, k = step * 2, k + 1
-            if index + p < hosts:
-                plan.append(("tell", index + p, last))
-        self._plan = tuple(plan)
+        self._plan = doubling_plan(index, hosts)
         self._send = torch.zeros(2, dtype=torch.int64)
         self._recv = torch.zeros(2, dtype=torch.int64)
         self._send_view = (ctypes.c_int64 * 2).from_address(self._send.data_ptr())

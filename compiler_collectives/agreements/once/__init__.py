@@ -7,12 +7,15 @@ or cold, so the exchanges never depend on cache state):
 
 1. **Keys** (``offer``, at the cache lookup): each rank's key (or why the graph is not cacheable
    here), whether its cache holds an entry, its cache dir's identity, which of torch's
-   compile-time collectives are on, and the largest artifact it accepts. First one MIN
-   all-reduce of a fixed record: a digest of what must match (the key, the switches, the graph,
-   and the dirs and limits the last full exchange saw), the lowest holder and the warmest rank.
-   Where every digest matched, that settles it (``once_keys_reduced``): the bytes per rank do not
-   grow with the world. Otherwise (a generation's first graph, a key that differs, a dir that
-   changed) one all-gather of every rank's offer follows. ``decide`` turns
+   compile-time collectives are on, and the largest artifact it accepts. First one MIN of a
+   fixed record over the host tree (``transport.HostTree``: a host's ranks through their leader,
+   the leaders in log2(hosts) rounds): a digest of what must match (the switches, and the dirs
+   and limits the last full exchange saw) and, per index on a host, the digest of that index's
+   key and graph, its lowest holder and its warmest rank. Where each index's key is the same on
+   every host (every rank's, or a GPU job's key per device), that settles it
+   (``once_keys_reduced``): the bytes per rank do not grow with the world. Otherwise (a
+   generation's first graph, keys that differ otherwise, a dir that changed) one all-gather of
+   every rank's offer follows. ``decide`` turns
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
@@ -25,19 +28,23 @@ or cold, so the exchanges never depend on cache state):
    wait inside the backend, for this graph only (waiting around a whole step would deadlock on
    DDP's all-reduce). They wait while the compiling rank is alive, up to
    ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
-3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, one
-   all-gather carries each serving rank's outcome: the manifest of its artifact (every file of
+3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, each
+   serving rank's outcome goes down a binomial tree over the ranks (an all-gather where there are
+   more serving ranks than ranks on a host): the manifest of its artifact (every file of
    the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
    program audit's fingerprints of the compile, and the SHA-256 of each piece of its bundle. The
    manifest comes over the job's own gloo group; the bytes do not travel to ranks that share the
    serving rank's dir. In each other cache dir one rank receives them (``transfer``): those
    receivers form a tree rooted at the serving rank (``COMPILER_COLLECTIVES_ONCE_FANOUT``), each
    checks every piece before it forwards it, and the dir's other ranks read its install. A rank
-   loads only files whose SHA-256 matches, only for a key it computed itself; anything else is
-   refused, named in the log, and that rank compiles the graph itself, without the cache.
-4. **Loaded** (``loaded``): one all-gather of each loading rank's outcome, so every rank logs and
-   counts who loaded, whose load missed (an entry's guards fail that rank's size hints: it
-   compiled locally) and who refused.
+   writes into its dir only received files whose SHA-256 matches, only for a key it computed
+   itself; anything else is refused, named in the log, and that rank compiles the graph itself,
+   AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
+   entry there): the checks are on the bytes that travel between dirs (docs/design.md, "Trust").
+4. **Loaded** (``loaded``): one MIN over the host tree of whether every rank loaded; only where
+   some rank did not, one all-gather of each rank's outcome, so every rank logs and counts who
+   loaded, whose load missed (an entry's guards fail that rank's size hints: it compiled
+   locally) and who refused.
 
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
 ``CompileOnceError`` quoting it (the serving rank raises its own). A serving rank that dies is

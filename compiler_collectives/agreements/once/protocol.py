@@ -30,6 +30,7 @@ from ...transport import (
     PHASE_ONCE_KEYS,
     PHASE_ONCE_LOADED,
     PHASE_ONCE_RESULT,
+    HostTree,
     groups,
 )
 from .. import audit, compile_wait
@@ -59,6 +60,8 @@ _seq = 0
 # group's members, each rank's (cache dir identity, largest artifact it accepts), their digest.
 _known: tuple[tuple[int, ...], dict[int, tuple[str, int]], bytes] | None = None
 _records: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+# The compile group's ranks by host (``transport.HostTree``), built at a generation's first graph.
+_tree: HostTree | None = None
 
 
 class Cache(Protocol):
@@ -196,56 +199,121 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     return ticket.plan
 
 
-def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
-    """Every rank's offer: from one fixed-size reduce when every rank has the same key (and the
-    same cache dirs as at the last full exchange), else from an all-gather of every offer.
+# The key record (``_settle_keys``): the phase, then six items, then four per index on a host.
+_KEY_HEAD, _KEY_SLOT = 8, 4
+_PEER_KEY = "<the key of local index {} on every host: digest {:x}>"  # never one of torch's keys
 
-    The reduce carries a digest of what must match (graph number, level, key, why, switches,
-    graph, and the dirs and size limits the last all-gather saw), the lowest rank that holds the
-    entry, and the warmest rank (in turn among equals, as ``decide`` turns among cold ranks).
-    Every rank takes both steps or the first only, by the reduce's outcome: the same everywhere.
-    From it, every rank builds the same offers, and ``decide`` the same plans.
+
+def _record_width(ranks_per_host: int) -> int:
+    return _KEY_HEAD + _KEY_SLOT * ranks_per_host
+
+
+def _host_tree(ticket: Ticket) -> HostTree:
+    """The compile group's ranks by host; built at the generation's first graph (every rank together)."""
+    global _tree
+    tree = _tree
+    if tree is None or tree.size != ticket.pg.size():
+        pg = ticket.pg
+        where = _where(ticket, "hosts")
+        tree = _tree = exchange_frame.framed(
+            pg,
+            lambda: HostTree.build(pg, _record_width, where),
+            kind="compile_once",
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+            where=where,
+        )
+    return tree
+
+
+def _digest(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 2
+
+
+def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
+    """Every rank's offer: from one fixed-size MIN over the host tree when, for each index on a
+    host, every host's rank of that index has the same key (and the cache dirs are those of the
+    last full exchange), else from an all-gather of every offer.
+
+    The record: the exchange's phase; a digest of what must match everywhere (graph number,
+    level, switches, the dirs and size limits the last all-gather saw); whether every rank's
+    kept table is valid and every rank has a key; a digest of this rank's key, why and graph;
+    and, in the slot of this rank's index on its host, that digest again, whether it holds the
+    entry and how warm it is (in turn among equals, as ``decide`` turns among cold ranks).
+
+    Equal slots on every host are how GPU jobs (a key per device: ``cuda:k`` in the key of the
+    host's k-th rank) settle without the gather: torch's own cache keys hold the device index
+    (``FxGraphCachePickler`` keys with ``device_id_agnostic=False``; the compiled code names its
+    device), so ranks of different indices never share an artifact; the ranks of index k on
+    every host do. Each group of equal keys gets its lowest holder and its warmest rank from the
+    slots of its indices; the offers built from them give ``decide`` the same plans everywhere
+    (a key this rank does not have stands as a placeholder of its digest: ``decide`` only
+    compares keys). Every rank takes both steps or the first only, by the MIN's outcome: the
+    same everywhere.
     """
     global _known
     members = tuple(sorted(ticket.members))
-    n, me = len(members), members.index(ticket.rank)
+    order = ticket.members  # in group-rank order: the tree's
+    n, me = len(order), ticket.pg.rank()
     seq = ticket.seq or 0
     known = _known
+    tree = _host_tree(ticket)
     valid = (
-        known is not None and known[0] == members and known[1].get(ticket.rank) == (mine.dir, mine.max_artifact_bytes)
+        known is not None and known[1].get(ticket.rank) == (mine.dir, mine.max_artifact_bytes) and known[0] == members
     )
-    digest = 0
+    common = 0
     if known is not None and valid:
-        same = (seq, ticket.level, mine.key, mine.why, tuple(sorted(mine.switches)), mine.graph, known[2])
-        digest = int.from_bytes(hashlib.sha256(repr(same).encode()).digest()[:8], "big") >> 1
+        common = _digest(seq, ticket.level, tuple(sorted(mine.switches)), known[2])
+    own = _digest(mine.key, mine.why, mine.graph)
     turn = n - 1 - ((me - seq) % n)  # highest for the rank whose turn it is
-    low, neg_high, holder, neg_best, neg_invalid = exchange_frame.reduce_min(
+    record = [PHASE_ONCE_KEYS, -PHASE_ONCE_KEYS, common, -common, 0 if valid else -1]
+    record += [0 if mine.key is not None else -1, own, -own]
+    slots = [HostTree.NEUTRAL] * (_KEY_SLOT * tree.ranks_per_host)
+    k = tree.local_index * _KEY_SLOT
+    slots[k : k + _KEY_SLOT] = [own, -own, me if mine.holds else n, -(mine.warmth * n + turn)]
+    counters.once_tree_exchanges += 1
+    out = exchange_frame.framed(
         ticket.pg,
-        [digest, -digest, me if mine.holds else n, -(mine.warmth * n + turn), 0 if valid else -1],
+        lambda: tree.min_ints(ticket.pg, record + slots, _where(ticket, "keys")),
         kind="compile_once",
         seq=ticket.seq,
         frame=str(ticket.frame),
         where=_where(ticket, "keys"),
     )
-    if known is not None and neg_invalid == 0 and low == -neg_high:
+    phase_lo, phase_neg_hi, low, neg_high, neg_invalid, neg_keyless, own_lo, own_neg_hi = out[:_KEY_HEAD]
+    got = [tuple(out[i : i + _KEY_SLOT]) for i in range(_KEY_HEAD, len(out), _KEY_SLOT)]
+    same = phase_lo == -phase_neg_hi and known is not None and neg_invalid == 0 and low == -neg_high
+    # Per index: its key's digest (None where no host has that index), checked equal on every host.
+    digests = [None if d == HostTree.NEUTRAL else d for d, *_ in got]
+    per_index = same and all(d is None or d == -neg_d for d, neg_d, *_ in got)
+    if known is not None and per_index and (own_lo == -own_neg_hi or neg_keyless == 0):
         counters.once_keys_reduced += 1
-        best = -neg_best
-        warmest, chosen = best // n, (seq + n - 1 - best % n) % n
-        return {
-            r: Offer(
-                mine.key,
-                mine.why,
-                i == holder,
+        # Each group of equal keys (a set of indices): its lowest holder, and its warmest rank.
+        holder: dict[int, int] = {}
+        best: dict[int, int] = {}
+        for (_, _, hold, neg_best), digest in zip(got, digests):
+            if digest is not None:
+                holder[digest] = min(holder.get(digest, n), hold)
+                best[digest] = max(best.get(digest, -1), -neg_best)
+        offers: dict[int, Offer] = {}
+        for i, r in enumerate(order):
+            digest = digests[tree.place[i][1]]
+            assert digest is not None
+            warmest, chosen = best[digest] // n, (seq + n - 1 - best[digest] % n) % n
+            ours = digest == own
+            offers[r] = Offer(
+                mine.key if ours else _PEER_KEY.format(tree.place[i][1], digest),
+                mine.why if ours else None,
+                i == holder[digest],
                 known[1][r][0],
                 list(mine.switches),
                 known[1][r][1],
-                mine.graph,
-                warmest if i == chosen and i != holder else 0,
+                mine.graph if ours else "",
+                warmest if i == chosen and i != holder[digest] else 0,
             )
-            for i, r in enumerate(members)
-        }
+        return offers
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
-    offers: dict[int, Offer] = {e.rank: e.body for e in gathered}  # type: ignore[misc]
+    offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
     table = {r: (o.dir, o.max_artifact_bytes) for r, o in offers.items()}
     _known = (members, table, hashlib.sha256(repr(sorted(table.items())).encode()).digest())
     return offers
@@ -448,15 +516,16 @@ def records() -> list[dict[str, Any]]:
 
 @process_state.clears(
     *process_state.EVERY_GENERATION,
-    names=("_seq", "_known"),
-    what="compile once's graph numbers and the cache dirs its last key exchange saw",
+    names=("_seq", "_known", "_tree"),
+    what="compile once's graph numbers, the cache dirs its last key exchange saw, and its ranks by host",
 )
 def reset_sequence() -> None:
-    """A new generation of our groups numbers its graphs from 1 again and gathers every offer
-    at its first graph (every rank together)."""
-    global _seq, _known
+    """A new generation of our groups numbers its graphs from 1 again, and learns its hosts and
+    gathers every offer at its first graph (every rank together)."""
+    global _seq, _known, _tree
     _seq = 0
     _known = None
+    _tree = None
 
 
 @process_state.clears(process_state.STATS, names=("_records",), what="compile once's record of each graph")
@@ -486,6 +555,7 @@ def _gather(ticket: Ticket, body: Offer | Result | Loaded, phase: int, what: str
                 ranks=tuple(e.rank for e in envelopes if e.seq != seq),
             )
 
+    counters.once_gathers += 1
     gathered = exchange_frame.gather(
         pg,
         payload,
@@ -559,10 +629,23 @@ def _wait_for_posts(
 
 
 def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
-    gathered = _gather(ticket, mine, PHASE_ONCE_RESULT, "result")
-    out = {e.rank: e.body for e in gathered}
+    """Every serving rank's result (global rank -> result), on every rank.
+
+    Only serving ranks have one: each is broadcast down a binomial tree over the group
+    (``HostTree.broadcast``), sources in rank order, when there are at most as many as ranks on
+    a host (a GPU job's: one per device index); with more, one all-gather of every rank's."""
+    sources = sorted(r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE))
+    tree = _tree
+    if tree is None or len(sources) > tree.ranks_per_host:
+        gathered = _gather(ticket, mine, PHASE_ONCE_RESULT, "result")
+        out = {e.rank: e.body for e in gathered}
+    else:
+        counters.once_tree_exchanges += 1
+        out = {r: _broadcast_result(ticket, tree, r, mine) for r in sources}
     for r, p in ticket.plans.items():
-        body = out[r]
+        body = out.get(r)
+        if body is None and p.role not in (COMPILE, SERVE):
+            continue
         bad = not isinstance(body, Result) or (p.role in (COMPILE, SERVE)) != (body.status != "none")
         if bad:
             counters.errors += 1
@@ -578,8 +661,60 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     return out  # type: ignore[return-value]
 
 
+def _broadcast_result(ticket: Ticket, tree: HostTree, source: int, mine: Result) -> Result | Offer | Loaded:
+    """``source``'s result, broadcast from it over the tree; its graph number checked here."""
+    pg, seq, where = ticket.pg, ticket.seq or 0, _where(ticket, "result")
+    index = ticket.members.index(source)
+    payload = encode_once(rank=ticket.rank, world_size=pg.size(), seq=seq, body=mine) if source == ticket.rank else None
+    stamp = (PHASE_ONCE_RESULT << 32) | seq
+
+    def step() -> Result | Offer | Loaded:
+        sent, data = tree.broadcast(
+            pg, index, payload, stamp, config.settings.max_payload_bytes, where, lambda i: ticket.members[i]
+        )
+        envelope = None
+        if sent == stamp:
+            envelope = decode_once(
+                data, sender=source, max_bytes=config.settings.max_payload_bytes, expected_world_size=pg.size()
+            )
+        if envelope is None or envelope.seq != seq or envelope.rank != source:
+            theirs = f"#{sent & 0xFFFFFFFF} (phase {sent >> 32})" if envelope is None else f"#{envelope.seq}"
+            raise CollectiveDesyncError(
+                f"compile once on rank {ticket.rank}: rank {source} sent its result of compile once {theirs} while "
+                f"this rank is at #{seq} (phase {PHASE_ONCE_RESULT}): the ranks are at different graphs.\n"
+                "Every rank must compile the same graphs in the same order.",
+                ranks=(source,),
+            )
+        return envelope.body
+
+    return exchange_frame.framed(pg, step, kind="compile_once", seq=ticket.seq, frame=str(ticket.frame), where=where)
+
+
 def _load_report(ticket: Ticket) -> None:
+    """Who did not load (a miss or a refusal): first one MIN of flags over the host tree; only
+    when some rank did not load (or the ranks are at different graphs), the all-gather of every
+    rank's outcome, for the names and the reasons."""
     ticket.finished = True
+    seq = ticket.seq or 0
+    loaded_here = ticket.outcome not in ("miss", "refused")
+    tree = _tree
+    if tree is not None:
+        counters.once_tree_exchanges += 1
+        pg = ticket.pg
+        record = [PHASE_ONCE_LOADED, -PHASE_ONCE_LOADED, seq, -seq, 1 if loaded_here else 0]
+        out = exchange_frame.framed(
+            pg,
+            lambda: tree.min_ints(pg, record, _where(ticket, "load report")),
+            kind="compile_once",
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+            where=_where(ticket, "load report"),
+        )
+        if out[0] == -out[1] == PHASE_ONCE_LOADED and out[2] == -out[3] == seq and out[4] == 1:
+            ticket.local = ()
+            _wait_for_local_compiles(ticket)
+            _record(ticket)
+            return
     gathered = _gather(ticket, Loaded(ticket.outcome, ticket.outcome_why), PHASE_ONCE_LOADED, "load report")
     for e in gathered:
         body = e.body

@@ -20,9 +20,12 @@ are nodes F*i+1 .. F*i+F. The bytes go in pieces of ``chunk_bytes`` (the source'
 while piece k+1 arrives: one graph takes about F * size / bandwidth plus one piece's time per
 level. A forwarder cannot change what its subtree loads: the digests come from the source, every
 receiver checks every piece, and a piece that fails its check is forwarded as zeros (its subtree
-refuses too, and compiles locally). A forwarder that dies breaks its children's receive at once
-(gloo's connection closes); they raise ``PeerFailureError`` through the failure procedure, whose
-report stops the rest of the subtree within a heartbeat.
+refuses too, and compiles locally). The sends and receives of a transfer are waited for with
+``run_p2p``: a parent may start late (it sends once the result exchange, which no longer waits for
+every rank, ended there), and gloo's timed wait of a slice would close the group's connections. A
+forwarder that dies breaks its children's receive at once (gloo's connection closes); they raise
+``PeerFailureError`` through the failure procedure, whose report stops the rest of the subtree
+within a heartbeat.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import CollectiveError
 from ...stats import counters
-from ...transport import byte_tensor, start_recv, start_send, tensor_view, wait
+from ...transport import byte_tensor, run_p2p, start_recv, start_send, tensor_view
 from ..wire.once import Offer, Result
 from . import artifact
 from .plan import LOAD, Plan
@@ -45,6 +48,7 @@ TAG_BASE = 1 << 30
 _SEQ_BITS, _PIECE_BITS = 10, 20
 
 SHARED, RECEIVE, READ, NONE = "shared", "receive", "read", "none"
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,19 @@ def _pieces(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(i, min(total, i + chunk_bytes)) for i in range(0, total, chunk_bytes)]
 
 
+# A piece's send or receive that failed on the helper thread: gloo's error, the peer, what it is to this rank.
+_Broken = tuple[RuntimeError, int, str]
+
+
+def _run(link: Link, fn: Callable[[], tuple[T, _Broken | None]]) -> T:
+    """``fn`` (the waits of one transfer) on ``run_p2p``'s helper thread; a failed piece as our error."""
+    value, broken = run_p2p(fn, link.where)
+    if broken is not None:
+        error, peer, what = broken
+        raise link.failed(error, peer, what) from error
+    return value
+
+
 def send(link: Link, bundle: bytes, result: Result, route: Route) -> None:
     """The source: each piece to each of its children (piece-major, so every child's first piece
     leaves first), then wait for all of them."""
@@ -136,16 +153,17 @@ def send(link: Link, bundle: bytes, result: Result, route: Route) -> None:
     ]
     counters.once_copies_sent += len(route.children)
     counters.once_bytes_sent += len(bundle) * len(route.children)
-    _wait_sends(link, works, route.children)
+    _run(link, lambda: (None, _wait_sends(works, route.children)))
 
 
-def _wait_sends(link: Link, works: list[Any], children: tuple[int, ...]) -> None:
+def _wait_sends(works: list[Any], children: tuple[int, ...]) -> _Broken | None:
     """Wait for sends posted piece-major to ``children``; a failed one names its child."""
     for i, w in enumerate(works):
         try:
-            wait(w, link.where)
+            w.wait()
         except RuntimeError as e:
-            raise link.failed(e, children[i % len(children)], "its child in the artifact's tree") from e
+            return e, children[i % len(children)], "its child in the artifact's tree"
+    return None
 
 
 def receive(link: Link, result: Result, route: Route, source: int) -> tuple[bytes, artifact.Refusal | None]:
@@ -153,30 +171,35 @@ def receive(link: Link, result: Result, route: Route, source: int) -> tuple[byte
     forwarded to its children (zeros in place of a piece that failed). The bytes, and why they
     are refused (None: every piece matched)."""
     assert route.parent is not None
+    parent_rank = route.parent
     total = result.total()
     pieces = _pieces(total, result.chunk_bytes)
     data = byte_tensor(total)
-    parent = link.peer(route.parent)
+    parent = link.peer(parent_rank)
     recvs = [start_recv(link.pg, data[a:b], parent, link.tag(k)) for k, (a, b) in enumerate(pieces)]
-    sends: list[Any] = []
-    refusal: artifact.Refusal | None = None
-    for k, ((a, b), work) in enumerate(zip(pieces, recvs)):
-        try:
-            wait(work, link.where)
-        except RuntimeError as e:
-            raise link.failed(e, route.parent, "its parent in the artifact's tree, which sends it the bytes") from e
-        piece = data[a:b]
-        if refusal is None and hashlib.sha256(tensor_view(piece)).digest() != result.chunks[k]:
-            via = "" if route.parent == source else f", forwarded by rank {route.parent},"
-            refusal = artifact.Refusal(
-                f"bytes {a}-{b} of the artifact{via} do not match the SHA-256 rank {source} sent over the "
-                "job's gloo group",
-                True,
-            )
-        if refusal is not None:
-            piece.zero_()  # never pass on bytes that failed their check
-        sends.extend(start_send(link.pg, piece, link.peer(child), link.tag(k)) for child in route.children)
-    _wait_sends(link, sends, route.children)
+
+    def take() -> tuple[artifact.Refusal | None, _Broken | None]:
+        sends: list[Any] = []
+        refusal: artifact.Refusal | None = None
+        for k, ((a, b), work) in enumerate(zip(pieces, recvs)):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                return None, (e, parent_rank, "its parent in the artifact's tree, which sends it the bytes")
+            piece = data[a:b]
+            if refusal is None and hashlib.sha256(tensor_view(piece)).digest() != result.chunks[k]:
+                via = "" if parent_rank == source else f", forwarded by rank {parent_rank},"
+                refusal = artifact.Refusal(
+                    f"bytes {a}-{b} of the artifact{via} do not match the SHA-256 rank {source} sent over the "
+                    "job's gloo group",
+                    True,
+                )
+            if refusal is not None:
+                piece.zero_()  # never pass on bytes that failed their check
+            sends.extend(start_send(link.pg, piece, link.peer(child), link.tag(k)) for child in route.children)
+        return refusal, _wait_sends(sends, route.children)
+
+    refusal = _run(link, take)
     counters.once_bytes_received += total
     if route.children:
         counters.once_copies_sent += len(route.children)

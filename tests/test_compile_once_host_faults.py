@@ -1,0 +1,226 @@
+"""Compile once across hosts, a compiler that stops, holds the GIL or dies (issue 37, item 1): it
+is declared gone on evidence of its death (its connection to this rank reset, its process gone
+where a rank of its host can see it, a failure it reported), never on heartbeat silence alone.
+
+Two ranks, each its own "host" the way torchrun's agents make hosts (``GROUP_RANK``: our host
+key, so /proc is never consulted across them) with a cache dir each, real inductor compiles on
+CPU (gloo), test_compile_once's one training step. Rank 1 compiles graph #1 (the plan's first
+turn), rank 0 waits for it; a fault is injected on rank 1 at the start of that compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import time
+
+import pytest
+
+from tests.fixtures import cache_per_rank
+from tests.harness import run_ranks
+from tests.test_compile_once import ENV, _assert_trained_right, _states, job
+from tests.test_compile_once_caches import COMPILING_RANK, WAITING_RANK, _assert_no_refusals, _at_compile
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+
+STOP_S = 15  # past the 3 s after which a 1 s heartbeat counts as silent
+HOLD_GIL_S = 12
+
+
+def _hold_gil_at_compile(seconds: int) -> None:
+    """Once, at the start of a compile this rank runs for others, keep the GIL for ``seconds``
+    in one native call (PyDLL does not release it): the heartbeat thread cannot beat, as in a
+    triton or pybind call that holds it."""
+    import ctypes
+
+    import torch._inductor.compile_fx as cfx
+
+    from compiler_collectives.agreements import once
+
+    passes = cfx._recursive_post_grad_passes
+    fired: list[bool] = []
+
+    @functools.wraps(passes)
+    def at_compile(*args: object, **kwargs: object) -> object:
+        ticket = once.current()
+        if not fired and ticket is not None and ticket.plan is not None and ticket.plan.role == once.COMPILE:
+            fired.append(True)
+            ctypes.PyDLL(None).sleep(seconds)
+        return passes(*args, **kwargs)
+
+    cfx._recursive_post_grad_passes = at_compile
+
+
+def job_on_two_hosts(rank: int, world: int, case: dict) -> dict:
+    """test_compile_once's job; on the compiling rank, the fault ``case["at_compile"]``."""
+    import compiler_collectives as cc
+
+    cc.enable()
+    if rank == COMPILING_RANK:
+        if case["at_compile"] == "hold_gil":
+            _hold_gil_at_compile(case["seconds"])
+        else:
+            _at_compile(case["at_compile"], case["seconds"])
+    started = time.monotonic()
+    out = job(rank, world, case)
+    out["job_s"] = time.monotonic() - started
+    return out
+
+
+def _on_two_hosts(tmp_path, at_compile: str, seconds: int, env: dict | None = None, **kw):
+    hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
+    return run_ranks(
+        job_on_two_hosts,
+        2,
+        args=({"at_compile": at_compile, "seconds": seconds},),
+        env={**ENV, **(env or {})},
+        rank_env=hosts,
+        timeout=240,
+        **kw,
+    )
+
+
+def _warnings_of_silence(result: dict) -> list[str]:
+    return [line for line in result["logs"] if f"rank {COMPILING_RANK} (pid" in line and "not been heard from" in line]
+
+
+@pytest.mark.timeout(300)
+def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_finishes(tmp_path):
+    """SIGSTOP then SIGCONT (a debugger, a preempted VM): silent for 15 s, its connection intact."""
+    results = _on_two_hosts(tmp_path, "stop", STOP_S).results
+    _assert_trained_right(results)
+    _assert_no_refusals(results)
+    assert _states(results) == ["loaded", "compiled"]
+    assert results[WAITING_RANK]["records"][-1]["waited_s"] >= STOP_S
+    silence = _warnings_of_silence(results[WAITING_RANK])
+    assert silence and "another host" in silence[0] and "py-spy dump --native --pid" in silence[0], results[0]["logs"]
+
+
+@pytest.mark.timeout(300)
+def test_a_compiler_on_another_host_holding_the_gil_for_12_s_in_a_native_call_is_waited_for(tmp_path):
+    results = _on_two_hosts(tmp_path, "hold_gil", HOLD_GIL_S).results
+    _assert_trained_right(results)
+    _assert_no_refusals(results)
+    assert _states(results) == ["loaded", "compiled"]
+    assert _warnings_of_silence(results[WAITING_RANK]), results[WAITING_RANK]["logs"]
+
+
+@pytest.mark.timeout(300)
+def test_a_compiler_killed_on_another_host_is_named_within_seconds_not_waited_for_as_silent(tmp_path):
+    """Its host's kernel resets its connections: evidence of death. Its silence alone would be
+    waited for up to the compile timeout (an hour); heartbeats off: the torchrun test below."""
+    outcome = _on_two_hosts(tmp_path, "die", 0, check=False, expect_signals={COMPILING_RANK: signal.SIGKILL})
+    waiting = outcome.results[WAITING_RANK]
+    assert waiting is not None and "PeerFailureError" in waiting["chain"], outcome
+    message = waiting["message"]
+    assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
+    assert "its connection to this rank broke" in message, message
+    assert waiting["job_s"] < 30
+
+
+# ---------------------------------------------------------------- a broken collective names the peer
+
+
+def _times_two(x):
+    return x * 2
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def peer_killed_before_a_compiler_collective(rank: int, world: int) -> dict:
+    import os
+
+    import torch
+
+    import compiler_collectives as cc
+    from tests.rankside import caught
+
+    cc.enable()
+    torch.compile(_times_two, backend="eager")(torch.ones(2))  # our compile group exists
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    started = time.monotonic()
+    result = caught(lambda: torch.compile(_plus_one, backend="eager")(torch.ones(2)))
+    return {**result, "seconds": time.monotonic() - started}
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_broken_by_a_peer_killed_on_another_host_names_it_with_heartbeats_off():
+    """Gloo's error names an address only; the survivor looks at its connections to say which
+    rank's broke, at once: no heartbeat, no diagnosis, no /proc across hosts."""
+    outcome = run_ranks(
+        peer_killed_before_a_compiler_collective,
+        2,
+        env={"COMPILER_COLLECTIVES_TIMEOUT": "60", "COMPILER_COLLECTIVES_HEARTBEAT_S": "0"},
+        rank_env={r: {"GROUP_RANK": str(r)} for r in range(2)},
+        timeout=90,
+        check=False,
+        expect_signals={1: signal.SIGKILL},
+    )
+    survivor = outcome.results[0]
+    assert survivor is not None and survivor["type"] == "PeerFailureError", outcome
+    assert survivor["ranks"] == [1], survivor
+    assert "the connection to rank 1 broke (gloo: " in survivor["message"], survivor["message"]
+    assert survivor["seconds"] < 2.0, survivor
+
+
+# ---------------------------------------------------------------- torchrun agents as hosts
+
+_KILLED_ON_AGENT_1 = """
+import time, torch, torch.distributed as dist
+from tests.test_compile_once_caches import _at_compile
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:
+    _at_compile("die", 0)  # rank 1 compiles graph #1 for rank 0, and is killed as it starts
+w = torch.ones(4, 4, requires_grad=True)
+started = time.monotonic()
+try:
+    torch.compile(lambda x, w: torch.relu(x @ w).sum(), backend="inductor")(torch.ones(8, 4), w).backward()
+except Exception as e:
+    print(f"RANK {rank} RAISED {type(e).__name__} AFTER {time.monotonic() - started:.1f}S: {e}", flush=True)
+    raise SystemExit(3)
+print(f"RANK {rank} FINISHED", flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_compiler_killed_under_another_torchrun_agent_stops_the_job_naming_it_with_heartbeats_off(tmp_path):
+    """Static rendezvous: no agent tears the job down; with heartbeats off, only the reset
+    connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures import clean_env
+    from tests.harness import free_port
+    from tests.test_compile_once import REPO
+
+    script = tmp_path / "train.py"
+    script.write_text(_KILLED_ON_AGENT_1)
+    port = str(free_port())
+    env = clean_env()
+    env.update(
+        ENV,
+        TORCH_COMPILER_COLLECTIVES="1",
+        COMPILER_COLLECTIVES_HEARTBEAT_S="0",
+        PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
+    )
+    from compiler_collectives.tools.launch import Agents
+
+    with Agents() as agents:  # what is still running at the end is killed, ranks included
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
+            cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
+            agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
+            agents.start(cmd, env=agent_env, log=subprocess.PIPE, cwd=REPO)
+        outputs = [a.communicate(timeout=150)[0].decode(errors="replace") for a in agents.procs]
+    assert all(a.returncode != 0 for a in agents.procs), outputs  # the job stopped, on both agents
+    said = [line for line in outputs[0].splitlines() if line.startswith("RANK 0 RAISED")]
+    assert said, outputs[0][-4000:]
+    assert said[0].startswith("RANK 0 RAISED PeerFailureError AFTER "), said[0]
+    assert "rank 1 was to compile this graph" in said[0] and "its connection to this rank broke" in said[0], said[0]
+    assert float(said[0].split(" AFTER ")[1].split("S:")[0]) < 30, said[0]

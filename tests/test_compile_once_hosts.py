@@ -1,0 +1,94 @@
+"""Compile once across hosts (issue 37 item 3): its exchanges go over the host tree
+(``transport/hosttree.py``), not world-sized all-gathers, and a key per device index settles
+without the gather.
+
+Two "hosts" of two ranks (``GROUP_RANK``, as torchrun's agents split them), a cache dir per host.
+The graph depends on the rank's index on its host, as a GPU job's key holds its device
+(``cuda:k``): ranks 0 and 2 share one key, ranks 1 and 3 another. Three graphs: the first gathers
+every offer (a generation's first graph learns the dirs); the second is settled by one MIN over
+the tree; the third differs between ranks 0 and 2 (index 0 of each host): the MIN sees it and
+the all-gather of offers plans it. On every graph the results are broadcast and the load
+reports are flags.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+
+ENV = {
+    "COMPILER_COLLECTIVES_TIMEOUT": "60",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+}
+INDEX = 0  # the rank's index on its host: Dynamo guards on it, so the graph (and key) differ by it
+
+
+def _first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (torch.relu(x @ w) if INDEX == 0 else torch.sigmoid(x @ w)).sum()
+
+
+def _second(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(x @ w) if INDEX == 0 else torch.sin(x @ w)).sum()
+
+
+RANK = 0
+
+
+def _third(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # Rank 0 differs from rank 2, which has its index: not a key per index any more.
+    return (torch.cos(x @ w) if RANK == 0 else torch.exp(x @ w) if INDEX == 0 else torch.atan(x @ w)).sum()
+
+
+def job(rank: int, world: int) -> dict:
+    import compiler_collectives as cc
+
+    global INDEX, RANK
+    INDEX, RANK = rank % 2, rank
+    cc.enable()
+    out: dict = {"right": [], "stats": []}
+    for step in (_first, _second, _third):
+        x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1 + rank
+        w_ref = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
+        step(x, w_ref).backward()
+        w = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
+        torch.compile(step, backend="inductor")(x, w).backward()
+        out["right"].append(torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6))
+        stats = cc.stats()
+        out["stats"].append({k: stats[k] for k in ("once_keys_reduced", "once_gathers", "once_tree_exchanges")})
+    out["records"] = [(r["state"], r["source"]) for r in cc.stats()["compile_once"]]
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a_world_gather(tmp_path):
+    rank_env = {
+        r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
+    }
+    os.makedirs(tmp_path / "host0"), os.makedirs(tmp_path / "host1")
+    results = run_ranks(job, 4, env=ENV, rank_env=rank_env, timeout=360).results
+    for r in results:
+        assert r["right"] == [True, True, True], r
+        first, second, third = r["stats"]
+        # The first graph gathers the offers once; the results and load reports never do.
+        assert first["once_gathers"] == 1 and first["once_keys_reduced"] == 0, r
+        assert second["once_gathers"] == 1 and second["once_keys_reduced"] == 1, r
+        assert third["once_gathers"] == 2 and third["once_keys_reduced"] == 1, r
+        # Per graph: the keys, the result broadcasts, the load report's flags.
+        assert second["once_tree_exchanges"] - first["once_tree_exchanges"] == 3, r
+        assert third["once_tree_exchanges"] - second["once_tree_exchanges"] == 3, r
+    assert [results[r]["records"][2][0] for r in (0, 2)] == ["compiled locally"] * 2
+    assert sorted(results[r]["records"][2][0] for r in (1, 3)) == ["compiled", "loaded"]
+    # Index k's ranks share a key across the hosts: one compiles, the other loads from it.
+    for graph in range(2):
+        by_index = {k: sorted(results[r]["records"][graph] for r in (k, k + 2)) for k in (0, 1)}
+        for k, pair in by_index.items():
+            states = sorted(s for s, _ in pair)
+            assert states == ["compiled", "loaded"], (graph, k, by_index)
+            assert {src for _, src in pair} <= {k, k + 2}, (graph, k, by_index)
