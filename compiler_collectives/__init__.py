@@ -36,6 +36,7 @@ from .errors import (
     ProgramDivergenceError,
     ScopeError,
     SetupMismatchError,
+    StoreFailureError,
     UnsupportedTorchError,
     WireFormatError,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "ScopeError",
     "SetupMismatchError",
     "SizeEntry",
+    "StoreFailureError",
     "UnsupportedTorchError",
     "WireFormatError",
     "__version__",

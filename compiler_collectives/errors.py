@@ -154,6 +154,16 @@ class CompileTimeoutError(CollectiveError):
     compiling is a ``PeerFailureError`` naming it."""
 
 
+class StoreFailureError(CollectiveError):
+    """Raised on a rank that waited for other ranks to compile (compile once's loaders, the
+    audit's recompile) when the c10d store failed under the wait: its host went away (the
+    connection was reset or closed), a store call raised, or the store stopped answering
+    (a call of this rank's stayed unanswered past ``COMPILER_COLLECTIVES_TIMEOUT``). Names the
+    store (``host:port`` for a TCPStore) and what it was asked; the store's own error is chained
+    as ``__cause__``. Published like any failure, so the other ranks hear of it where the store
+    or this host's shared memory still reaches them."""
+
+
 class ScopeError(CollectiveError):
     """Raised by ``compiler_collectives.scope(...)`` (or where our groups are
     first created under ``COMPILER_COLLECTIVES_SCOPE``) when the scope cannot be

@@ -77,7 +77,8 @@ class Counters:
     # cacheable, torch's compile-time collectives); loads whose entry missed
     # this rank's guards and artifacts refused (digest, layout, size): both
     # then compiled here; peers that compiled locally after a miss or refusal;
-    # files whose SHA-256 did not match; copies of an artifact this rank sent
+    # files whose SHA-256 did not match; receivers that refused the bytes they took in the
+    # tree and loaded the source's own copy instead (once_refetched); copies of an artifact this rank sent
     # (as its source, or forwarding down the tree), bytes moved; time spent waiting.
     # once_tree_exchanges: exchanges that went over the host tree (transport/hosttree.py: a
     # key settle, a result broadcast, a load report as flags); once_gathers: all-gathers of the
@@ -94,6 +95,7 @@ class Counters:
     once_refused: int = 0
     once_peer_local_compiles: int = 0
     once_digest_mismatches: int = 0
+    once_refetched: int = 0
     once_copies_sent: int = 0
     once_bytes_sent: int = 0
     once_bytes_received: int = 0

@@ -76,7 +76,7 @@ S_src the sources of one graph (G: one per key group):
       of host keys (8 bytes per rank).
   Keys per device index settle in the tree MIN: torch's own keys hold the device index (the FX
   graph cache's pickler keys tensors with ``device_id_agnostic=False``) and so never match across
-  a host; the record compares each index's key across hosts instead (``protocol._settle_keys``).
+  a host; the record compares each index's key across hosts instead (``once.keys``).
 
 Store requests (the c10d store: one server, rank 0's under torchrun; every figure per second at
 that store):
@@ -232,7 +232,7 @@ def _rounds(hosts: int) -> int:
 
 
 def record_bytes(f: Figures) -> int:
-    """The tree MIN's record (``protocol._record_width``): 8 + 4 int64 per index on a host."""
+    """The tree MIN's record (``once.keys.record_width``): 8 + 4 int64 per index on a host."""
     return 8 * (8 + 4 * f.ranks_per_host)
 
 

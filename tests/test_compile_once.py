@@ -158,6 +158,7 @@ def job(rank: int, world: int, case: dict) -> dict:
     cc.enable()
     logs = kept_logs("compiler_collectives")
     _inject(rank, case.get("fault"), case.get("fault_rank", 1))
+    _inject(rank, "raise" if "raise_rank" in case else None, case.get("raise_rank"))
     _slow_first_inductor_compile(rank, case.get("slow_rank"))
     global VARIANT
     VARIANT = rank
@@ -319,6 +320,21 @@ def test_a_compile_that_raises_on_the_compiling_rank_is_named_on_the_waiting_ran
     assert waiting["type"] is not None
     assert waiting["type"] == "CompileOnceError"
     assert "rank 1 compiled graph #1" in waiting["message"] and "injected: inductor broke" in waiting["message"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.release_independent
+def test_a_local_compile_that_raises_is_named_on_the_ranks_waiting_for_it(tmp_path):
+    # Rank 1 compiles; rank 0 (its own cache dir) refuses what arrives (other bytes than their
+    # digests), so it compiles the graph itself, and that raises: rank 1, which waits for that
+    # compile, raises quoting it, and promptly.
+    case = {"fault": "alter", "fault_rank": 1, "raise_rank": 0}
+    outcome = _run(tmp_path, case, separate=True, check=False)
+    local, waiting = outcome.results
+    assert "injected: inductor broke on this rank" in local["message"]
+    assert waiting["type"] == "CompileOnceError", waiting
+    assert "rank 0 compiled graph #1" in waiting["message"] and "injected: inductor broke" in waiting["message"]
+    assert outcome.elapsed_s < 100
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ warmed by another run, built by each dir, or written by two jobs at once.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import signal
@@ -119,7 +120,8 @@ def test_a_dir_whose_entries_are_all_truncated_is_compiled_again_and_served(tmp_
 
 def _at_compile(action: str, seconds: float) -> None:
     """Once, at the start of a compile this rank runs for others (its plan: compile), stop this
-    process for ``seconds`` (SIGSTOP; a helper sends SIGCONT), sleep ``seconds``, or SIGKILL it."""
+    process for ``seconds`` (SIGSTOP; a helper sends SIGCONT), sleep ``seconds``, hold the GIL
+    for ``seconds`` in one native call, or SIGKILL it."""
     import torch._inductor.compile_fx as cfx
 
     from compiler_collectives.agreements import once
@@ -140,6 +142,10 @@ def _at_compile(action: str, seconds: float) -> None:
                 time.sleep(seconds)
             elif action == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif action == "hold_gil":
+                # One native call that keeps the GIL (PyDLL does not release it), as a triton or
+                # pybind call may: the heartbeat thread cannot beat meanwhile.
+                ctypes.PyDLL(None).sleep(int(seconds))
         return passes(*args, **kwargs)
 
     cfx._recursive_post_grad_passes = at_compile

@@ -6,6 +6,9 @@ Two ranks, each its own "host" the way torchrun's agents make hosts (``GROUP_RAN
 key, so /proc is never consulted across them) with a cache dir each, real inductor compiles on
 CPU (gloo), test_compile_once's one training step. Rank 1 compiles graph #1 (the plan's first
 turn), rank 0 waits for it; a fault is injected on rank 1 at the start of that compile.
+
+The c10d store can fail under that wait too (issue 37, item 4): hosted there by a process of its
+own, which rank 1 kills or stops as its compile starts.
 """
 
 from __future__ import annotations
@@ -27,40 +30,13 @@ STOP_S = 15  # past the 3 s after which a 1 s heartbeat counts as silent
 HOLD_GIL_S = 12
 
 
-def _hold_gil_at_compile(seconds: int) -> None:
-    """Once, at the start of a compile this rank runs for others, keep the GIL for ``seconds``
-    in one native call (PyDLL does not release it): the heartbeat thread cannot beat, as in a
-    triton or pybind call that holds it."""
-    import ctypes
-
-    import torch._inductor.compile_fx as cfx
-
-    from compiler_collectives.agreements import once
-
-    passes = cfx._recursive_post_grad_passes
-    fired: list[bool] = []
-
-    @functools.wraps(passes)
-    def at_compile(*args: object, **kwargs: object) -> object:
-        ticket = once.current()
-        if not fired and ticket is not None and ticket.plan is not None and ticket.plan.role == once.COMPILE:
-            fired.append(True)
-            ctypes.PyDLL(None).sleep(seconds)
-        return passes(*args, **kwargs)
-
-    cfx._recursive_post_grad_passes = at_compile
-
-
 def job_on_two_hosts(rank: int, world: int, case: dict) -> dict:
     """test_compile_once's job; on the compiling rank, the fault ``case["at_compile"]``."""
     import compiler_collectives as cc
 
     cc.enable()
     if rank == COMPILING_RANK:
-        if case["at_compile"] == "hold_gil":
-            _hold_gil_at_compile(case["seconds"])
-        else:
-            _at_compile(case["at_compile"], case["seconds"])
+        _at_compile(case["at_compile"], case["seconds"])
     started = time.monotonic()
     out = job(rank, world, case)
     out["job_s"] = time.monotonic() - started
@@ -116,6 +92,117 @@ def test_a_compiler_killed_on_another_host_is_named_within_seconds_not_waited_fo
     assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
     assert "its connection to this rank broke" in message, message
     assert waiting["job_s"] < 30
+
+
+# ---------------------------------------------------------------- the store fails under the wait
+
+STORE_HOST = (
+    "import time, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', 0, 2, True, wait_for_workers=False)\n"
+    "print(store.port, flush=True)\n"
+    "time.sleep(300)\n"
+)
+STORE_FAULTS = {"killed": signal.SIGKILL, "stopped": signal.SIGSTOP}
+STORE_TIMEOUT_S = 5  # COMPILER_COLLECTIVES_TIMEOUT where the store stops: how long a store call may go unanswered
+COMPILE_ON_S = 12  # how long the compiling rank compiles on after the store failed
+
+
+def _fail_store_at_compile(pid: int, fault: str) -> None:
+    """Once, at the start of a compile this rank runs for others: 2 s on (the other rank is in
+    its wait by then), send the store's host ``STORE_FAULTS[fault]``, note when, and compile on
+    ``COMPILE_ON_S`` longer."""
+    import os
+
+    import torch._inductor.compile_fx as cfx
+
+    from compiler_collectives.agreements import once
+
+    passes = cfx._recursive_post_grad_passes
+
+    @functools.wraps(passes)
+    def at_compile(*args: object, **kwargs: object) -> object:
+        ticket = once.current()
+        if (
+            "failed_at" not in _store
+            and ticket is not None
+            and ticket.plan is not None
+            and ticket.plan.role == once.COMPILE
+        ):
+            time.sleep(2.0)
+            os.kill(pid, STORE_FAULTS[fault])
+            _store["failed_at"] = time.time()
+            time.sleep(COMPILE_ON_S)
+        return passes(*args, **kwargs)
+
+    cfx._recursive_post_grad_passes = at_compile
+
+
+_store: dict[str, float] = {}
+
+
+def job_whose_store_fails(rank: int, world: int, case: dict) -> dict:
+    """test_compile_once's job on a TCPStore hosted by another process, which the compiling rank
+    kills or stops while the other rank waits for its compile."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", case["port"], world, False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    import compiler_collectives as cc
+
+    cc.enable()
+    if rank == COMPILING_RANK:
+        _fail_store_at_compile(case["pid"], case["fault"])
+    out = job(rank, world, case)
+    out["ended_at"] = time.time()
+    out.update(_store)
+    if rank == WAITING_RANK:
+        os.kill(case["pid"], signal.SIGKILL)  # a stopped store: this rank's threads still inside it end too
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_naming_the_store_within_seconds(
+    tmp_path, fault
+):
+    """Killed: the store's connections close, and the wait ends at once. Stopped: its calls go
+    unanswered; the compiling rank's heartbeat stands still, and the wait's read of its record
+    runs out at COMPILER_COLLECTIVES_TIMEOUT (the compile timeout is an hour)."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
+        outcome = run_ranks(
+            job_whose_store_fails,
+            2,
+            args=({"port": port, "pid": host.pid, "fault": fault},),
+            env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": str(STORE_TIMEOUT_S)},
+            rank_env=hosts,
+            init=False,
+            timeout=150,
+            check=False,
+        )
+    finally:
+        host.kill()
+        host.wait(10)
+    waiting, compiling = outcome.results[WAITING_RANK], outcome.results[COMPILING_RANK]
+    assert waiting is not None and compiling is not None, outcome
+    assert waiting["type"] == "StoreFailureError", waiting
+    message = waiting["message"]
+    assert message.startswith("compile once #1 of ") and f"on rank {WAITING_RANK}" in message, message
+    assert f"the c10d store at 127.0.0.1:{port} " in message and "MASTER_ADDR" in message, message
+    if fault == "stopped":
+        assert f"did not answer reading a heartbeat within {STORE_TIMEOUT_S}s" in message, message
+    # Stopped: + the 3 s before a heartbeat of 1 s counts as silent, + the failure report's bound (3 s).
+    within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 3.0 + 3.0 + 2.0
+    assert waiting["ended_at"] - compiling["failed_at"] < within_s, (waiting["ended_at"], compiling["failed_at"])
 
 
 # ---------------------------------------------------------------- a broken collective names the peer

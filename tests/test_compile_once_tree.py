@@ -8,6 +8,9 @@ place; ranks 2, 4 and 6 receive for their dirs and ranks 3, 5 and 7 read their i
 tree: rank 1 sends to 2 and 4; rank 2 forwards to 6. Pieces of 4 KiB make an artifact of many
 pieces, so a forwarder passes some on before the last arrives. (The copies and bytes of the
 fault-free case are asserted by the 4-agent torchrun test in ``test_compile_once.py``.)
+
+Who is blamed for bad bytes, and the source's second copy, take four ranks in four dirs: rank 1
+compiles and sends to ranks 0 and 2; rank 0 forwards to rank 3.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ w).sum()
 
 
-def _break(rank: int, fault: str | None, killed_at: str) -> None:
-    """The forwarder misbehaves once it holds its first piece: it dies, or passes on other bytes."""
-    if fault is None or rank != FORWARDER:
+def _break(rank: int, fault: str | tuple[str, int, int, bool] | None, killed_at: str) -> None:
+    """The forwarder dies once it holds its first piece; or rank ``who`` flips a byte of the second
+    piece it sends rank ``to`` in the tree (``("alter", who, to, copy_too)``), and with ``copy_too``
+    of the copy it sends it directly."""
+    if fault is None:
         return
     from compiler_collectives.agreements.once import transfer
 
-    if fault == "kill":
+    if fault == "kill" and rank == FORWARDER:
         view = transfer.tensor_view
 
         def view_then_die(t: torch.Tensor) -> memoryview:
@@ -55,11 +60,17 @@ def _break(rank: int, fault: str | None, killed_at: str) -> None:
             return view(t)
 
         transfer.tensor_view = view_then_die
-    elif fault == "alter":
+    elif isinstance(fault, tuple) and rank == fault[1]:
+        _, _, to, copy_too = fault
         send = transfer.start_send
 
         def send_altered(pg: object, piece: torch.Tensor, dst: int, tag: int) -> object:
-            return send(pg, torch.full_like(piece, 7), dst, tag)
+            tree_piece = tag & transfer.TAG_BASE and tag & 0xFFFFF == 1
+            second_copy = not tag & transfer.TAG_BASE and piece.numel() > 8  # not a verdict or a word
+            if dst == to and (tree_piece or (copy_too and second_copy)):
+                piece = piece.clone()
+                piece[len(piece) // 2] ^= 0xFF
+            return send(pg, piece, dst, tag)
 
         transfer.start_send = send_altered
 
@@ -86,10 +97,10 @@ def job(rank: int, world: int, fault: str | None, killed_at: str) -> dict:
     return out
 
 
-def _run(tmp_path, fault: str | None = None, **kw):
-    dirs = cache_per_rank(tmp_path, WORLD, per_dir=PER_DIR, name="dir")
+def _run(tmp_path, fault=None, world: int = WORLD, per_dir: int = PER_DIR, **kw):
+    dirs = cache_per_rank(tmp_path, world, per_dir=per_dir, name="dir")
     killed_at = str(tmp_path / "killed_at")
-    return run_ranks(job, WORLD, args=(fault, killed_at), env=ENV, rank_env=dirs, timeout=300, **kw)
+    return run_ranks(job, world, args=(fault, killed_at), env=ENV, rank_env=dirs, timeout=300, **kw)
 
 
 @pytest.mark.timeout(300)
@@ -108,11 +119,37 @@ def test_a_forwarder_killed_mid_transfer_is_named_by_every_rank_of_its_subtree_w
 
 
 @pytest.mark.timeout(400)
-def test_a_forwarder_that_passes_on_other_bytes_is_refused_below_it_and_the_job_trains_right(tmp_path):
-    results = _run(tmp_path, "alter").results
+@pytest.mark.release_independent
+def test_a_receiver_refusing_what_its_forwarder_altered_names_it_and_loads_the_sources_own_copy(tmp_path):
+    results = _run(tmp_path, ("alter", FORWARDER, GRANDCHILD, False)).results
     assert all(r["error"] is None and r["right"] for r in results), results
-    below = [results[r]["records"][-1] for r in (GRANDCHILD, 7)]
-    assert [b["state"] for b in below] == ["compiled locally", "compiled locally"]
-    assert f"forwarded by rank {FORWARDER}" in below[0]["why"] and "SHA-256" in below[0]["why"]
-    assert f"rank {GRANDCHILD}, which receives for this cache dir" in below[1]["why"]
-    assert [results[r]["records"][-1]["state"] for r in (2, 3, 4, 5)] == ["loaded"] * 4
+    # Rank 6 names the forwarder, then loads rank 1's copy; compiling nothing itself, so neither
+    # does its dir's reader, rank 7, which reads its install.
+    assert [results[r]["records"][-1]["state"] for r in range(WORLD)] == ["loaded", "compiled"] + ["loaded"] * 6
+    why = results[GRANDCHILD]["records"][-1]["why"]
+    assert f"rank {FORWARDER} sent them altered" in why and "SHA-256" in why, why
+    assert f"loaded rank {SOURCE}'s own copy, sent to this rank directly" in why, why
+    assert results[GRANDCHILD]["stats"]["once_refetched"] == 1, results[GRANDCHILD]["stats"]
+    assert results[SOURCE]["stats"]["once_copies_sent"] == 3, results[SOURCE]["stats"]  # to 2, 4, then 6
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.release_independent
+def test_bytes_the_source_altered_are_blamed_on_it_below_the_honest_forwarder_that_refused_them(tmp_path):
+    # Rank 1 alters what it sends rank 0, in the tree and in its second copy: rank 0 refuses both
+    # and compiles the graph itself; rank 3, below it, names rank 1 (not rank 0, which forwarded
+    # zeros) and loads rank 1's copy.
+    results = _run(tmp_path, ("alter", 1, 0, True), world=4, per_dir=1).results
+    assert all(r["error"] is None and r["right"] for r in results), results
+    assert [results[r]["records"][-1]["state"] for r in range(4)] == [
+        "compiled locally",
+        "compiled",
+        "loaded",
+        "loaded",
+    ]
+    refused = results[0]["records"][-1]["why"]
+    assert "rank 1 sent them altered" in refused and "failed its check too" in refused, refused
+    below = results[3]["records"][-1]["why"]
+    assert "rank 1 sent them altered" in below and "rank 0 sent them altered" not in below, below
+    assert "rank 0, which checked them, forwarded zeros" in below, below
+    assert "loaded rank 1's own copy" in below, below

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import compiler_collectives
 from compiler_collectives import config
-from compiler_collectives.errors import StoreUnresponsive
+from compiler_collectives.errors import StoreFailureError, StoreUnresponsive
 from compiler_collectives.health import liveness
 from compiler_collectives.health.liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, judge
 from compiler_collectives.health.watchdog import SideChannel, StoreCaller
@@ -434,6 +434,27 @@ def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_g
     finally:
         waiter.stop(1.0)
         compiler.stop(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_wait_whose_store_host_goes_away_ends_at_once_with_a_store_failure_naming_it(heartbeats_off):
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)  # the store's server, in this process
+    port = host.port
+    client = dist.TCPStore("127.0.0.1", port, 1, False)
+    waiter = SideChannel(0, 2, 1, dict, identity={"pid": os.getpid()}, probe=process_identity, store=client)
+    try:
+        notices = waiter.wait_posts(["once/1/1"], 30.0)
+        assert not notices.done(0.5)
+        del host  # its server stops: every connection to it closes
+        began = time.monotonic()
+        assert notices.done(5.0)
+        assert time.monotonic() - began < 5.0
+        with pytest.raises(StoreFailureError, match=f"rank 0: the c10d store at 127.0.0.1:{port} failed") as caught:
+            notices.result()
+        assert "once/1/1" in str(caught.value)
+        assert isinstance(caught.value.__cause__, dist.DistError)  # c10d's own error, chained
+    finally:
+        waiter.stop(1.0)
 
 
 def _waiting_threads() -> int:

@@ -79,12 +79,12 @@ def test_the_bytes_per_rank_of_the_exchanges_as_built_do_not_grow_with_the_world
 
 
 def test_the_model_takes_its_shapes_from_the_code(m):
-    from compiler_collectives.agreements.once import protocol
+    from compiler_collectives.agreements.once import keys
     from compiler_collectives.health import liveness, watchdog
     from compiler_collectives.transport.hierarchy import doubling_plan
 
     f = m.Figures()
-    assert m.record_bytes(f) == 8 * protocol._record_width(f.ranks_per_host)
+    assert m.record_bytes(f) == 8 * keys.record_width(f.ranks_per_host)
     assert m.stale_after(f.heartbeat_s) == liveness.stale_after(f.heartbeat_s)
     assert m.RECORD_EVERY_S == watchdog.RECORD_EVERY_S
     for hosts in (2, 3, 5, 8, 1000, 1024):

@@ -16,6 +16,14 @@ post however long the compile), while this thread looks every ``TICK_S`` for a f
 rank heard of (``health.poisoned``, fed by the heartbeat thread: no store request) and every
 ``PROBE_EVERY_S`` at the pending ranks (``/proc`` and the gloo connection cost the store
 nothing; the watch reads their heartbeat records at its own, slower pace).
+
+The store can fail under the wait (issue 37, item 4): its host gone (the connection closed or
+reset: the notice wait's own connection sees it at once), a call that raises, or a store that
+stops answering. A stopped store stops every rank's heartbeat too, so the compiling rank soon
+looks silent and the watch reads its record again: that read, bounded by
+``COMPILER_COLLECTIVES_TIMEOUT``, runs out. Each ends the wait with ``StoreFailureError`` naming
+the store, published like any failure: same-host peers hear of it through shared memory, the
+others through the store where it still answers.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import time
 from collections.abc import Mapping
 
 from .. import config, health
-from ..errors import CollectiveError, PeerFailureError, ranks_text
+from ..errors import CollectiveError, PeerFailureError, StoreFailureError, StoreUnresponsive, ranks_text
+from ..health.watchdog import store_error_text
 from ..stats import counters
 from ..transport import groups
 from . import failure as failure_procedure
@@ -35,7 +44,13 @@ log = logging.getLogger("compiler_collectives.compile_wait")
 LOG_EVERY_S = 30.0
 TICK_S = 0.05  # how often the wait looks for a failure this rank heard of (no store request)
 PROBE_EVERY_S = 0.2  # how often it looks at the pending ranks (groups.watch_peers)
+_STORE_FAILED = "the store failed"
 _MARGIN_S = 60.0  # the store's own wait outlasts the compile timeout: this thread ends it first
+STORE_ADVICE = (
+    "Every rank needs that store: check that the process hosting it (rank 0 under torchrun, or "
+    "whatever serves MASTER_ADDR:MASTER_PORT) still runs and answers from this host (its log and "
+    "exit status, the OOM killer, the network), then restart the job."
+)
 
 
 def wait_for_posts(
@@ -57,7 +72,8 @@ def wait_for_posts(
     ``PeerFailureError`` naming it (in its own report's words when it left one), a failure this
     rank heard of raises ``PeerFailureError`` quoting it, and the compile timeout raises
     ``on_timeout`` with ``advice``; the first two are published through the failure procedure
-    so that the compiling ranks hear of them at their next exchange.
+    so that the compiling ranks hear of them at their next exchange. A store that fails under
+    the wait raises ``StoreFailureError`` naming it, published the same way.
     """
     order = sorted(keys)
     started = time.monotonic()
@@ -66,6 +82,21 @@ def wait_for_posts(
     probes = groups.watch_peers(order)
     notices = groups.wait_posts([keys[r] for r in order], config.settings.compile_timeout_s + _MARGIN_S)
     why_not = "it stopped waiting"
+    pending = list(order)
+
+    def store_failed(failed: str) -> CollectiveError:
+        nonlocal why_not
+        why_not = _STORE_FAILED
+        counters.errors += 1
+        error = StoreFailureError(
+            f"{what} on rank {me}: stopped waiting for {ranks_text(pending)} to {doing}: {failed}. {STORE_ADVICE}",
+            kind=kind,
+            rank=me,
+            seq=seq,
+            frame=frame,
+        )
+        return failure_procedure.known(error, seq=seq)
+
     try:
         next_probe = started
         while not notices.done(TICK_S):
@@ -92,9 +123,18 @@ def wait_for_posts(
             if now >= next_probe:
                 next_probe = now + PROBE_EVERY_S
                 for r in pending:
-                    gone = probes[r]()
-                    if gone is None or groups.read_post(keys[r]) is not None:
-                        continue  # alive, or it posted (the wait had not got to its notice yet) and then went
+                    try:
+                        gone = probes[r]()
+                        if gone is None or groups.read_post(keys[r]) is not None:
+                            continue  # alive, or it posted (the wait had not got to its notice yet) and then went
+                    except StoreUnresponsive as e:
+                        raise store_failed(f"{notices.store} did not answer {e.what} within {e.timeout_s:.0f}s") from e
+                    except (RuntimeError, OSError) as e:  # c10d's DistError is a RuntimeError
+                        if isinstance(e, CollectiveError):
+                            raise
+                        raise store_failed(
+                            f"{notices.store} failed while this rank read rank {r}'s records ({store_error_text(e)})"
+                        ) from e
                     why_not = f"rank {r} is gone"
                     counters.errors += 1
                     error: CollectiveError = PeerFailureError(
@@ -129,7 +169,17 @@ def wait_for_posts(
                 next_log = now + LOG_EVERY_S
                 waited = now - started
                 log.warning("rank %d: waiting for %s to %s (%s, %.0f s)", me, ranks_text(pending), doing, what, waited)
-        values = notices.result()
+        try:
+            values = notices.result()
+        except StoreFailureError as e:
+            cause = e.__cause__ or e
+            pending = [r for r, value in zip(order, notices.posted()) if value is None]
+            raise store_failed(
+                f"{notices.store} failed while this rank waited on it ({store_error_text(cause)})"
+            ) from cause
     finally:
-        notices.cancel(f"rank {me} stopped waiting for it: {why_not}")
+        if why_not == _STORE_FAILED:
+            notices.abandon()  # asking the store to end the wait would cost one more bounded call
+        else:
+            notices.cancel(f"rank {me} stopped waiting for it: {why_not}")
     return dict(zip(order, values))

@@ -74,7 +74,7 @@ SWITCHES = (
     ("inductor_config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
 )
 
-_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; error; user_lowering
+_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; user_lowering
 
 
 class _Cache:
@@ -268,7 +268,7 @@ def _fetch(ticket: once.Ticket) -> bool:
 def _finish(ticket: once.Ticket, error: BaseException | None, failure_text: str | None = None, **kw: str) -> None:
     """``once.finish``, timed as ``EVENT_FINISH`` where it takes exchanges (this rank does not load)."""
     plan = ticket.plan
-    if plan is None or plan.role == once.LOAD or ticket.finished:
+    if plan is None or plan.role == once.LOAD or ticket.step is not once.Step.PLANNED:
         once.finish(ticket, error, failure_text, **kw)
         return
     with _timed(EVENT_FINISH):
@@ -283,28 +283,22 @@ def try_load(*args: Any, **kwargs: Any) -> Any:
     ticket = once.current()
     if ticket is None or ticket.plan is not None:
         return original(*args, **kwargs)
-    _state.lookup, _state.error = True, None
+    _state.lookup, ticket.error = True, None
     try:
         result = original(*args, **kwargs)
     except BaseException:
         # Strict cache modes re-raise what the lookup hit (our refusal's bypass, say): ours first.
-        error = getattr(_state, "error", None)
-        _state.error = None
-        if error is not None:
-            raise error from None
+        _raise_kept(ticket, from_none=True)
         _report_failed_load(ticket)
         raise
     finally:
         _state.lookup = False
-    error = getattr(_state, "error", None)
-    if error is not None:
-        _state.error = None
-        raise error
+    _raise_kept(ticket)
     if ticket.plan is None:
         # The lookup ended before computing a key: take the exchange anyway, as not cacheable.
         once.offer(ticket, None, "AOTAutograd's lookup computed no key", switches_on())
     plan = ticket.plan
-    if plan is not None and plan.role == once.LOAD and not ticket.finished:
+    if plan is not None and plan.role == once.LOAD and ticket.step is once.Step.PLANNED:
         once.loaded(ticket, None if ticket.outcome == "refused" else result[0] is not None)
     return result
 
@@ -321,7 +315,7 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
         try:
             once.offer(ticket, None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches)
         except CollectiveError as ours:
-            _state.error = ours
+            ticket.error = ours
         raise
     try:
         plan = once.offer(ticket, key_and_lines[0], None, switches)
@@ -335,9 +329,20 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - named and re-raised past AOTAutograd's catch-all
         # AOTAutograd's lookup takes any exception for a bypass: ours goes past it (try_load).
         named = e if isinstance(e, CollectiveError) else _unexpected(e, ticket)
-        _state.error = named
+        ticket.error = named
         raise bound.originals["BypassAOTAutogradCache"](str(named)) from named
     return key_and_lines
+
+
+def _raise_kept(ticket: once.Ticket, from_none: bool = False) -> None:
+    """Raise our error kept on ``ticket`` during AOTAutograd's lookup, if any: the one place it
+    leaves the lookup (which took it for a cache bypass)."""
+    error, ticket.error = ticket.error, None
+    if error is None:
+        return
+    if from_none:
+        raise error from None
+    raise error
 
 
 def _unexpected(error: Exception, ticket: once.Ticket) -> CollectiveError:
@@ -387,7 +392,7 @@ def prepare_key(*args: Any, **kwargs: Any) -> Any:
 
 def _report_failed_load(ticket: once.Ticket) -> None:
     """A loading rank whose lookup raised still takes the load report (as a miss): its peers wait in it."""
-    if ticket.plan is not None and ticket.plan.role == once.LOAD and not ticket.finished:
+    if ticket.plan is not None and ticket.plan.role == once.LOAD and ticket.step is once.Step.PLANNED:
         once.loaded(ticket, None if ticket.outcome == "refused" else False)
 
 
@@ -400,7 +405,7 @@ def load_with_key(*args: Any, **kwargs: Any) -> Any:
             _report_failed_load(ticket)
         raise
     ticket = once.current()
-    if ticket is not None and ticket.level == "fx" and ticket.plan is not None and not ticket.finished:
+    if ticket is not None and ticket.level == "fx" and ticket.plan is not None and ticket.step is once.Step.PLANNED:
         if ticket.plan.role == once.LOAD:
             once.loaded(ticket, isinstance(result, tuple) and result[0] is not None)
     return result

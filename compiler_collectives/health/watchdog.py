@@ -74,7 +74,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from .. import config, process_state
-from ..errors import StoreUnresponsive
+from ..errors import StoreFailureError, StoreUnresponsive
 from ..stats import counters
 from .liveness import COMPILE_WAIT, DIAGNOSIS, WARN_EVERY_S, Liveness, PeerWatch, Probe, WaitPolicy, stale_after
 
@@ -108,6 +108,28 @@ def count_requests(n: int = 1) -> None:
 
 
 T = TypeVar("T")
+
+
+def store_name(store: Any) -> str:
+    """How messages name ``store``: "the c10d store at host:port" for a TCPStore (under any
+    PrefixStores), else by its type. Reads attributes only: no store request."""
+    inner = store
+    for _ in range(8):
+        under = getattr(inner, "underlying_store", None)  # a PrefixStore's
+        if under is None:
+            break
+        inner = under
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        return f"the c10d store at {host}:{port}"
+    return f"the c10d store ({type(inner).__name__})"
+
+
+def store_error_text(error: BaseException) -> str:
+    """A store error in one line: its type and the first line of its words (c10d's may go on
+    with a C++ trace)."""
+    words = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {words[0] if words else '(no message)'}"
 
 
 def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -246,12 +268,19 @@ class NoticeWait:
     being waited for, which ends the store's wait, so this thread never outlives its waiter by
     more than a store call. Every other rank waiting for that notice then looks for the real
     post every ``GAVE_UP_POLL_S`` (it is hearing of the failure that made this rank give up).
-    A store that cannot be cloned (a Python ``Store``) is polled at that pace instead."""
+    A store that cannot be cloned (a Python ``Store``) is polled at that pace instead.
+
+    A store that fails under the wait (its host gone: the connection closed; a call that
+    raised) ends it at once: ``done``, and ``result`` raises ``StoreFailureError`` naming the
+    store and the notice. One that stops answering blocks this thread like a notice not yet
+    posted: the waiter's bounded reads of its peers' records find it out (``SideChannel.watch``)."""
 
     CANCEL_JOIN_S = 1.0
 
     def __init__(self, side: SideChannel, keys: Sequence[str], timeout_s: float) -> None:
         self._side = side
+        self.store = side.store_name
+        """How messages name the store (``store_name``)."""
         self._keys = list(keys)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._values: list[bytes | None] = [None] * len(self._keys)
@@ -271,9 +300,15 @@ class NoticeWait:
         return list(self._values)
 
     def result(self) -> list[bytes]:
-        """Every notice, once ``done``; the store's error if its wait raised."""
-        if self._error is not None:
-            raise self._error
+        """Every notice, once ``done``; ``StoreFailureError`` (the store's error its cause) if
+        the store failed under the wait."""
+        error = self._error
+        if error is not None:
+            raise StoreFailureError(
+                f"rank {self._side.rank}: {self.store} failed while this rank waited on it for the notice "
+                f"{self._keys[self._at]!r} ({store_error_text(error)})",
+                rank=self._side.rank,
+            ) from error
         values = [v for v in self._values if v is not None]
         assert len(values) == len(self._keys), "result() before done()"
         return values
@@ -288,6 +323,12 @@ class NoticeWait:
         except Exception as e:  # noqa: BLE001 - a store that does not answer ends the wait with an error
             log.debug("ending a wait for a notice: %s", e)
         self._thread.join(self.CANCEL_JOIN_S)
+
+    def abandon(self) -> None:
+        """Stop waiting without a word to the store (it failed, or stopped answering: asking it
+        to end the wait would cost one more bounded call). This thread ends once its store call
+        returns."""
+        self._stop.set()
 
     def _run(self) -> None:
         try:
@@ -484,6 +525,8 @@ class SideChannel:
         # torch.distributed re-exports PrefixStore at run time, outside what its types declare.
         prefix_store = dist.PrefixStore  # type: ignore[attr-defined]
         self.store = prefix_store(f"compiler_collectives/{generation}/", default_store() if store is None else store)
+        self.store_name = store_name(self.store)
+        """How messages name the store ("the c10d store at host:port")."""
         self._progress = progress
         # This process as peers on the same host check it: pid, start time, host key.
         self._identity = dict(identity or {})

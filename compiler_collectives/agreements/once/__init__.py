@@ -36,7 +36,9 @@ or cold, so the exchanges never depend on cache state):
    manifest comes over the job's own gloo group; the bytes do not travel to ranks that share the
    serving rank's dir. In each other cache dir one rank receives them (``transfer``): those
    receivers form a tree rooted at the serving rank (``COMPILER_COLLECTIVES_ONCE_FANOUT``), each
-   checks every piece before it forwards it, and the dir's other ranks read its install. A rank
+   checks every piece before it forwards it (one whose check fails names who sent the bytes
+   altered and takes the serving rank's own copy, sent to it directly), and the dir's other ranks
+   read its install. A rank
    writes into its dir only received files whose SHA-256 matches, only for a key it computed
    itself; anything else is refused, named in the log, and that rank compiles the graph itself,
    AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
@@ -47,14 +49,17 @@ or cold, so the exchanges never depend on cache state):
    locally) and who refused.
 
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
-``CompileOnceError`` quoting it (the serving rank raises its own). A serving rank that dies is
-seen through its heartbeat or its broken gloo connection: the loaders raise ``PeerFailureError``
-naming it; so does the subtree of a receiver that dies while it forwards. Never a hang.
+``CompileOnceError`` quoting it (the serving rank raises its own); so do the ranks waiting for a
+rank that did not load and compiles the graph itself, when that compile raises. A serving rank
+that dies is seen through its heartbeat or its broken gloo connection: the loaders raise
+``PeerFailureError`` naming it; so does the subtree of a receiver that dies while it forwards.
+Never a hang.
 
 Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
 install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
-``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks) and
-``protocol`` (the ticket, the exchanges and the waits). Plain Python over
+``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks), ``keys``
+(the key record and the offers read back from it: pure) and ``protocol`` (the ticket, its
+``Step``, the exchanges and the waits). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 
@@ -63,6 +68,7 @@ from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 from .protocol import (
     NO_LOOKUP,
     Cache,
+    Step,
     Ticket,
     abandon,
     begin,
@@ -87,6 +93,7 @@ __all__ = [
     "SERVE",
     "Cache",
     "Plan",
+    "Step",
     "Ticket",
     "abandon",
     "begin",

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import hashlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ... import config, health, process_state
 from ...errors import (
@@ -48,7 +49,7 @@ from ..wire.once import (
     decode_once,
     encode_once,
 )
-from . import artifact, sidecar, transfer
+from . import artifact, keys, sidecar, transfer
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 
 log = logging.getLogger("compiler_collectives.once")
@@ -56,9 +57,8 @@ log = logging.getLogger("compiler_collectives.once")
 
 _local = threading.local()  # ticket: Ticket | None
 _seq = 0
-# What the last full key exchange of this generation saw that stays from graph to graph: the
-# group's members, each rank's (cache dir identity, largest artifact it accepts), their digest.
-_known: tuple[tuple[int, ...], dict[int, tuple[str, int]], bytes] | None = None
+# What the last full key exchange of this generation saw that stays from graph to graph.
+_known: keys.Known | None = None
 _records: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 # The compile group's ranks by host (``transport.HostTree``), built at a generation's first graph.
 _tree: HostTree | None = None
@@ -80,6 +80,15 @@ class Cache(Protocol):
         ...
 
 
+class Step(enum.Enum):
+    """Where one graph's ticket stands; ``finish`` dispatches on it."""
+
+    OPEN = "open"  # begun: no key exchange yet (none may follow: a compile that never looks up)
+    PLANNED = "planned"  # keys settled: ``plan`` is this rank's; its result and load report are ahead
+    REPORTED = "reported"  # the load report is taken; a rank that did not load still compiles, then posts
+    DONE = "done"  # nothing of this graph is left to exchange or post
+
+
 @dataclasses.dataclass
 class Ticket:
     """One AOTAutograd compile of a graph on this thread, from its start to its end."""
@@ -94,8 +103,8 @@ class Ticket:
     offers: dict[int, Offer] = dataclasses.field(default_factory=dict)
     fx_keys: list[str] = dataclasses.field(default_factory=list)
     sources: list[str] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    outcome: str = "none"
+    step: Step = Step.OPEN
+    outcome: str = "none"  # a loading rank's load: "none", "hit", "miss" or "refused"
     outcome_why: str | None = None
     waited_s: float = 0.0
     fingerprints: list[GraphFingerprint] = dataclasses.field(default_factory=list)
@@ -117,7 +126,9 @@ class Ticket:
     # From the load report: the ranks that did not load (a miss or a refusal) and compile the
     # graph themselves; every other rank waits for them before it leaves the graph's compile.
     local: tuple[int, ...] = ()
-    local_posted: bool = False
+    # Our error raised inside AOTAutograd's lookup, which takes any exception for a cache bypass:
+    # the seam keeps it here and raises it once the lookup returns.
+    error: CollectiveError | None = None
 
 
 # ------------------------------------------------------------------ seam entry points
@@ -184,10 +195,11 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     rank = ticket.rank
     try:
         ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
-    except SetupMismatchError:
-        counters.errors += 1
+    except SetupMismatchError as e:
+        _failed(e)
         raise
     ticket.plan = ticket.plans[rank]
+    ticket.step = Step.PLANNED
     ticket.fx_allowed = ticket.level == "aot" and fallback_allowed(ticket.offers)
     counters.once_exchanges += 1
     if ticket.plan.role == LOCAL:
@@ -199,15 +211,6 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     return ticket.plan
 
 
-# The key record (``_settle_keys``): the phase, then six items, then four per index on a host.
-_KEY_HEAD, _KEY_SLOT = 8, 4
-_PEER_KEY = "<the key of local index {} on every host: digest {:x}>"  # never one of torch's keys
-
-
-def _record_width(ranks_per_host: int) -> int:
-    return _KEY_HEAD + _KEY_SLOT * ranks_per_host
-
-
 def _host_tree(ticket: Ticket) -> HostTree:
     """The compile group's ranks by host; built at the generation's first graph (every rank together)."""
     global _tree
@@ -217,7 +220,7 @@ def _host_tree(ticket: Ticket) -> HostTree:
         where = _where(ticket, "hosts")
         tree = _tree = exchange_frame.framed(
             pg,
-            lambda: HostTree.build(pg, _record_width, where),
+            lambda: HostTree.build(pg, keys.record_width, where),
             kind="compile_once",
             seq=ticket.seq,
             frame=str(ticket.frame),
@@ -226,97 +229,33 @@ def _host_tree(ticket: Ticket) -> HostTree:
     return tree
 
 
-def _digest(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 2
-
-
 def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
     """Every rank's offer: from one fixed-size MIN over the host tree when, for each index on a
     host, every host's rank of that index has the same key (and the cache dirs are those of the
-    last full exchange), else from an all-gather of every offer.
-
-    The record: the exchange's phase; a digest of what must match everywhere (graph number,
-    level, switches, the dirs and size limits the last all-gather saw); whether every rank's
-    kept table is valid and every rank has a key; a digest of this rank's key, why and graph;
-    and, in the slot of this rank's index on its host, that digest again, whether it holds the
-    entry and how warm it is (in turn among equals, as ``decide`` turns among cold ranks).
-
-    Equal slots on every host are how GPU jobs (a key per device: ``cuda:k`` in the key of the
-    host's k-th rank) settle without the gather: torch's own cache keys hold the device index
-    (``FxGraphCachePickler`` keys with ``device_id_agnostic=False``; the compiled code names its
-    device), so ranks of different indices never share an artifact; the ranks of index k on
-    every host do. Each group of equal keys gets its lowest holder and its warmest rank from the
-    slots of its indices; the offers built from them give ``decide`` the same plans everywhere
-    (a key this rank does not have stands as a placeholder of its digest: ``decide`` only
-    compares keys). Every rank takes both steps or the first only, by the MIN's outcome: the
-    same everywhere.
-    """
+    last full exchange), else from an all-gather of every offer (``keys`` builds the record and
+    reads it back). Every rank takes both steps or the first only, by the MIN's outcome: the
+    same everywhere."""
     global _known
-    members = tuple(sorted(ticket.members))
-    order = ticket.members  # in group-rank order: the tree's
-    n, me = len(order), ticket.pg.rank()
-    seq = ticket.seq or 0
-    known = _known
+    kept, seq = _known, ticket.seq or 0
     tree = _host_tree(ticket)
-    valid = (
-        known is not None and known[1].get(ticket.rank) == (mine.dir, mine.max_artifact_bytes) and known[0] == members
-    )
-    common = 0
-    if known is not None and valid:
-        common = _digest(seq, ticket.level, tuple(sorted(mine.switches)), known[2])
-    own = _digest(mine.key, mine.why, mine.graph)
-    turn = n - 1 - ((me - seq) % n)  # highest for the rank whose turn it is
-    record = [PHASE_ONCE_KEYS, -PHASE_ONCE_KEYS, common, -common, 0 if valid else -1]
-    record += [0 if mine.key is not None else -1, own, -own]
-    slots = [HostTree.NEUTRAL] * (_KEY_SLOT * tree.ranks_per_host)
-    k = tree.local_index * _KEY_SLOT
-    slots[k : k + _KEY_SLOT] = [own, -own, me if mine.holds else n, -(mine.warmth * n + turn)]
+    record = keys.record(mine, kept, members=ticket.members, tree=tree, seq=seq, level=ticket.level)
     counters.once_tree_exchanges += 1
     out = exchange_frame.framed(
         ticket.pg,
-        lambda: tree.min_ints(ticket.pg, record + slots, _where(ticket, "keys")),
+        lambda: tree.min_ints(ticket.pg, record, _where(ticket, "keys")),
         kind="compile_once",
         seq=ticket.seq,
         frame=str(ticket.frame),
         where=_where(ticket, "keys"),
     )
-    phase_lo, phase_neg_hi, low, neg_high, neg_invalid, neg_keyless, own_lo, own_neg_hi = out[:_KEY_HEAD]
-    got = [tuple(out[i : i + _KEY_SLOT]) for i in range(_KEY_HEAD, len(out), _KEY_SLOT)]
-    same = phase_lo == -phase_neg_hi and known is not None and neg_invalid == 0 and low == -neg_high
-    # Per index: its key's digest (None where no host has that index), checked equal on every host.
-    digests = [None if d == HostTree.NEUTRAL else d for d, *_ in got]
-    per_index = same and all(d is None or d == -neg_d for d, neg_d, *_ in got)
-    if known is not None and per_index and (own_lo == -own_neg_hi or neg_keyless == 0):
+    settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
+    if settled is not None:
         counters.once_keys_reduced += 1
-        # Each group of equal keys (a set of indices): its lowest holder, and its warmest rank.
-        holder: dict[int, int] = {}
-        best: dict[int, int] = {}
-        for (_, _, hold, neg_best), digest in zip(got, digests):
-            if digest is not None:
-                holder[digest] = min(holder.get(digest, n), hold)
-                best[digest] = max(best.get(digest, -1), -neg_best)
-        offers: dict[int, Offer] = {}
-        for i, r in enumerate(order):
-            digest = digests[tree.place[i][1]]
-            assert digest is not None
-            warmest, chosen = best[digest] // n, (seq + n - 1 - best[digest] % n) % n
-            ours = digest == own
-            offers[r] = Offer(
-                mine.key if ours else _PEER_KEY.format(tree.place[i][1], digest),
-                mine.why if ours else None,
-                i == holder[digest],
-                known[1][r][0],
-                list(mine.switches),
-                known[1][r][1],
-                mine.graph if ours else "",
-                warmest if i == chosen and i != holder[digest] else 0,
-            )
-        return offers
+        return settled
     gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
-    offers = {e.rank: e.body for e in gathered}  # type: ignore[misc]
-    table = {r: (o.dir, o.max_artifact_bytes) for r, o in offers.items()}
-    _known = (members, table, hashlib.sha256(repr(sorted(table.items())).encode()).digest())
-    return offers
+    offers = {e.rank: e.body for e in gathered}
+    _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
+    return offers  # type: ignore[return-value]
 
 
 def _warmth(ticket: Ticket, key: str | None) -> int:
@@ -346,17 +285,18 @@ def fetch(ticket: Ticket) -> bool:
     if result.status == "failed":
         ticket.outcome, ticket.outcome_why = "none", "the compiling rank's compile raised"
         _load_report(ticket)  # the serving rank takes it too before raising its own error
-        counters.errors += 1
-        raise CompileOnceError(
-            f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
-            f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
-            f"{plan.source}'s log for the traceback. COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank "
-            "compile its own graphs.",
-            kind="compile_once",
-            rank=ticket.rank,
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            ranks=(plan.source,),
+        raise _failed(
+            CompileOnceError(
+                f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
+                f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
+                f"{plan.source}'s log for the traceback. COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank "
+                "compile its own graphs.",
+                kind="compile_once",
+                rank=ticket.rank,
+                seq=ticket.seq,
+                frame=str(ticket.frame),
+                ranks=(plan.source,),
+            )
         )
     _send_artifacts(ticket, results)
     why = _receive_and_install(ticket, result)
@@ -429,25 +369,28 @@ def finish(
     serving ranks publish their artifact; then the result and load-report exchanges. A compile
     that never looked its graph up took no exchange: it is recorded as local, ``no_lookup`` why."""
     _local.ticket = ticket.outer
-    plan = ticket.plan
-    if plan is None:
+    step, plan = ticket.step, ticket.plan
+    if step is Step.OPEN:
+        ticket.step = Step.DONE
         if error is None:
             ticket.plan = Plan(LOCAL, None, no_lookup, False)
             counters.once_local += 1
             _record(ticket)
         return
-    if plan.role == LOAD and ticket.rank in ticket.local and not ticket.local_posted:
+    assert plan is not None
+    if step is Step.REPORTED and plan.role == LOAD and ticket.rank in ticket.local:
         # The loader's own compile after a refused or missed load ended: the ranks that loaded
         # wait for this post (its compile takes as long as the source's did, so their next
         # exchange would otherwise measure it against COMPILER_COLLECTIVES_TIMEOUT).
-        ticket.local_posted = True
-        groups.post(_compiled_itself(ticket, ticket.rank), b"ok" if error is None else b"raised")
-        _wait_for_local_compiles(ticket)
+        ticket.step = Step.DONE
+        said = b"ok" if error is None else (failure_text or f"{type(error).__name__}: {error}").encode()[:2000]
+        groups.post(_compiled_itself(ticket, ticket.rank), said)
+        _wait_for_local_compiles(ticket, raised_here=error is not None)
         return
-    if ticket.finished:
+    if step is not Step.PLANNED:
         return
     if not _any_source(ticket):
-        ticket.finished = True
+        ticket.step = Step.DONE
         counters.once_local += 1
         _record(ticket)
         return
@@ -485,6 +428,7 @@ def finish(
     else:
         counters.once_local += 1
     _load_report(ticket)
+    ticket.step = Step.DONE
 
 
 def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
@@ -492,16 +436,27 @@ def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
     as a ``PeerFailureError`` naming this graph, instead of an exchange nobody else takes."""
     heard = health.poisoned()
     if isinstance(heard, PeerFailureError) and heard.reported_by:
-        counters.errors += 1
-        raise PeerFailureError(
-            f"compile once #{ticket.seq} of {ticket.frame} on rank {ticket.rank}: while this rank compiled, {heard}",
-            kind="compile_once",
-            rank=ticket.rank,
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            ranks=heard.ranks,
-            reported_by=heard.reported_by,
+        raise _failed(
+            PeerFailureError(
+                f"compile once #{ticket.seq} of {ticket.frame} on rank {ticket.rank}: while this rank compiled, "
+                f"{heard}",
+                kind="compile_once",
+                rank=ticket.rank,
+                seq=ticket.seq,
+                frame=str(ticket.frame),
+                ranks=heard.ranks,
+                reported_by=heard.reported_by,
+            )
         ) from heard
+
+
+_E = TypeVar("_E", bound=CollectiveError)
+
+
+def _failed(error: _E) -> _E:
+    """Every error compile once raises of its own passes here: the one place it is counted (``errors``)."""
+    counters.errors += 1
+    return error
 
 
 def abandon(ticket: Ticket) -> None:
@@ -586,11 +541,29 @@ def _compiled_itself(ticket: Ticket, rank: int) -> str:
     return f"once/{ticket.seq}/local/{rank}"
 
 
-def _wait_for_local_compiles(ticket: Ticket) -> None:
+def _wait_for_local_compiles(ticket: Ticket, raised_here: bool = False) -> None:
     """Wait until every rank that did not load (but this one) posted that its own compile ended:
-    every rank leaves the graph's compile with the slowest, as it waited for the source."""
+    every rank leaves the graph's compile with the slowest, as it waited for the source. One
+    whose compile raised is named, quoting its error (unless this rank's own compile raised:
+    that error is the one this rank raises)."""
     pending = [r for r in ticket.local if r != ticket.rank]
-    _wait_counted(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
+    said = _wait_counted(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
+    raised = {r: text for r, text in sorted(said.items()) if text != b"ok"}
+    if raised and not raised_here:
+        r, text = next(iter(raised.items()))
+        raise _failed(
+            CompileOnceError(
+                f"rank {ticket.rank}: rank {r} compiled graph #{ticket.seq} of {ticket.frame} itself (it did not load "
+                f"the artifact) and its compile raised: {text.decode('utf-8', 'replace')}. Every rank leaves a graph's "
+                f"compile together, so this rank raises too; see rank {r}'s log for the traceback. "
+                "COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank compile its own graphs.",
+                kind="compile_once",
+                rank=ticket.rank,
+                seq=ticket.seq,
+                frame=str(ticket.frame),
+                ranks=tuple(raised),
+            )
+        )
 
 
 def _wait_for_sources(ticket: Ticket) -> None:
@@ -600,14 +573,18 @@ def _wait_for_sources(ticket: Ticket) -> None:
     _wait_counted(ticket, pending, _notice, "compile this graph for this rank")
 
 
-def _wait_counted(ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str) -> None:
+def _wait_counted(
+    ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str
+) -> dict[int, bytes]:
     """``_wait_for_posts``, its time added to the graph's ``waited_s`` and ``once_wait_s``."""
-    if ranks:
-        started = time.monotonic()
-        _wait_for_posts(ticket, ranks, notice, doing)
-        waited = time.monotonic() - started
-        ticket.waited_s += waited
-        counters.once_wait_s += waited
+    if not ranks:
+        return {}
+    started = time.monotonic()
+    said = _wait_for_posts(ticket, ranks, notice, doing)
+    waited = time.monotonic() - started
+    ticket.waited_s += waited
+    counters.once_wait_s += waited
+    return said
 
 
 def _wait_for_posts(
@@ -648,15 +625,16 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
             continue
         bad = not isinstance(body, Result) or (p.role in (COMPILE, SERVE)) != (body.status != "none")
         if bad:
-            counters.errors += 1
-            raise CompileOnceError(
-                f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
-                f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
-                kind="compile_once",
-                rank=ticket.rank,
-                seq=ticket.seq,
-                frame=str(ticket.frame),
-                ranks=(r,),
+            raise _failed(
+                CompileOnceError(
+                    f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
+                    f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
+                    kind="compile_once",
+                    rank=ticket.rank,
+                    seq=ticket.seq,
+                    frame=str(ticket.frame),
+                    ranks=(r,),
+                )
             )
     return out  # type: ignore[return-value]
 
@@ -694,7 +672,7 @@ def _load_report(ticket: Ticket) -> None:
     """Who did not load (a miss or a refusal): first one MIN of flags over the host tree; only
     when some rank did not load (or the ranks are at different graphs), the all-gather of every
     rank's outcome, for the names and the reasons."""
-    ticket.finished = True
+    ticket.step = Step.REPORTED
     seq = ticket.seq or 0
     loaded_here = ticket.outcome not in ("miss", "refused")
     tree = _tree
@@ -868,13 +846,15 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     if problem is not None:
         return problem  # the same on every rank: no rank receives (``transfer.routes``)
     route = _routes(ticket, plan.source, result)[ticket.rank]
-    data, received = b"", None
+    got = transfer.Received(b"", None)
     if route.mode == transfer.RECEIVE:
-        data, received = transfer.receive(_link(ticket), result, route, plan.source)
+        got = transfer.receive(_link(ticket), result, route, plan.source)
         ticket.bytes_in = result.total()
     why = _refused(artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level))
     if why is None:
-        why = _place(ticket, result, route, data, received)
+        why = _place(ticket, result, route, got.data, got.refusal)
+    if why is None and got.refetched is not None:
+        ticket.outcome_why = got.refetched  # the graph's record says where the bytes came from
     if route.mode == transfer.RECEIVE and route.readers:
         groups.post(_installed(ticket, ticket.rank), b"ok" if why is None else why.encode()[:2000])
     return why
@@ -940,13 +920,14 @@ def _transfer_failed(
 ) -> CollectiveError:
     """The error of a failed piece: gloo's own (a broken connection) names the one peer it was
     with, which the whole subtree below then hears in this rank's report."""
-    counters.errors += 1
     if not isinstance(error, CollectiveError):
         error = PeerFailureError(
             f"{where()}: the connection to rank {peer} ({what}) broke: {error}. Rank {peer} most likely "
             f"crashed or was killed; check its log and exit status.",
             ranks=(peer,),
         )
-    return failure_procedure.exchange_failed(
-        error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
+    return _failed(
+        failure_procedure.exchange_failed(
+            error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
+        )
     )

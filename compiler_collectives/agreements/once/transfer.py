@@ -19,19 +19,37 @@ are nodes F*i+1 .. F*i+F. The bytes go in pieces of ``chunk_bytes`` (the source'
 ``COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES``), each with its own tag, so a receiver forwards piece k
 while piece k+1 arrives: one graph takes about F * size / bandwidth plus one piece's time per
 level. A forwarder cannot change what its subtree loads: the digests come from the source, every
-receiver checks every piece, and a piece that fails its check is forwarded as zeros (its subtree
-refuses too, and compiles locally). The sends and receives of a transfer are waited for with
-``run_p2p``: a parent may start late (it sends once the result exchange, which no longer waits for
-every rank, ended there), and gloo's timed wait of a slice would close the group's connections. A
-forwarder that dies breaks its children's receive at once (gloo's connection closes); they raise
-``PeerFailureError`` through the failure procedure, whose report stops the rest of the subtree
-within a heartbeat.
+receiver checks every piece, and a piece that fails its check is forwarded as zeros.
+
+After the pieces each sender tells each child its verdict (8 bytes): -1, it passed every piece
+on as it checked it; else the rank whose bytes first failed a check on the way (its parent, or
+whom its parent's verdict named), from which piece on it forwards zeros. So a receiver whose
+check fails names the rank that sent the bad bytes: its parent when the parent's verdict was
+clean (its bytes changed after its own check: in its memory or on the link), else the upstream
+rank the verdict names, never an honest forwarder that passed on zeros.
+
+Then every receiver tells the source whether it needs the bytes again (1 byte: its check
+failed), and the source, which holds the whole bundle until its ``send`` returns, sends each
+such receiver one copy of its own, checked again piece by piece. Only when that copy fails too
+does the receiver refuse (and its rank compile the graph itself). A source's ``send`` therefore
+ends when every receiver of its tree has its bytes: no later than the load report, which waits
+for every rank anyway. The refusal and the refetch are both named in the receiver's log and
+record (``Received.refetched``).
+
+The sends and receives of a transfer are waited for with ``run_p2p``: a parent may start late
+(it sends once the result exchange, which no longer waits for every rank, ended there), and
+gloo's timed wait of a slice would close the group's connections. A forwarder that dies breaks
+its children's receive at once (gloo's connection closes), and the source's wait for its word;
+they raise ``PeerFailureError`` through the failure procedure, whose report stops the rest of
+the subtree within a heartbeat (a dead rank ends the job's step anyway: its bytes are not
+fetched elsewhere).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -42,10 +60,18 @@ from ..wire.once import Offer, Result
 from . import artifact
 from .plan import LOAD, Plan
 
+log = logging.getLogger("compiler_collectives.once")
+
 # Tags of the pieces: bit 30 set, the graph's number in bits 20-29, the piece's in bits 0-19
 # (gloo's tags are 32-bit signed; pieces are at most wire.once.MAX_CHUNKS = 2**20).
 TAG_BASE = 1 << 30
 _SEQ_BITS, _PIECE_BITS = 10, 20
+# Tags of a transfer's small messages and of the source's second copy: bits 28 and 29 set (below
+# the pieces' bit 30; above transport.hosttree's 1 << 28 | 1..4 and gloo.PROBE_TAG, 1 << 29),
+# the message's kind above the graph's number.
+_CONTROL_BASE = 3 << 28
+VERDICT, NEED, COPY = 1, 2, 3
+_CLEAN = -1  # a verdict: every piece passed on as it checked
 
 SHARED, RECEIVE, READ, NONE = "shared", "receive", "read", "none"
 T = TypeVar("T")
@@ -66,6 +92,11 @@ class Link:
     def tag(self, piece: int) -> int:
         return TAG_BASE | ((self.seq & ((1 << _SEQ_BITS) - 1)) << _PIECE_BITS) | piece
 
+    def control(self, kind: int) -> int:
+        """The tag of one of the transfer's small messages (``VERDICT``, ``NEED``) or the source's
+        second copy (``COPY``) for this graph."""
+        return _CONTROL_BASE | (kind << _SEQ_BITS) | (self.seq & ((1 << _SEQ_BITS) - 1))
+
     def peer(self, rank: int) -> int:
         """Global rank -> its rank in the compile group."""
         return self.members.index(rank)
@@ -81,6 +112,7 @@ class Route:
     children: tuple[int, ...] = ()  # the source and RECEIVE: whom it forwards to
     readers: tuple[int, ...] = ()  # RECEIVE: the ranks of its dir that read its install
     via: int | None = None  # READ: its dir's receiver
+    receivers: tuple[int, ...] = ()  # the source: every receiver of its tree (each may ask for a copy)
 
 
 def routes(
@@ -107,7 +139,7 @@ def routes(
     def children(i: int) -> tuple[int, ...]:
         return tuple(nodes[fanout * i + 1 : fanout * i + fanout + 1])
 
-    out[source] = Route(RECEIVE, None, children(0))
+    out[source] = Route(RECEIVE, None, children(0), receivers=tuple(nodes[1:]))
     for i in range(1, len(nodes)):
         receiver = nodes[i]
         readers = tuple(by_dir[offers[receiver].dir][1:])
@@ -140,20 +172,52 @@ def _run(link: Link, fn: Callable[[], tuple[T, _Broken | None]]) -> T:
     return value
 
 
+def _verdict(rank: int) -> bytes:
+    return rank.to_bytes(8, "little", signed=True)
+
+
 def send(link: Link, bundle: bytes, result: Result, route: Route) -> None:
     """The source: each piece to each of its children (piece-major, so every child's first piece
-    leaves first), then wait for all of them."""
+    leaves first) and its clean verdict; then each receiver's word, and a copy of its own to
+    every receiver whose check failed."""
     if not route.children or not bundle:
         return
     data = byte_tensor(bundle)
+    clean = byte_tensor(_verdict(_CLEAN))
     works = [
         start_send(link.pg, data[a:b], link.peer(child), link.tag(k))
         for k, (a, b) in enumerate(_pieces(len(bundle), result.chunk_bytes))
         for child in route.children
     ]
+    works += [start_send(link.pg, clean, link.peer(child), link.control(VERDICT)) for child in route.children]
+    words = {r: byte_tensor(1) for r in route.receivers}
+    asked = [(r, start_recv(link.pg, words[r], link.peer(r), link.control(NEED))) for r in route.receivers]
+
+    def serve() -> tuple[tuple[int, ...], _Broken | None]:
+        broken = _wait_sends(works, route.children)
+        if broken is not None:
+            return (), broken
+        for r, work in asked:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                return (), (e, r, "a receiver of its artifact, which tells it whether it needs the bytes again")
+        wanting = tuple(r for r in route.receivers if tensor_view(words[r])[0] == 1)
+        copies = [start_send(link.pg, data, link.peer(r), link.control(COPY)) for r in wanting]
+        return wanting, _wait_sends(copies, wanting)
+
     counters.once_copies_sent += len(route.children)
     counters.once_bytes_sent += len(bundle) * len(route.children)
-    _run(link, lambda: (None, _wait_sends(works, route.children)))
+    wanting = _run(link, serve)
+    if wanting:
+        counters.once_copies_sent += len(wanting)
+        counters.once_bytes_sent += len(bundle) * len(wanting)
+        log.warning(
+            "%s: sent rank(s) %s a second copy of the artifact: the bytes they took in the tree failed "
+            "their check (see their logs for who sent them altered)",
+            link.where(),
+            ", ".join(map(str, wanting)),
+        )
 
 
 def _wait_sends(works: list[Any], children: tuple[int, ...]) -> _Broken | None:
@@ -166,10 +230,30 @@ def _wait_sends(works: list[Any], children: tuple[int, ...]) -> _Broken | None:
     return None
 
 
-def receive(link: Link, result: Result, route: Route, source: int) -> tuple[bytes, artifact.Refusal | None]:
+def _first_bad(data: Any, pieces: list[tuple[int, int]], result: Result) -> tuple[int, int] | None:
+    """The byte range of the first piece of ``data`` whose SHA-256 is not the source's."""
+    for k, (a, b) in enumerate(pieces):
+        if hashlib.sha256(tensor_view(data[a:b])).digest() != result.chunks[k]:
+            return a, b
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """What a dir's receiver took: the bytes (empty when refused), why they are refused (None:
+    every piece matched), and, when the tree's bytes failed their check but the source's own
+    copy matched, why the tree's were refused (for the log and the graph's record)."""
+
+    data: bytes
+    refusal: artifact.Refusal | None
+    refetched: str | None = None
+
+
+def receive(link: Link, result: Result, route: Route, source: int) -> Received:
     """A dir's receiver: every piece from its parent, each checked against its digest, then
-    forwarded to its children (zeros in place of a piece that failed). The bytes, and why they
-    are refused (None: every piece matched)."""
+    forwarded to its children (zeros in place of a piece that failed, and from then on); its
+    parent's verdict, and its own to its children; then its word to the source, and the source's
+    own copy when its check failed."""
     assert route.parent is not None
     parent_rank = route.parent
     total = result.total()
@@ -177,34 +261,89 @@ def receive(link: Link, result: Result, route: Route, source: int) -> tuple[byte
     data = byte_tensor(total)
     parent = link.peer(parent_rank)
     recvs = [start_recv(link.pg, data[a:b], parent, link.tag(k)) for k, (a, b) in enumerate(pieces)]
+    heard = byte_tensor(8)
+    verdict_recv = start_recv(link.pg, heard, parent, link.control(VERDICT))
+    from_parent = "its parent in the artifact's tree, which sends it the bytes"
+    from_source = "the artifact's source, which sends it a copy of its own"
 
-    def take() -> tuple[artifact.Refusal | None, _Broken | None]:
+    def take() -> tuple[tuple[tuple[int, int] | None, int, Any], _Broken | None]:
         sends: list[Any] = []
-        refusal: artifact.Refusal | None = None
+        bad: tuple[int, int] | None = None  # the first piece that failed its check
         for k, ((a, b), work) in enumerate(zip(pieces, recvs)):
             try:
                 work.wait()
             except RuntimeError as e:
-                return None, (e, parent_rank, "its parent in the artifact's tree, which sends it the bytes")
+                return (None, _CLEAN, None), (e, parent_rank, from_parent)
             piece = data[a:b]
-            if refusal is None and hashlib.sha256(tensor_view(piece)).digest() != result.chunks[k]:
-                via = "" if parent_rank == source else f", forwarded by rank {parent_rank},"
-                refusal = artifact.Refusal(
-                    f"bytes {a}-{b} of the artifact{via} do not match the SHA-256 rank {source} sent over the "
-                    "job's gloo group",
-                    True,
-                )
-            if refusal is not None:
+            if bad is None and hashlib.sha256(tensor_view(piece)).digest() != result.chunks[k]:
+                bad = (a, b)
+            if bad is not None:
                 piece.zero_()  # never pass on bytes that failed their check
             sends.extend(start_send(link.pg, piece, link.peer(child), link.tag(k)) for child in route.children)
-        return refusal, _wait_sends(sends, route.children)
+        try:
+            verdict_recv.wait()
+        except RuntimeError as e:
+            return (None, _CLEAN, None), (e, parent_rank, from_parent)
+        upstream = int.from_bytes(tensor_view(heard), "little", signed=True)
+        # A clean verdict (or one that names no rank of the group): the parent's own bytes failed.
+        culprit = _CLEAN if bad is None else (upstream if upstream in link.members else parent_rank)
+        mine = byte_tensor(_verdict(culprit))
+        sends += [start_send(link.pg, mine, link.peer(child), link.control(VERDICT)) for child in route.children]
+        copy = byte_tensor(total if bad is not None else 0)
+        copy_recv = start_recv(link.pg, copy, link.peer(source), link.control(COPY)) if bad is not None else None
+        need = byte_tensor(b"\x01" if bad is not None else b"\x00")
+        word = start_send(link.pg, need, link.peer(source), link.control(NEED))
+        broken = _wait_sends(sends, route.children)
+        if broken is not None:
+            return (bad, culprit, None), broken
+        for work in (word, copy_recv):
+            if work is None:
+                continue
+            try:
+                work.wait()
+            except RuntimeError as e:
+                return (bad, culprit, None), (e, source, from_source)
+        return (bad, culprit, copy), None
 
-    refusal = _run(link, take)
+    bad, culprit, copy = _run(link, take)
     counters.once_bytes_received += total
     if route.children:
         counters.once_copies_sent += len(route.children)
         counters.once_bytes_sent += total * len(route.children)
-    return (b"" if refusal is not None else bytes(tensor_view(data))), refusal
+    if bad is None:
+        return Received(bytes(tensor_view(data)), None)
+    a, b = bad
+    why = (
+        f"bytes {a}-{b} of the artifact, as this rank took them from rank {parent_rank} in the tree, do not "
+        f"match the SHA-256 rank {source} sent over the job's gloo group: rank {culprit} sent them altered "
+        + (
+            f"(rank {parent_rank}, which checked them, forwarded zeros in their place)"
+            if culprit != parent_rank
+            else "(after its own check of them passed: in its memory or on the link)"
+            if culprit != source
+            else "(in its memory or on the link)"
+        )
+    )
+    counters.once_bytes_received += total
+    again = _first_bad(copy, pieces, result)
+    if again is not None:
+        return Received(
+            b"",
+            artifact.Refusal(
+                f"{why}; the copy rank {source} then sent this rank directly failed its check too "
+                f"(bytes {again[0]}-{again[1]})",
+                True,
+            ),
+        )
+    counters.once_digest_mismatches += 1
+    counters.once_refetched += 1
+    log.warning("%s: refused the tree's bytes (%s); took rank %d's own copy instead", link.where(), why, source)
+    return Received(
+        bytes(tensor_view(copy)),
+        None,
+        f"loaded rank {source}'s own copy, sent to this rank directly: this rank refused the bytes it took "
+        f"in the tree: {why}",
+    )
 
 
 def install(root: str, result: Result, data: bytes, source: int) -> artifact.Accepted | artifact.Refusal:
