@@ -8,16 +8,21 @@ runs one test at a time, so the group's usage before and after a test is
 that test's CPU. Needs a writable ``/sys/fs/cgroup/cpuacct`` (root); without
 one it records nothing and says so.
 
-    PYTHONPATH=scripts scripts/dev test -p suite_cpu        # writes suite-cpu-<worker>.json
-    scripts/dev python scripts/suite_cpu.py [DIR]           # the summary: by file, then the top tests
+    PYTHONPATH=scripts scripts/dev test -p suite_cpu        # writes suite-cpu-<torch>-<worker>.json
+    scripts/dev python scripts/suite_cpu.py [DIR] [--torch RELEASE]   # the summary: by file, then the top tests
+
+Files are named by torch's release, so that one directory can hold a whole CI run's
+(``PYTEST_ADDOPTS="-p suite_cpu" PYTHONPATH=scripts bash .ci/run``: each release's tier).
 
 ``CC_SUITE_CPU_DIR`` says where the JSON goes (default: the current directory).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
+import importlib.metadata
 import json
 import logging
 import os
@@ -68,12 +73,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     out = os.environ.get("CC_SUITE_CPU_DIR", ".")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(out, f"suite-cpu-{worker}.json"), "w") as fh:
+    release = importlib.metadata.version("torch").split("+")[0]
+    with open(os.path.join(out, f"suite-cpu-{release}-{worker}.json"), "w") as fh:
         json.dump(_rows, fh)
 
 
-def summary(directory: str, top: int = 25) -> str:
-    rows = [row for path in glob.glob(os.path.join(directory, "suite-cpu-*.json")) for row in json.load(open(path))]
+def summary(directory: str, top: int = 25, release: str = "*") -> str:
+    """By file, then the ``top`` tests, of the runs in ``directory`` on torch ``release`` (a glob)."""
+    pattern = os.path.join(directory, f"suite-cpu-{release}-*.json")
+    rows = [row for path in glob.glob(pattern) for row in json.load(open(path))]
     total = sum(cpu for _, cpu, _ in rows)
     by_file: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
@@ -89,4 +97,9 @@ def summary(directory: str, top: int = 25) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(summary(sys.argv[1] if len(sys.argv) > 1 else ".") + "\n")
+    parser = argparse.ArgumentParser(description="the suite's CPU, by file and by test (suite_cpu's JSON files)")
+    parser.add_argument("directory", nargs="?", default=".")
+    parser.add_argument("--torch", default="*", help="one torch release's runs (default: all in the directory)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    sys.stdout.write(summary(args.directory, args.top, args.torch) + "\n")
