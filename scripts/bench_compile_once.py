@@ -60,6 +60,22 @@ on, to its target (printed with it, and whether it is met):
                size. Target: finishes, CPU <= 1.1x a cold job (2shared)
 Refusals are counted per run: the ranks' once_refused stats, summed.
 
+Compile once's overhead per graph (issue 37), a table of its own for every
+multi-rank case outside the cache states, compile once on: from each rank's
+per-graph records (``stats()["compile_once"]``), per rank and what it did
+(compiled, served, loaded, ...), the median over graphs and runs of its
+exchanges (``exchange_s``: keys with the plan, result, load report), files
+(``install_s``: a source collecting and digesting, a loader checking and
+installing), bytes (``transfer_s``), wait (``waited_s``) and the wait's
+latency after its source posted (``wait_ended_at`` - the source's
+``posted_at``; the ranks share one host's clock); overhead = exchanges + files
++ latency, the time compile once adds outside the compile and the bytes (each
+exchange includes waiting for the last rank to reach it: a last row per case
+takes, per graph, the rank with the least overhead, an upper bound on what
+compile once's own steps cost); rest
+= the record's ``span_s`` less all of those (a source's compile, a loader's
+lookup and load of the entry it was sent), with the artifact's bytes.
+
 Settings, side by side in one run: "off" (COMPILER_COLLECTIVES_COMPILE_ONCE=0)
 and "default" (the variable unset). If the installed compiler_collectives does
 not know the variable (the feature is absent: setting it would fail the import
@@ -832,6 +848,79 @@ def print_cache_states(rows: list[dict[str, Any]]) -> None:
     _print_problems(rows)
 
 
+OVERHEAD_PARTS = (("exchange_s", "exchanges"), ("install_s", "files"), ("transfer_s", "bytes"), ("waited_s", "wait"))
+
+
+def once_overhead(runs: list[dict[str, Any]], cases: list[Case]) -> list[dict[str, Any]]:
+    """Per multi-rank case (compile once on), rank and state: medians over its graphs and runs."""
+    rows = []
+    for case in cases:
+        if case.world < 2 or case.cache_states:
+            continue
+        samples: dict[tuple[int, str], list[dict[str, float]]] = {}
+        graphs: dict[tuple[int, int], list[dict[str, float]]] = {}  # (run, seq): every rank's
+        runs_seen: list[dict[str, Any]] = []
+        for run in runs:
+            if run["case"] != case.name or run["setting"] != "default" or not run["ok"]:
+                continue
+            per_rank = {r["rank"]: (r["cc_stats"] or {}).get("compile_once", []) for r in run["ranks"]}
+            posted = {
+                (rank, rec["seq"]): rec["posted_at"]
+                for rank, recs in per_rank.items()
+                for rec in recs
+                if rec.get("posted_at") is not None
+            }
+            for rank, recs in per_rank.items():
+                for rec in recs:
+                    if "exchange_s" not in rec:
+                        continue  # an installed package that does not time its parts
+                    sample = {key: float(rec[key]) for key, _ in OVERHEAD_PARTS}
+                    source_post = posted.get((rec["source"], rec["seq"]))
+                    latency = 0.0
+                    if rec.get("wait_ended_at") is not None and source_post is not None:
+                        latency = max(0.0, rec["wait_ended_at"] - source_post)
+                    sample["latency_s"] = latency
+                    sample["overhead_s"] = sample["exchange_s"] + sample["install_s"] + latency
+                    sample["rest_s"] = float(rec["span_s"]) - sum(sample[key] for key, _ in OVERHEAD_PARTS)
+                    sample["bytes"] = float(rec["artifact_bytes"])
+                    samples.setdefault((rank, rec["state"]), []).append(sample)
+                    graphs.setdefault((len(runs_seen), rec["seq"]), []).append(sample)
+            runs_seen.append(run)
+        # Each exchange also waits for the last rank to reach it: the rank of a graph that waited
+        # least (its least overhead) bounds from above what the exchanges cost by themselves.
+        least = [min(ranks, key=lambda g: g["overhead_s"]) for ranks in graphs.values() if len(ranks) > 1]
+        groups = [((rank, state), got) for (rank, state), got in sorted(samples.items())]
+        groups += [((-1, "least of the ranks"), least)] if least else []
+        for (rank, state), got in groups:
+            row: dict[str, Any] = {"case": case.name, "rank": rank if rank >= 0 else "-", "state": state}
+            row["graphs"] = len(got)
+            for key in got[0]:
+                row[key] = statistics.median(g[key] for g in got)
+            rows.append(row)
+    return rows
+
+
+def print_once_overhead(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("Compile once's overhead per graph (compile once on): medians over graphs and runs, per rank and state;")
+    print("overhead = exchanges + files + wait latency after the source's post (outside the compile and the bytes);")
+    print("each exchange includes waiting for the last rank to reach it: 'least of the ranks' is, per graph, the")
+    print("rank with the least overhead (an upper bound on what compile once's own steps cost).")
+    print()
+    print(
+        "| case | rank | state | graphs | exchanges (ms) | files (ms) | bytes (ms) | wait (ms) | wait latency (ms) "
+        "| overhead (ms) | rest: compile or load (s) | artifact (KiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['rank']} | {r['state']} | {r['graphs']} | {r['exchange_s'] * 1e3:.1f} | "
+            f"{r['install_s'] * 1e3:.1f} | {r['transfer_s'] * 1e3:.1f} | {r['waited_s'] * 1e3:.0f} | "
+            f"{r['latency_s'] * 1e3:.1f} | {r['overhead_s'] * 1e3:.1f} | {r['rest_s']:.2f} | {r['bytes'] / 1024:.0f} |"
+        )
+
+
 def _uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
@@ -946,6 +1035,7 @@ def main() -> int:
                     log(f"  {r['error']} (log: {r['log']})")
     load_end = _uptime()
     rows = summarize(runs, cases)
+    overhead = once_overhead(runs, cases)
     header = {
         "model": f"{args.blocks} residual MLP blocks, width {args.width}, batch {args.batch}/rank, {args.steps} steps",
         "compile_once_variable": feature_note,
@@ -967,12 +1057,15 @@ def main() -> int:
         if any(not c.cache_states for c in cases):
             print_table(rows)
             print()
+        if overhead:
+            print_once_overhead(overhead)
+            print()
         if any(c.cache_states and c.name not in REFERENCE_ROLE for c in cases):
             print_cache_states(rows)
             print()
         print(f"load at end: {load_end}")
     if args.json:
-        print(json.dumps({**header, "rows": rows}, indent=1, default=str))
+        print(json.dumps({**header, "rows": rows, "once_overhead": overhead}, indent=1, default=str))
     all_ok = all(r["ok"] for r in runs)
     if all_ok and not args.keep and args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -294,6 +294,24 @@ def _spans(events: list[dict]) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
+def test_each_graph_s_record_times_its_exchanges_files_and_bytes_apart_from_its_compile_and_wait(once_traced):
+    results = once_traced["results"]
+    compiler, loader = _ranks_by_state(results)
+    for rank in (compiler, loader):
+        record = results[rank]["records"][-1]
+        parts = [record[k] for k in ("exchange_s", "install_s", "transfer_s", "waited_s")]
+        # every rank takes the exchanges, handles the artifact's files and moves its bytes
+        assert all(p > 0 for p in parts[:3]), (rank, record)
+        assert record["span_s"] >= sum(parts) - 1e-3, (rank, record)
+        assert record["artifact_bytes"] == results[compiler]["stats"]["once_bytes_sent"] > 0
+    made, took = results[compiler]["records"][-1], results[loader]["records"][-1]
+    assert made["wait_ended_at"] is None and took["posted_at"] is None
+    # the loader's wait ended after the compiling rank posted (one host's clock)
+    assert took["wait_ended_at"] >= made["posted_at"] - 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
 def test_a_loading_rank_s_wait_is_a_dynamo_timed_event_of_its_own_inside_the_backend_compile(once_traced):
     results = once_traced["results"]
     compiler, loader = _ranks_by_state(results)

@@ -107,6 +107,18 @@ class Ticket:
     outcome: str = "none"  # a loading rank's load: "none", "hit", "miss" or "refused"
     outcome_why: str | None = None
     waited_s: float = 0.0
+    # Where the rest of this rank's time in compile once went (issue 37's overhead per graph):
+    # the exchanges (keys with the plan, result, load report), the artifact's files (a source
+    # collecting and digesting them, a loader checking and installing them) and its bytes moving
+    # (sending, receiving, or waiting for the rank that receives for this cache dir). The wall
+    # clock (time.time) when a source posted that it is done, and when a loader's wait for its
+    # sources ended: the wait's latency after the post, across ranks of one host.
+    exchange_s: float = 0.0
+    install_s: float = 0.0
+    transfer_s: float = 0.0
+    artifact_bytes: int = 0
+    posted_at: float | None = None
+    wait_ended_at: float | None = None
     fingerprints: list[GraphFingerprint] = dataclasses.field(default_factory=list)
     outer: Ticket | None = None
     level: str = "aot"  # "aot": AOTAutograd's entry; "fx": an FX graph cache entry (the fallback level)
@@ -173,6 +185,7 @@ def note_hit(entry: bytes) -> None:
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
     """The key exchange; returns this rank's plan."""
     global _seq
+    t0 = time.perf_counter()
     ticket.pg = groups.compile_pg()  # first: a new default group noticed here clears ``_seq``
     _seq += 1
     ticket.seq = _seq
@@ -202,6 +215,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     ticket.step = Step.PLANNED
     ticket.fx_allowed = ticket.level == "aot" and fallback_allowed(ticket.offers)
     counters.once_exchanges += 1
+    ticket.exchange_s += time.perf_counter() - t0
     if ticket.plan.role == LOCAL:
         log.info(
             "compile once #%d of %s: rank %d compiles it itself: %s", ticket.seq, ticket.frame, rank, ticket.plan.why
@@ -278,6 +292,7 @@ def fetch(ticket: Ticket) -> bool:
     _wait_for_sources(ticket)
     results = _results(ticket, Result("none", None, [], []))
     result = results[plan.source]
+    ticket.artifact_bytes = result.total()
     if result.status == "failed" and (result.failure or "").startswith("gathering the artifact failed"):
         ticket.outcome, ticket.outcome_why = "refused", f"rank {plan.source} has no artifact: {result.failure}"
         counters.once_refused += 1
@@ -403,6 +418,7 @@ def finish(
         if error is not None:
             mine = Result("failed", failure_text or f"{type(error).__name__}: {error}"[:500], [], [])
         else:
+            t0 = time.perf_counter()
             try:
                 manifest, bundle = _collect(ticket)
                 fingerprints = _own_fingerprints(ticket)
@@ -414,10 +430,13 @@ def finish(
                 chunk_bytes = config.settings.once_chunk_bytes if bundle else 0
                 chunks = transfer.chunk_digests(bundle, chunk_bytes) if bundle else []
                 mine = Result("ok", None, manifest, fingerprints, chunk_bytes, chunks)
+                ticket.artifact_bytes = mine.total()
             except Exception as e:  # noqa: BLE001 - its loaders must hear of it, never wait for it
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
+            ticket.install_s += time.perf_counter() - t0
         groups.post(_notice(ticket, ticket.rank), b"1")
+        ticket.posted_at = time.time()
     _wait_for_sources(ticket)
     results = _results(ticket, mine)
     if plan.role in (COMPILE, SERVE):
@@ -570,7 +589,9 @@ def _wait_for_sources(ticket: Ticket) -> None:
     """Wait until every serving rank (but this one) posted that it is done."""
     me = ticket.rank
     pending = sorted({r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE) and r != me})
-    _wait_counted(ticket, pending, _notice, "compile this graph for this rank")
+    if pending:
+        _wait_counted(ticket, pending, _notice, "compile this graph for this rank")
+        ticket.wait_ended_at = time.time()
 
 
 def _wait_counted(
@@ -611,6 +632,7 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     Only serving ranks have one: each is broadcast down a binomial tree over the group
     (``HostTree.broadcast``), sources in rank order, when there are at most as many as ranks on
     a host (a GPU job's: one per device index); with more, one all-gather of every rank's."""
+    t0 = time.perf_counter()
     sources = sorted(r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE))
     tree = _tree
     if tree is None or len(sources) > tree.ranks_per_host:
@@ -636,6 +658,7 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
                     ranks=(r,),
                 )
             )
+    ticket.exchange_s += time.perf_counter() - t0
     return out  # type: ignore[return-value]
 
 
@@ -673,6 +696,7 @@ def _load_report(ticket: Ticket) -> None:
     when some rank did not load (or the ranks are at different graphs), the all-gather of every
     rank's outcome, for the names and the reasons."""
     ticket.step = Step.REPORTED
+    t0 = time.perf_counter()
     seq = ticket.seq or 0
     loaded_here = ticket.outcome not in ("miss", "refused")
     tree = _tree
@@ -690,6 +714,7 @@ def _load_report(ticket: Ticket) -> None:
         )
         if out[0] == -out[1] == PHASE_ONCE_LOADED and out[2] == -out[3] == seq and out[4] == 1:
             ticket.local = ()
+            ticket.exchange_s += time.perf_counter() - t0
             _wait_for_local_compiles(ticket)
             _record(ticket)
             return
@@ -711,6 +736,7 @@ def _load_report(ticket: Ticket) -> None:
             if e.rank != ticket.rank:
                 counters.once_peer_local_compiles += 1
     ticket.local = tuple(e.rank for e in gathered if e.body.outcome in ("miss", "refused"))  # type: ignore[union-attr]
+    ticket.exchange_s += time.perf_counter() - t0
     if ticket.rank not in ticket.local:
         _wait_for_local_compiles(ticket)
     _record(ticket)
@@ -750,6 +776,13 @@ def _record(ticket: Ticket) -> None:
             "why": why,
             "source": plan.source,
             "waited_s": round(ticket.waited_s, 3),
+            "exchange_s": round(ticket.exchange_s, 6),
+            "install_s": round(ticket.install_s, 6),
+            "transfer_s": round(ticket.transfer_s, 6),
+            "span_s": round((time.time_ns() - ticket.started_ns) / 1e9, 6),
+            "artifact_bytes": ticket.artifact_bytes,
+            "posted_at": ticket.posted_at,
+            "wait_ended_at": ticket.wait_ended_at,
         }
     )
     if _on_record is not None:
@@ -831,7 +864,9 @@ def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = 
     assert plan is not None
     if plan.role in (COMPILE, SERVE):
         result = results[ticket.rank]
+        t0 = time.perf_counter()
         transfer.send(_link(ticket), bundle, result, _routes(ticket, ticket.rank, result)[ticket.rank])
+        ticket.transfer_s += time.perf_counter() - t0
 
 
 def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
@@ -839,7 +874,18 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     install them. None on success, else why they were refused (nothing was written then).
 
     A dir's receiver takes every byte its parent sends and forwards it whatever it then decides
-    for itself: its subtree and its dir's readers must never wait on a decision only it made."""
+    for itself: its subtree and its dir's readers must never wait on a decision only it made.
+
+    Its time goes to the ticket's ``transfer_s`` (the bytes reaching this dir) and the rest,
+    checking and installing, to its ``install_s``."""
+    t0, moved = time.perf_counter(), ticket.transfer_s
+    try:
+        return _receive_and_install_timed(ticket, result)
+    finally:
+        ticket.install_s += time.perf_counter() - t0 - (ticket.transfer_s - moved)
+
+
+def _receive_and_install_timed(ticket: Ticket, result: Result) -> str | None:
     plan = ticket.plan
     assert plan is not None and plan.source is not None
     problem = artifact.manifest_problem(result, plan.source, ticket.level)
@@ -848,7 +894,9 @@ def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
     route = _routes(ticket, plan.source, result)[ticket.rank]
     got = transfer.Received(b"", None)
     if route.mode == transfer.RECEIVE:
+        t0 = time.perf_counter()
         got = transfer.receive(_link(ticket), result, route, plan.source)
+        ticket.transfer_s += time.perf_counter() - t0
         ticket.bytes_in = result.total()
     why = _refused(artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level))
     if why is None:
@@ -877,7 +925,9 @@ def _place(
         return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
     if route.mode == transfer.READ:
         assert route.via is not None
+        t0 = time.perf_counter()
         said = _wait_for_posts(ticket, [route.via], _installed, "receive the artifact for this cache dir")[route.via]
+        ticket.transfer_s += time.perf_counter() - t0
         if said != b"ok":
             return f"rank {route.via}, which receives for this cache dir, did not install it: " + said.decode(
                 "utf-8", "replace"
