@@ -22,7 +22,12 @@ import pytest
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.test_compile_once import ENV, _assert_trained_right, _states, job
-from tests.test_compile_once_caches import COMPILING_RANK, WAITING_RANK, _assert_no_refusals, _at_compile
+from tests.test_compile_once_caches import (
+    COMPILING_RANK,
+    WAITING_RANK,
+    _assert_no_refusals,
+    job_with_compile_fault,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
@@ -30,23 +35,10 @@ STOP_S = 15  # past the 3 s after which a 1 s heartbeat counts as silent
 HOLD_GIL_S = 12
 
 
-def job_on_two_hosts(rank: int, world: int, case: dict) -> dict:
-    """test_compile_once's job; on the compiling rank, the fault ``case["at_compile"]``."""
-    import compiler_collectives as cc
-
-    cc.enable()
-    if rank == COMPILING_RANK:
-        _at_compile(case["at_compile"], case["seconds"])
-    started = time.monotonic()
-    out = job(rank, world, case)
-    out["job_s"] = time.monotonic() - started
-    return out
-
-
 def _on_two_hosts(tmp_path, at_compile: str, seconds: int, env: dict | None = None, **kw):
     hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
     return run_ranks(
-        job_on_two_hosts,
+        job_with_compile_fault,
         2,
         args=({"at_compile": at_compile, "seconds": seconds},),
         env={**ENV, **(env or {})},

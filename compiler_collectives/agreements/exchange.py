@@ -22,7 +22,7 @@ from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
 from ..observations import FrameId
 from ..stats import counters
-from ..transport import all_gather_bytes, all_reduce_min, groups
+from ..transport import all_gather_bytes, groups
 from . import failure
 
 E = TypeVar("E")
@@ -95,24 +95,6 @@ def gather(
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
     return Gathered(envelopes, payloads, rounds, time.perf_counter() - started)
-
-
-def reduce_min(
-    pg: Any, values: list[int], *, kind: str, seq: int | None, frame: str | None, where: Callable[[], str]
-) -> list[int]:
-    """The element-wise MIN of every rank's ``values`` on ``pg``, in ``gather``'s frame (a failure
-    is our error, through the failure procedure)."""
-    health.check(kind)
-    members = groups.member_ranks(pg)
-    rank = members[pg.rank()]
-    try:
-        return all_reduce_min(pg, values, where)
-    except RuntimeError as e:
-        counters.errors += 1
-        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
-        if err is e:
-            raise
-        raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
 
 
 T = TypeVar("T")

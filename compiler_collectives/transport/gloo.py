@@ -343,16 +343,6 @@ def all_gather_bytes(
     return [_tensor_to_bytes(t, length) for t, length in zip(recv2, lengths)], 2
 
 
-def all_reduce_min(pg: dist.ProcessGroup, values: list[int], describe: Callable[[], str]) -> list[int]:
-    """The element-wise MIN of every rank's ``values`` (int64; MAX through negated elements):
-    a fixed record whose bytes do not grow with the group's size."""
-    t = torch.tensor(values, dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
-    wait(started(pg.allreduce, [t], opts), describe)
-    return [int(v) for v in t.tolist()]
-
-
 def byte_tensor(data: bytes | int) -> torch.Tensor:
     """A contiguous uint8 CPU tensor: a copy of ``data``, or ``data`` bytes to receive into.
     Its slices are what ``start_send``/``start_recv`` move piece by piece."""
