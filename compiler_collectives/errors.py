@@ -210,19 +210,6 @@ class MalformedPayload(Exception):
     ``decode`` functions turn it into a ``WireFormatError`` naming the sender)."""
 
 
-def ours_within(error: BaseException) -> CollectiveError | None:
-    """The first of our errors in ``error``'s chain of causes and contexts (a few links deep):
-    ours raised inside a backend reach the caller wrapped in torch's ``BackendCompilerFailed``."""
-    inner: BaseException | None = error
-    for _ in range(8):
-        if inner is None:
-            return None
-        if isinstance(inner, CollectiveError):
-            return inner
-        inner = inner.__cause__ or inner.__context__
-    return None
-
-
 def ranks_text(ranks: Sequence[int]) -> str:
     """'rank 3' or 'ranks 0, 2': how messages name (global) ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

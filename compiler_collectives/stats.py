@@ -76,17 +76,22 @@ class Counters:
     # cache, loaded from another rank, compiled locally (no match, not
     # cacheable, torch's compile-time collectives); loads whose entry missed
     # this rank's guards and artifacts refused (digest, layout, size): both
-    # then compiled here; peers that compiled locally after a miss or refusal;
+    # then compiled here (these six are added from each graph's record,
+    # agreements/once/tally.py; a graph whose own compile raised counts in
+    # none); peers that compiled locally after a miss or refusal;
     # files whose SHA-256 did not match; receivers that refused the bytes they took in the
     # tree and loaded the source's own copy instead (once_refetched); copies of an artifact this rank sent
     # (as its source, or forwarding down the tree), bytes moved; time spent waiting.
-    # once_tree_exchanges: exchanges that went over the host tree (transport/hosttree.py: a
-    # key settle, a result broadcast, a load report as flags); once_gathers: all-gathers of the
-    # whole compile group (a generation's first graph, keys that differ, a miss or refusal)
+    # once_tree_exchanges: exchanges over the host tree (transport/hosttree.py) whose bytes per
+    # rank do not grow with the world (a key settle, the results, a load report's flags and its
+    # details); once_gathers: gathers over the tree of every rank's offer (a generation's first
+    # graph, keys that differ); once_report_entries: load-report details this rank received (only
+    # the ranks that missed or refused send any)
     once_exchanges: int = 0
     once_keys_reduced: int = 0
     once_tree_exchanges: int = 0
     once_gathers: int = 0
+    once_report_entries: int = 0
     once_compiled: int = 0
     once_served: int = 0
     once_loaded: int = 0

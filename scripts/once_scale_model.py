@@ -59,21 +59,30 @@ S_src the sources of one graph (G: one per key group):
       R-byte slots; the load report one all-gather; every all-gather decodes N payloads
       (``--decode-us``, 20):
         AG(slot) = (N-1)*(hop + slot/B) + N*decode
-  as built (issue 37 item 3; ``transport/hosttree.py``), with L ranks per host:
-      tree MIN (the keys; the load report's flags): each rank sends a record of 8 + 4L int64 to
-          its host's leader over gloo's loopback (``--local-hop-us``, 30), the leaders MIN it by
-          recursive doubling (ceil(log2 H) rounds, two more when H is not a power of two; each a
-          send and a receive), the leader sends it back; the exchange runs on a helper thread
+  as built (issue 37 item 3; ``transport/hosttree.py``), with L ranks per host. Every message
+      of the tree starts with a record of 10 + 8 + 4L int64 (rec: the operation, the stamp, the
+      entries that follow; the MIN's values), one width for every operation:
+      tree MIN (the keys; the load report's flag): each rank sends its record to its host's
+          leader over gloo's loopback (``--local-hop-us``, 30), the leaders MIN it by recursive
+          doubling (ceil(log2 H) rounds, two more when H is not a power of two; each a send and a
+          receive), the leader sends it back; the exchange runs on a helper thread
           (``--thread-us``, 100):
             Tmin = 2*(local + (L-1)*o) + rounds*(hop + 2*o + rec/B) + thread
           bytes per rank: rec each way (a leader: (L-1)*rec each way plus rec per round);
-      result: each source's R bytes down a binomial tree over the N ranks (ceil(log2 N) levels,
-          a header and the bytes per level), sources one after another:
-            Tbc = S_src*(ceil(log2 N)*(hop + 2*o + R/B) + decode + thread)
-      per graph, keys matching and every rank loading: 2*Tmin + Tbc; a graph where some rank
-      missed or refused adds the load report's all-gather (AG of 4 KiB slots, for the names and
-      the reasons); a generation's first graph adds the all-gather of offers and one all-gather
-      of host keys (8 bytes per rank).
+      tree gather of k entries of e bytes (the results: k = S_src, e = R; a load report's
+          details: k = the ranks that missed or refused, e = ``LOADED_BYTES``; a generation's
+          first graph: k = N offers, e = ``OFFER_BYTES``): the same path, a record and then the
+          entries (16 bytes of header each) per message; the leaders' rounds carry the set
+          X = k*(16 + e) once across (twice where H is not a power of two: a leader past P
+          takes the whole set back), each leader sends X to each of its L-1 ranks over the
+          loopback (``--local-gbs``, 3), every rank decodes the k entries:
+            Tg = 2*(local + (L-1)*2*o) + (L-1)*X/Bl + rounds*(hop + 4*o + rec/B)
+                 + X*(1 or 2)/B + k*decode + thread
+          bytes per rank: rec up, rec + X down;
+      per graph, keys matching and every rank loading: 2*Tmin + Tg(S_src, R); a graph where one
+      rank missed or refused adds Tg(1, LOADED_BYTES) (its name and reason; the others send a
+      flag only); a generation's first graph adds Tg(N, OFFER_BYTES) and one all-gather of host
+      keys (8 bytes per rank: the tree is built from it).
   Keys per device index settle in the tree MIN: torch's own keys hold the device index (the FX
   graph cache's pickler keys tensors with ``device_id_agnostic=False``) and so never match across
   a host; the record compares each index's key across hosts instead (``once.keys``).
@@ -118,6 +127,9 @@ MB = 1_000_000
 MIB = 1 << 20
 SLOT_BYTES = 16 + 4096  # the all-gather's header and COMPILER_COLLECTIVES_INLINE_SLOT_BYTES' default
 OFFER_BYTES = 208  # one offer as encode_once packs it (AOTAutograd key, boot-id dir identity, graph digest)
+LOADED_BYTES = 83  # one load report's details as encode_once packs them at 8,192 ranks (a miss, its reason)
+ENTRY_HEAD = 16  # per entry of a tree gather: its rank and length (transport/hosttree.py)
+TREE_HEAD = 10  # int64s before a tree record's values (hosttree.HEAD)
 TARGET = (1024, 100.0, 10.0)  # issue 30's check: hosts, MB, Gb/s
 
 
@@ -135,6 +147,7 @@ class Figures:
     keys: str = "device"  # or "job"
     local_hop_us: float = 30.0  # one message between two ranks of a host over gloo's loopback
     thread_us: float = 100.0  # starting and joining the helper thread of one tree exchange
+    local_gbs: float = 3.0  # gloo's loopback between two ranks of a host, GB/s (3.2-4.0 measured here)
     result_kib: float = 8.0  # one source's encoded result
     heartbeat_s: float = 1.0  # COMPILER_COLLECTIVES_HEARTBEAT_S
     compile_s: float = 30.0  # how long the source's compile of one graph takes
@@ -232,8 +245,9 @@ def _rounds(hosts: int) -> int:
 
 
 def record_bytes(f: Figures) -> int:
-    """The tree MIN's record (``once.keys.record_width``): 8 + 4 int64 per index on a host."""
-    return 8 * (8 + 4 * f.ranks_per_host)
+    """A tree record: its header and the keys' MIN values (``once.keys.record_width``: 8 + 4
+    int64 per index on a host)."""
+    return 8 * (TREE_HEAD + 8 + 4 * f.ranks_per_host)
 
 
 def tree_min(hosts: int, link: float, f: Figures) -> dict[str, float]:
@@ -250,15 +264,25 @@ def tree_min(hosts: int, link: float, f: Figures) -> dict[str, float]:
     }
 
 
-def broadcast(hosts: int, link: float, f: Figures) -> dict[str, float]:
-    """Every source's result down a binomial tree over the N ranks, sources one after another."""
+def tree_gather(hosts: int, link: float, f: Figures, count: int, each: float) -> dict[str, float]:
+    """One gather over the host tree of ``count`` entries of ``each`` bytes (``HostTree.gather``)."""
     us = 1e-6
-    n = hosts * f.ranks_per_host
-    levels = math.ceil(math.log2(n)) if n > 1 else 0
-    r = f.result_kib * 1024
-    each = levels * (f.hop_us * us + 2 * f.send_us * us + r / link) + f.decode_us * us + f.thread_us * us
-    k = sources(hosts, f)
-    return {"time_s": k * each, "levels": levels, "sources": k, "bytes_per_rank": k * r}
+    rec = record_bytes(f)
+    rounds = _rounds(hosts)
+    others = f.ranks_per_host - 1
+    whole = count * (ENTRY_HEAD + each)  # the set every rank ends with
+    power = hosts & (hosts - 1) == 0
+    local = 2 * (f.local_hop_us * us + others * 2 * f.send_us * us) + others * whole / (f.local_gbs * 1e9)
+    across = rounds * (f.hop_us * us + 4 * f.send_us * us + rec / link) + (whole if power else 2 * whole) / link
+    return {
+        "time_s": (local if others else 0.0)
+        + (across if hosts > 1 else 0.0)
+        + count * f.decode_us * us
+        + f.thread_us * us,
+        "rounds": rounds,
+        "bytes_per_rank": 2 * rec + whole,
+        "set_bytes": whole,
+    }
 
 
 def before37(hosts: int, link: float, f: Figures) -> dict[str, float]:
@@ -288,22 +312,27 @@ def before37(hosts: int, link: float, f: Figures) -> dict[str, float]:
 
 def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
     """The exchanges per graph as built (``transport/hosttree.py``, ``protocol``)."""
-    t, b = tree_min(hosts, link, f), broadcast(hosts, link, f)
-    ag = all_gather(hosts, link, f)
-    n = hosts * f.ranks_per_host
-    report = t["time_s"] if b["sources"] else 0.0
-    steady = t["time_s"] + b["time_s"] + report
+    n, k = hosts * f.ranks_per_host, sources(hosts, f)
+    t = tree_min(hosts, link, f)
+    results = tree_gather(hosts, link, f, k, f.result_kib * 1024) if k else None
+    details = tree_gather(hosts, link, f, 1, LOADED_BYTES)  # one rank missed: only it sends details
+    offers = tree_gather(hosts, link, f, n, OFFER_BYTES)
+    report = t["time_s"] if k else 0.0
+    steady = t["time_s"] + (results["time_s"] if results else 0.0) + report
     layout = (n - 1) * (f.hop_us * 1e-6 + 8 / link)
     return {
         "keys_s": t["time_s"],
-        "result_s": b["time_s"],
+        "result_s": results["time_s"] if results else 0.0,
         "report_s": report,
         "time_s": steady,
-        "with_miss_s": steady + ag["time_s"] if b["sources"] else steady,
-        "first_graph_s": steady + ag["time_s"] + layout,
-        "bytes_per_rank": (2 if b["sources"] else 1) * t["bytes_per_rank"] + b["bytes_per_rank"],
+        "with_miss_s": steady + details["time_s"] if k else steady,
+        "miss_details_s": details["time_s"],
+        "first_graph_s": steady + offers["time_s"] + layout,
+        "offers_s": offers["time_s"],
+        "layout_s": layout,
+        "bytes_per_rank": (2 if k else 1) * t["bytes_per_rank"] + (results["bytes_per_rank"] if results else 0),
+        "first_graph_bytes_per_rank": offers["bytes_per_rank"],
         "rounds": t["rounds"],
-        "levels": b["levels"],
     }
 
 
@@ -423,6 +452,7 @@ def main() -> None:
     parser.add_argument("--keys", choices=("device", "job"), default=Figures.keys)
     parser.add_argument("--local-hop-us", type=float, default=Figures.local_hop_us, help="one message within a host")
     parser.add_argument("--thread-us", type=float, default=Figures.thread_us, help="a tree exchange's helper thread")
+    parser.add_argument("--local-gbs", type=float, default=Figures.local_gbs, help="gloo's loopback, GB/s")
     parser.add_argument("--result-kib", type=float, default=Figures.result_kib, help="one source's encoded result")
     parser.add_argument(
         "--heartbeat-s", type=float, default=Figures.heartbeat_s, help="COMPILER_COLLECTIVES_HEARTBEAT_S"
@@ -444,6 +474,7 @@ def main() -> None:
         keys=args.keys,
         local_hop_us=args.local_hop_us,
         thread_us=args.thread_us,
+        local_gbs=args.local_gbs,
         result_kib=args.result_kib,
         heartbeat_s=args.heartbeat_s,
         compile_s=args.compile_s,
@@ -463,7 +494,8 @@ def main() -> None:
         f"figures: {f.ranks_per_host} ranks per host, keys per {f.keys}, hop {f.hop_us:g} µs, send call "
         f"{f.send_us:g} µs, SHA-256 {f.hash_gbs:.2f} GB/s{' (measured here)' if args.calibrate else ''}, "
         f"decode {f.decode_us:g} µs a payload; new: fan-out {f.fanout}, {f.chunk_mib:g} MiB pieces; host tree: "
-        f"local hop {f.local_hop_us:g} µs, helper thread {f.thread_us:g} µs, result {f.result_kib:g} KiB; "
+        f"local hop {f.local_hop_us:g} µs, loopback {f.local_gbs:g} GB/s, helper thread {f.thread_us:g} µs, "
+        f"result {f.result_kib:g} KiB; "
         f"heartbeat {f.heartbeat_s:g} s, compile {f.compile_s:g} s"
     )
     print(
@@ -489,7 +521,7 @@ def main() -> None:
     print("\nExchanges per graph (they do not depend on the artifact's size):\n")
     print(
         "| hosts | ranks | link | before 37: keys | before 37: result | before 37: load report | before 37: total "
-        "| before 37: bytes per rank | built: tree MIN (rounds) | built: results (levels) | built: total "
+        "| before 37: bytes per rank | built: tree MIN (rounds) | built: results | built: total "
         "| built: bytes per rank | built: with a miss | built: first graph |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -502,7 +534,7 @@ def main() -> None:
         print(
             f"| {r['hosts']} | {r['ranks']} | {r['link_gbps']:g} Gb/s | {_t(o['keys_s'])} | {_t(o['result_s'])} "
             f"| {_t(o['report_s'])} | {_t(o['time_s'])} | {_b(o['bytes_per_rank'])} "
-            f"| {_t(e['keys_s'])} ({e['rounds']}) | {_t(e['result_s'])} ({e['levels']}) | {_t(e['time_s'])} "
+            f"| {_t(e['keys_s'])} ({e['rounds']}) | {_t(e['result_s'])} | {_t(e['time_s'])} "
             f"| {_b(e['bytes_per_rank'])} | {_t(e['with_miss_s'])} | {_t(e['first_graph_s'])} |"
         )
     print(
@@ -540,7 +572,8 @@ def main() -> None:
         f"Target (issue 37): {goal_hosts:,} hosts x {f.ranks_per_host} ranks, {goal_link:g} Gb/s: the exchanges "
         f"per graph as built {_t(e['time_s'])} (at most {_t(goal_s)}: {'met' if e['time_s'] <= goal_s else 'NOT met'}; "
         f"before {_t(o['time_s'])}); with a miss {_t(e['with_miss_s'])}, a generation's first graph "
-        f"{_t(e['first_graph_s'])}. Store: {st['busiest_per_s']:,.0f} requests/s at the busiest store while a "
+        f"{_t(e['first_graph_s'])} (the offers' gather {_t(e['offers_s'])}, the host keys' all-gather "
+        f"{_t(e['layout_s'])}). Store: {st['busiest_per_s']:,.0f} requests/s at the busiest store while a "
         f"graph compiles ({st['heartbeat_per_s']:,.0f}/s of them heartbeats, {st['compile_wait_per_s']:,.0f}/s "
         f"compile once's waits; before issue 37 item 2 they polled: {st['before_busiest_per_s']:,.0f}/s). "
         f"Per graph with the transfer: {_t(goal['new_graph_s'])} "

@@ -1,5 +1,5 @@
 """What the parent side of many tests builds alike: the guard-transport parametrization, job
-environments, inductor cache dirs, and whether a process is gone.
+environments, inductor cache dirs, whether a process is gone, and two torchrun agents as two hosts.
 
 Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 ``tests/harness.py``.
@@ -7,7 +7,10 @@ Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,78 @@ def cache_per_rank(root: Path, world: int, *, per_dir: int = 1, name: str = "ran
     consecutive ranks its own inductor cache dir, ``root / f"{name}{rank // per_dir}"``: a dir
     per rank, or one per host of ``per_dir`` ranks."""
     return {r: {CACHE_DIR: str(root / f"{name}{r // per_dir}")} for r in range(world)}
+
+
+REPO = str(Path(__file__).resolve().parents[1])
+_FAILED_RANK = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+)")
+
+
+@dataclasses.dataclass
+class AgentsOutcome:
+    returncodes: list[int]  # per agent
+    outputs: list[str]  # per agent: its output, its ranks' included
+    exitcodes: dict[int, int]  # rank -> exit code, for each rank an agent reported failed (negative: a signal)
+
+
+def run_agents(
+    tmp_path: Path,
+    script: str,
+    *,
+    rdzv: str,
+    env: dict[str, str],
+    args: Sequence[str] = (),
+    timeout: float = 200.0,
+    expect_signals: dict[int, int] | None = None,
+) -> AgentsOutcome:
+    """Two torchrun agents on this machine as two hosts (``--nnodes 2 --nproc-per-node 1``), each
+    with its own inductor cache dir (``tmp_path / f"agent{node}"``), running ``script`` (a file's
+    text) with ``args``, configured by ``env`` alone on top of a clean environment, as a user would.
+
+    ``rdzv``: "c10d" (an endpoint, which agent 0 hosts, as node 0 would: were it the agent of a
+    rank that fails, its exit would break the other agent's rendezvous, and that agent would
+    SIGTERM its rank) or "static" (``--master-addr``, ``--node-rank``). Either way no agent
+    restarts its worker (``--max-restarts 0``, torchrun's default): the first to fail ends its
+    agent, and the other agent leaves its rank running (with a restart, it would stop that rank
+    within a second to re-rendezvous). Every agent and rank is reaped; past ``timeout`` they are
+    killed and this raises, and so does a rank ended by a signal (as torchrun's failure summary
+    reports it) that ``expect_signals`` does not name for it."""
+    import subprocess
+    import sys
+    import time
+
+    from compiler_collectives.tools.launch import Agents
+    from tests.harness import free_port
+
+    path = tmp_path / "agents_job.py"
+    path.write_text(script)
+    port = str(free_port())
+    base = clean_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    base.update(env, PYTHONPATH=os.pathsep.join(p for p in (REPO, base.get("PYTHONPATH")) if p))
+    logs = [tmp_path / f"agent{node}.log" for node in range(2)]
+    deadline = time.monotonic() + timeout
+    with Agents() as agents:  # what is still running at the end is killed, ranks included
+        for node, log in enumerate(logs):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+            if rdzv == "c10d":
+                host = "is_host=1" if node == 0 else "is_host=0"
+                cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hosts"]
+                cmd += ["--rdzv-conf", host]
+            else:
+                cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port]
+            with open(log, "wb") as fh:
+                agent_env = dict(base, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
+                agents.start([*cmd, "--max-restarts", "0", str(path), *args], env=agent_env, log=fh, cwd=REPO)
+        for proc in agents.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        late = [node for node, proc in enumerate(agents.procs) if proc.poll() is None]
+    outputs = [log.read_text(errors="replace") for log in logs]
+    tails = "\n".join(f"--- agent {node}:\n{out[-4000:]}" for node, out in enumerate(outputs))
+    assert not late, f"agents {late} still running after {timeout:.0f}s: killed\n{tails}"
+    exitcodes = {int(r): int(code) for out in outputs for r, code in _FAILED_RANK.findall(out)}
+    expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
+    by_signal = {rank: code for rank, code in exitcodes.items() if code < 0}
+    assert by_signal == expected, f"ranks ended by a signal: {by_signal}, expected {expected}\n{tails}"
+    return AgentsOutcome([proc.returncode for proc in agents.procs], outputs, exitcodes)

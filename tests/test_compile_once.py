@@ -281,6 +281,8 @@ def test_a_load_that_misses_compiles_locally_there_and_every_rank_learns_it(tmp_
     assert results[0]["stats"]["once_load_misses"] == 1
     assert results[1]["stats"]["once_peer_local_compiles"] == 1
     assert any("rank 0 did not load rank 1's artifact (miss" in line for line in results[1]["logs"])
+    # The load report's details came from rank 0 alone: rank 1, which loaded nothing to miss, sent a flag.
+    assert [r["stats"]["once_report_entries"] for r in results] == [1, 1]
 
 
 @pytest.mark.timeout(300)

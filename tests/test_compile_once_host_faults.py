@@ -2,31 +2,33 @@
 is declared gone on evidence of its death (its connection to this rank reset, its process gone
 where a rank of its host can see it, a failure it reported), never on heartbeat silence alone.
 
-Two ranks, each its own "host" the way torchrun's agents make hosts (``GROUP_RANK``: our host
-key, so /proc is never consulted across them) with a cache dir each, real inductor compiles on
-CPU (gloo), test_compile_once's one training step. Rank 1 compiles graph #1 (the plan's first
-turn), rank 0 waits for it; a fault is injected on rank 1 at the start of that compile.
+The hosts are two torchrun agents (``tests.fixtures.run_agents``: c10d or static rendezvous),
+a cache dir each, configured by environment variables alone as a user would; each runs one
+rank, with real inductor compiles on CPU (gloo), test_compile_once's one training step, and
+writes what it saw to a JSON file. Rank 1 compiles graph #1 (the plan's first turn), rank 0
+waits for it; a fault is injected on rank 1 at the start of that compile.
 
 The c10d store can fail under that wait too (issue 37, item 4): hosted there by a process of its
-own, which rank 1 kills or stops as its compile starts.
+own, which rank 1 kills or stops as its compile starts; those tests, and the broken collective's,
+tell hosts apart by ``GROUP_RANK`` under ``run_ranks``.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import signal
 import time
 
 import pytest
 
-from tests.fixtures import cache_per_rank
+from tests.fixtures import cache_per_rank, run_agents
 from tests.harness import run_ranks
 from tests.test_compile_once import ENV, _assert_trained_right, _states, job
 from tests.test_compile_once_caches import (
     COMPILING_RANK,
     WAITING_RANK,
     _assert_no_refusals,
-    job_with_compile_fault,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -34,18 +36,39 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 STOP_S = 15  # past the 3 s after which a 1 s heartbeat counts as silent
 HOLD_GIL_S = 12
 
+# Each agent's rank: test_compile_once's step with the fault on rank 1, its result to a JSON file.
+_TRAIN = """
+import json, os, sys
+import torch.distributed as dist
+from tests.test_compile_once_caches import job_with_compile_fault
 
-def _on_two_hosts(tmp_path, at_compile: str, seconds: int, env: dict | None = None, **kw):
-    hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
-    return run_ranks(
-        job_with_compile_fault,
-        2,
-        args=({"at_compile": at_compile, "seconds": seconds},),
-        env={**ENV, **(env or {})},
-        rank_env=hosts,
-        timeout=240,
-        **kw,
-    )
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = job_with_compile_fault(rank, dist.get_world_size(), json.loads(sys.argv[1]))
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump({**out, "host": os.environ["GROUP_RANK"]}, f)
+if out["type"] is not None:
+    raise SystemExit(3)  # the job stopped: its agent ends, reporting this rank failed
+dist.destroy_process_group()
+"""
+
+
+def _on_two_agents(tmp_path, rdzv: str, at_compile: str, seconds: int, env: dict | None = None, **kw):
+    """Per rank, what it wrote (None: it wrote nothing), and the agents' outcome."""
+    case = json.dumps({"at_compile": at_compile, "seconds": seconds})
+    env = {**ENV, "TORCH_COMPILER_COLLECTIVES": "1", **(env or {})}
+    outcome = run_agents(tmp_path, _TRAIN, rdzv=rdzv, env=env, args=(case, str(tmp_path)), **kw)
+    paths = [tmp_path / f"rank{r}.json" for r in range(2)]
+    results = [json.loads(p.read_text()) if p.exists() else None for p in paths]
+    return results, outcome
+
+
+def _finished_on_two_hosts(results: list, outcome) -> None:
+    assert outcome.returncodes == [0, 0], outcome.outputs
+    assert sorted(r["host"] for r in results) == ["0", "1"]
+    _assert_trained_right(results)
+    _assert_no_refusals(results)
+    assert _states(results) == ["loaded", "compiled"]
 
 
 def _warnings_of_silence(result: dict) -> list[str]:
@@ -55,35 +78,50 @@ def _warnings_of_silence(result: dict) -> list[str]:
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_finishes(tmp_path):
     """SIGSTOP then SIGCONT (a debugger, a preempted VM): silent for 15 s, its connection intact."""
-    results = _on_two_hosts(tmp_path, "stop", STOP_S).results
-    _assert_trained_right(results)
-    _assert_no_refusals(results)
-    assert _states(results) == ["loaded", "compiled"]
+    results, outcome = _on_two_agents(tmp_path, "c10d", "stop", STOP_S)
+    _finished_on_two_hosts(results, outcome)
     assert results[WAITING_RANK]["records"][-1]["waited_s"] >= STOP_S
     silence = _warnings_of_silence(results[WAITING_RANK])
-    assert silence and "another host" in silence[0] and "py-spy dump --native --pid" in silence[0], results[0]["logs"]
+    assert silence, results[WAITING_RANK]["logs"]
+    assert "another host" in silence[0] and "py-spy dump --native --pid" in silence[0], silence[0]
 
 
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_holding_the_gil_for_12_s_in_a_native_call_is_waited_for(tmp_path):
-    results = _on_two_hosts(tmp_path, "hold_gil", HOLD_GIL_S).results
-    _assert_trained_right(results)
-    _assert_no_refusals(results)
-    assert _states(results) == ["loaded", "compiled"]
+    results, outcome = _on_two_agents(tmp_path, "static", "hold_gil", HOLD_GIL_S)
+    _finished_on_two_hosts(results, outcome)
     assert _warnings_of_silence(results[WAITING_RANK]), results[WAITING_RANK]["logs"]
+
+
+def _named_within_30_s(results: list, outcome) -> None:
+    """Rank 1 died by the SIGKILL and wrote nothing; rank 0 raised our error naming it and ended
+    by itself (exit 3: its agent did not stop it first), and the job stopped on both agents."""
+    assert results[COMPILING_RANK] is None and outcome.exitcodes == {0: 3, 1: -signal.SIGKILL}, outcome.outputs
+    assert all(code != 0 for code in outcome.returncodes), outcome.outputs
+    waiting = results[WAITING_RANK]
+    assert waiting is not None and "PeerFailureError" in waiting["chain"], outcome.outputs
+    message = waiting["message"]
+    assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
+    assert "its connection to this rank broke" in message, message
+    assert waiting["job_s"] < 30
 
 
 @pytest.mark.timeout(300)
 def test_a_compiler_killed_on_another_host_is_named_within_seconds_not_waited_for_as_silent(tmp_path):
     """Its host's kernel resets its connections: evidence of death. Its silence alone would be
-    waited for up to the compile timeout (an hour); heartbeats off: the torchrun test below."""
-    outcome = _on_two_hosts(tmp_path, "die", 0, check=False, expect_signals={COMPILING_RANK: signal.SIGKILL})
-    waiting = outcome.results[WAITING_RANK]
-    assert waiting is not None and "PeerFailureError" in waiting["chain"], outcome
-    message = waiting["message"]
-    assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
-    assert "its connection to this rank broke" in message, message
-    assert waiting["job_s"] < 30
+    waited for up to the compile timeout (an hour). Under c10d rendezvous agent 1 sees its rank
+    die and ends; agent 0, which hosts the endpoint and restarts nothing, leaves rank 0 running."""
+    kill = {COMPILING_RANK: signal.SIGKILL}
+    _named_within_30_s(*_on_two_agents(tmp_path, "c10d", "die", 0, expect_signals=kill))
+
+
+@pytest.mark.timeout(300)
+def test_a_compiler_killed_on_another_host_is_named_within_seconds_with_heartbeats_off(tmp_path):
+    """Static rendezvous: no agent tears the job down; with heartbeats off, only the reset
+    connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
+    kill = {COMPILING_RANK: signal.SIGKILL}
+    off = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0"}
+    _named_within_30_s(*_on_two_agents(tmp_path, "static", "die", 0, off, expect_signals=kill))
 
 
 # ---------------------------------------------------------------- the store fails under the wait
@@ -244,62 +282,3 @@ def test_a_collective_broken_by_a_peer_killed_on_another_host_names_it_with_hear
     assert survivor["ranks"] == [1], survivor
     assert "the connection to rank 1 broke (gloo: " in survivor["message"], survivor["message"]
     assert survivor["seconds"] < 2.0, survivor
-
-
-# ---------------------------------------------------------------- torchrun agents as hosts
-
-_KILLED_ON_AGENT_1 = """
-import time, torch, torch.distributed as dist
-from tests.test_compile_once_caches import _at_compile
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-if rank == 1:
-    _at_compile("die", 0)  # rank 1 compiles graph #1 for rank 0, and is killed as it starts
-w = torch.ones(4, 4, requires_grad=True)
-started = time.monotonic()
-try:
-    torch.compile(lambda x, w: torch.relu(x @ w).sum(), backend="inductor")(torch.ones(8, 4), w).backward()
-except Exception as e:
-    print(f"RANK {rank} RAISED {type(e).__name__} AFTER {time.monotonic() - started:.1f}S: {e}", flush=True)
-    raise SystemExit(3)
-print(f"RANK {rank} FINISHED", flush=True)
-"""
-
-
-@pytest.mark.timeout(200)
-def test_a_compiler_killed_under_another_torchrun_agent_stops_the_job_naming_it_with_heartbeats_off(tmp_path):
-    """Static rendezvous: no agent tears the job down; with heartbeats off, only the reset
-    connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.fixtures import clean_env
-    from tests.harness import free_port
-    from tests.test_compile_once import REPO
-
-    script = tmp_path / "train.py"
-    script.write_text(_KILLED_ON_AGENT_1)
-    port = str(free_port())
-    env = clean_env()
-    env.update(
-        ENV,
-        TORCH_COMPILER_COLLECTIVES="1",
-        COMPILER_COLLECTIVES_HEARTBEAT_S="0",
-        PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
-    )
-    from compiler_collectives.tools.launch import Agents
-
-    with Agents() as agents:  # what is still running at the end is killed, ranks included
-        for node in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
-            cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(script)]
-            agent_env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"agent{node}"))
-            agents.start(cmd, env=agent_env, log=subprocess.PIPE, cwd=REPO)
-        outputs = [a.communicate(timeout=150)[0].decode(errors="replace") for a in agents.procs]
-    assert all(a.returncode != 0 for a in agents.procs), outputs  # the job stopped, on both agents
-    said = [line for line in outputs[0].splitlines() if line.startswith("RANK 0 RAISED")]
-    assert said, outputs[0][-4000:]
-    assert said[0].startswith("RANK 0 RAISED PeerFailureError AFTER "), said[0]
-    assert "rank 1 was to compile this graph" in said[0] and "its connection to this rank broke" in said[0], said[0]
-    assert float(said[0].split(" AFTER ")[1].split("S:")[0]) < 30, said[0]

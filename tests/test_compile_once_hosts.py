@@ -7,8 +7,8 @@ The graph depends on the rank's index on its host, as a GPU job's key holds its 
 (``cuda:k``): ranks 0 and 2 share one key, ranks 1 and 3 another. Three graphs: the first gathers
 every offer (a generation's first graph learns the dirs); the second is settled by one MIN over
 the tree; the third differs between ranks 0 and 2 (index 0 of each host): the MIN sees it and
-the all-gather of offers plans it. On every graph the results are broadcast and the load
-reports are flags.
+the gather of offers over the tree plans it. On every graph the results are one gather of the
+sources' alone and the load reports are flags.
 """
 
 from __future__ import annotations

@@ -353,6 +353,72 @@ def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
         assert r["seconds"] < 5.0, r
 
 
+def leaders_wait_for_a_late_host(rank: int, world: int, late_s: float) -> dict:
+    """Each rank its own host (a leader); rank 1 arrives ``late_s`` late at call 2, then all go on."""
+    _hosts(rank, world, world)
+    from compiler_collectives.transport import groups
+
+    channel = groups.guard_channel()
+    outcomes = [channel.agree(True, 1, 0)]
+    if rank == 1:
+        time.sleep(late_s)
+    outcomes += [channel.agree(True, seq, 0) for seq in range(2, 6)]
+    return {"transport": channel.name, "outcomes": outcomes}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.torch_seam  # gloo: a timed wait on a send or receive that expires closes the group
+def test_a_leader_waiting_past_a_wait_slice_for_a_late_host_keeps_its_connections():
+    """The leaders' waits are untimed: a slice of ``gloo.wait`` (200 ms) that expired on a receive
+    closed every connection of the leaders' group, so a host 0.2 s late broke the job."""
+    outcome = run_ranks(leaders_wait_for_a_late_host, 3, args=(1.0,), env=ENV, timeout=60)
+    for r in outcome.results:
+        assert r["transport"] == "shm+leaders", r
+        assert r["outcomes"] == [(True, True)] * 5, r
+
+
+def leader_waits_while_another_host_leaves(rank: int, world: int) -> dict:
+    """Rank 0 waits in the leaders' exchange for rank 1 (another host), which never comes: it
+    reports that it left instead (its own code raised), and stays alive."""
+    _hosts(rank, world, world)
+    import compiler_collectives  # noqa: F401 - wires the failure procedure: a report heard poisons
+    from compiler_collectives.transport import groups
+
+    channel = groups.guard_channel()
+    channel.agree(True, 1, 0)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 is in its wait
+        groups.leave("rank 1's own code raised (the test)", 2)
+        stay_until(1, 30.0)
+        return {}
+    started = time.monotonic()
+    try:
+        channel.agree(True, 2, 0)
+    except Exception as e:  # noqa: BLE001 - what the guard hook would get
+        release()
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    release()
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.torch_seam  # gloo: closing a group's connections is a timed wait that expires
+def test_a_leader_waiting_for_a_host_that_left_stops_within_about_a_heartbeat_of_hearing_it():
+    """Its wait is untimed (COMPILER_COLLECTIVES_TIMEOUT is 30 s here): the heartbeat thread
+    that hears the report ends it."""
+    outcome = run_ranks(
+        leader_waits_while_another_host_leaves,
+        2,
+        env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "30", "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"},
+        timeout=60,
+    )
+    waiter = outcome.results[0]
+    assert waiter["type"] == "PeerFailureError", waiter
+    assert "the exchange between hosts' leaders stopped waiting" in waiter["message"], waiter
+    assert "rank 1's own code raised (the test)" in waiter["message"], waiter
+    assert waiter["seconds"] < 3.0, waiter
+
+
 # ---------------------------------------------------------------- segment lifecycle
 
 

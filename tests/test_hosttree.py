@@ -1,9 +1,10 @@
-"""The host tree (``transport/hosttree.py``): compile once's MIN and broadcast by host, on real gloo
+"""The host tree (``transport/hosttree.py``): compile once's MIN and gather by host, on real gloo
 ranks, without a compile.
 
 Ranks are split into "hosts" by ``GROUP_RANK``, as torchrun's agents split them; five ranks on
 three hosts of two, two and one rank: hosts of unequal size, and a host count that is not a power
-of two (the leaders' recursive doubling takes its extra steps).
+of two (the leaders' recursive doubling takes its extra steps). The gather is also taken on five
+hosts of one rank and on one host of five, in the same job.
 """
 
 from __future__ import annotations
@@ -24,24 +25,69 @@ def tree_job(rank: int, world: int) -> dict:
 
     from compiler_collectives.transport import HostTree
 
-    os.environ["GROUP_RANK"] = str(HOST_OF[rank])
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
-    tree = HostTree.build(pg, lambda per_host: 2 + per_host, where)
-    out: dict = {"hosts": [list(h) for h in tree.hosts], "width": tree.width}
-    # Each rank's values: the MIN of every rank's, in every element.
-    out["min"] = [tree.min_ints(pg, [10 - rank, rank, 100 + (rank * 7) % 5], where) for _ in range(3)]
-    out["broadcast"] = []
-    for root in range(world):
-        payload = f"from {root}".encode() * (root + 1) if rank == root else None
-        out["broadcast"].append(tree.broadcast(pg, root, payload, 40 + root, 1 << 20, where))
+    out: dict = {"gather": {}}
+    for layout in (HOST_OF, [0, 1, 2, 3, 4], [0] * 5):
+        os.environ["GROUP_RANK"] = str(layout[rank])
+        tree = HostTree.build(pg, lambda per_host: 2 + per_host, where)
+        if layout is HOST_OF:
+            out["hosts"], out["width"] = [list(h) for h in tree.hosts], tree.width
+            # Each rank's values: the MIN of every rank's, in every element.
+            out["min"] = [tree.min_ints(pg, [10 - rank, rank, 100 + (rank * 7) % 5], where) for _ in range(3)]
+        got = []
+        # Every rank's payload, of unequal sizes (rank 0's empty); then two ranks'; one rank's; none.
+        for step, contributors in enumerate(([0, 1, 2, 3, 4], [1, 4], [3], [])):
+            payload = f"{rank}:{step}".encode() * rank if rank in contributors else None
+            got.append(tree.gather(pg, payload, HostTree.stamp(7, step), 1 << 20, where))
+        out["gather"][len(tree.hosts)] = got
     return out
 
 
 @pytest.mark.timeout(120)
-def test_ranks_on_hosts_of_unequal_size_all_get_every_min_and_every_broadcast():
+def test_every_rank_gets_every_min_and_every_contribution_to_a_gather_on_hosts_of_any_layout():
     results = run_ranks(tree_job, 5, timeout=90).results
+    expected = [
+        {i: f"{i}:{step}".encode() * i for i in contributors}
+        for step, contributors in enumerate(([0, 1, 2, 3, 4], [1, 4], [3], []))
+    ]
     for r in results:
         assert r["hosts"] == [[0, 1], [2, 3], [4]] and r["width"] == 4
         assert r["min"] == [[6, 0, 100]] * 3
-        assert r["broadcast"] == [(40 + root, f"from {root}".encode() * (root + 1)) for root in range(5)]
+        assert r["gather"] == {3: expected, 5: expected, 1: expected}
+
+
+def mismatch_job(rank: int, world: int) -> dict:
+    """Rank 1 gathers while ranks 0 (their host's leader) and 2 take a MIN."""
+    import time
+
+    import torch.distributed as dist
+
+    from compiler_collectives.transport import HostTree
+
+    os.environ["GROUP_RANK"] = "0"
+    pg = dist.group.WORLD
+    where = lambda: f"rank {rank}"  # noqa: E731
+    tree = HostTree.build(pg, lambda per_host: 2, where)
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            tree.gather(pg, b"offer", HostTree.stamp(3, 5), 1 << 20, where)
+        else:
+            tree.min_ints(pg, [rank, 0], where, stamp=HostTree.stamp(3, 5))
+    except Exception as e:  # noqa: BLE001 - the test asserts on what each rank raised
+        return {"type": type(e).__name__, "message": str(e), "ranks": e.ranks, "s": time.monotonic() - start}
+    return {"type": None, "s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_in_a_gather_while_its_peers_take_a_min_is_named_at_once_by_them_and_names_them():
+    # COMPILER_COLLECTIVES_TIMEOUT is the wait a rank would otherwise take before it raised.
+    env = {"COMPILER_COLLECTIVES_TIMEOUT": "8", "HARNESS_PG_TIMEOUT": "10"}
+    results = run_ranks(mismatch_job, 3, env=env, timeout=90).results
+    assert [r["type"] for r in results] == ["CollectiveDesyncError"] * 3, results
+    assert all(r["s"] < 4 for r in results), results
+    leader, gathering, other = results
+    assert leader["ranks"] == (1,) and "rank 1 is in the gather of compile once's keys #5" in leader["message"]
+    assert gathering["ranks"] == (0,) and "rank 0 is in the MIN of compile once's keys #5" in gathering["message"]
+    assert set(other["ranks"]) == {0, 1} and "rank 0 told this rank" in other["message"], other

@@ -418,6 +418,26 @@ def test_a_notice_wait_blocks_on_the_store_and_wakes_on_the_post_in_a_few_reques
 
 
 @pytest.mark.timeout(60)
+def test_notice_waits_one_after_another_share_one_store_connection_until_the_channel_stops(tmp_path, heartbeats_off):
+    """Issue 37: a connection per generation, not one per wait (each connects: a store request)."""
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        cost = []
+        for n in range(3):
+            if n == 2:
+                waiter.stopping()  # GROUP_ENDING: the spare connection goes with the channel
+            before = _store_requests()
+            notices = waiter.wait_posts([f"once/{n}/1"], 30.0)
+            compiler.post(f"once/{n}/1", b"ok")
+            assert notices.done(5.0) and notices.result() == [b"ok"]
+            cost.append(_store_requests() - before)
+        assert cost == [4, 3, 4], cost  # [its connection,] the wait, the get; the post
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+@pytest.mark.timeout(60)
 def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_gets_the_post(tmp_path, heartbeats_off):
     waiter, compiler = _channels(tmp_path, os.getpid())
     try:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -53,7 +54,6 @@ from ..errors import (
     CompileTimeoutError,
     ProgramDivergenceError,
     describe,
-    ours_within,
     program_divergence,
     ranks_text,
 )
@@ -286,13 +286,13 @@ def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None, ended:
     except Exception as e:
         if ended is not None:
             ended()  # before the exchange below: the ranks waiting for this compile then take it
-        ours = ours_within(e)
-        if ours is not None and health.poisoned() is not None:
-            # Ours, raised inside the backend (compile once's wait gave up) and wrapped by torch,
-            # after this rank published it: its peers will not exchange for this graph, and the
-            # user gets our type. (Ours that left the ranks in step, such as a peer's compile
-            # that raised, still settle below: every rank takes that exchange.)
-            raise ours from ours.__cause__
+        if health.poisoned() is not None:
+            # A failure was published (ours, raised inside the backend, where torch wrapped it:
+            # compile once's wait gave up, say): the peers will not exchange for this graph. The
+            # seam around Dynamo's compile gives the user our type. (Ours that left the ranks in
+            # step, such as a peer's compile that raised, still settle below: every rank takes
+            # that exchange.)
+            raise
         # Peers are about to exchange for this graph: take part, so that they
         # learn this rank has no program instead of waiting for it.
         settle(record, failure=failure_text(e))
@@ -324,7 +324,18 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
             counters.audit_cache_recompiles += 1
             # torch's config modules gain patch() at run time, outside what their types declare.
             with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]
-                result = _run(again, compile, stage, ended=lambda: groups.post(keys[me], b"1"))
+                told = functools.partial(
+                    compile_wait.post,
+                    keys[me],
+                    b"1",
+                    me=me,
+                    what=describe("audit", None, _seq, str(record.frame)),
+                    telling="its compile of this graph again without caches ended",
+                    kind="audit",
+                    seq=_seq,
+                    frame=str(record.frame),
+                )
+                result = _run(again, compile, stage, ended=told)
             record = again
         else:
             _wait_for_recompiles(record, keys, me)

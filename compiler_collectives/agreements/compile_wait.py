@@ -24,6 +24,13 @@ looks silent and the watch reads its record again: that read, bounded by
 ``COMPILER_COLLECTIVES_TIMEOUT``, runs out. Each ends the wait with ``StoreFailureError`` naming
 the store, published like any failure: same-host peers hear of it through shared memory, the
 others through the store where it still answers.
+
+The compiling rank's side (``post``: that its compile ended, or its install) meets the same
+dead store: ``StoreFailureError`` naming the store and the graph, published the same way. No
+report of it crosses hosts through a store that is gone; what reaches a rank waiting on another
+host is its own wait's store failure (a killed store closes its connection at once, a stopped
+one runs out its bounded read of the compiling rank's record), and once the compiling rank's
+process ends, its broken gloo connection.
 """
 
 from __future__ import annotations
@@ -183,3 +190,30 @@ def wait_for_posts(
         else:
             notices.cancel(f"rank {me} stopped waiting for it: {why_not}")
     return dict(zip(order, values))
+
+
+def post(name: str, value: bytes, *, me: int, what: str, telling: str, kind: str, seq: int | None, frame: str) -> None:
+    """``groups.post``, for a rank that others wait for here: a store that fails under it raises
+    ``StoreFailureError`` naming the store and ``what`` (the graph), published through the failure
+    procedure, instead of c10d's own error. ``telling`` says what the post tells the waiting ranks
+    ("its compile of this graph ended")."""
+    try:
+        groups.post(name, value)
+        return
+    except StoreUnresponsive as e:
+        failed = f"{groups.store_name()} did not answer {e.what} within {e.timeout_s:.0f}s"
+        cause: BaseException = e
+    except (RuntimeError, OSError) as e:  # c10d's DistError is a RuntimeError
+        if isinstance(e, CollectiveError):
+            raise
+        failed = f"{groups.store_name()} failed while this rank posted it ({store_error_text(e)})"
+        cause = e
+    counters.errors += 1
+    error = StoreFailureError(
+        f"{what} on rank {me}: could not tell the ranks waiting for it that {telling}: {failed}. {STORE_ADVICE}",
+        kind=kind,
+        rank=me,
+        seq=seq,
+        frame=frame,
+    )
+    raise failure_procedure.known(error, seq=seq) from cause

@@ -73,7 +73,8 @@ def exchange_failed(
 ) -> CollectiveError:
     """The error a byte exchange raises after ``error``; this rank is poisoned either way.
 
-    Our own errors take the exchange's context. Where gloo says a connection broke, this
+    Our own errors take the exchange's context; a bad payload or ranks out of step are
+    published (``known``) so that ranks outside the exchange's pairs hear it. Where gloo says a connection broke, this
     rank's connections in ``pg`` (the exchange's group) are looked at: the error names the
     peers whose connection broke, and the diagnosis takes that as evidence of their death.
     """
@@ -82,8 +83,9 @@ def exchange_failed(
         if isinstance(error, WireFormatError):
             error.args = (f"{where()}: {error.args[0]}",)
         if isinstance(error, (WireFormatError, CollectiveDesyncError)):
-            health.poison(error)
-            return error
+            # Published, not diagnosed: over a host tree only this rank's peers in the exchange
+            # see the mismatch, and the others would wait for the timeout (nobody is absent).
+            return known(error, seq=seq)
         err = fail(error, seq=seq)
     else:
         broken = groups.broken_peers(pg) if pg is not None and is_connection_failure(error) else {}

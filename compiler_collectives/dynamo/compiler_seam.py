@@ -12,8 +12,10 @@
 * ``_compile``: raises errors the guard hook parked on this thread, refuses a
   thread other than the one that owns this rank's collectives (before any
   exchange: ``guard.claim_for_compile``), unwraps our errors from Dynamo's
-  ``InternalTorchDynamoError``, and tells entry agreement which cache entries
-  each frame's compiles add (bounded by Dynamo's ``accumulated_recompile_limit``).
+  ``InternalTorchDynamoError``, raises the one compile once kept
+  (``once_seam.take_raised``) in place of torch's ``BackendCompilerFailed``, and
+  tells entry agreement which cache entries each frame's compiles add (bounded
+  by Dynamo's ``accumulated_recompile_limit``).
 * ``torch._dynamo.reset`` (what ``torch.compiler.reset()`` calls): Dynamo's
   caches go, and entry agreement's registry of them with them.
 """
@@ -32,10 +34,10 @@ import torch
 
 from .. import config, health
 from ..agreements import compiler, entry, guard, lifecycle
-from ..errors import CollectiveError, ours_within
+from ..errors import CollectiveError
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
-from . import bound, guard_seam, tooling
+from . import bound, guard_seam, once_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -254,19 +256,22 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             kept = getattr(result, "guarded_code", None) is not None
             return result
         except bound.originals["InternalTorchDynamoError"] as e:
-            # Dynamo rewraps unknown exceptions "from None"; the original is
-            # still the context. Give the user our type back.
+            # The one place our error is dug out of torch's: Dynamo rewraps whatever a trace
+            # raises (ours from the compiler collective, the audit, any seam the trace calls)
+            # "from None", the original left only as the context.
             inner = e.__context__
             if isinstance(inner, CollectiveError):
                 raise inner from inner.__cause__
             raise
-        except bound.originals["BackendCompilerFailed"] as e:
-            # Ours raised inside the backend (compile once's wait, say): the user gets our type.
-            inner = ours_within(e)
-            if inner is not None:
-                raise inner from inner.__cause__
+        except bound.originals["BackendCompilerFailed"]:
+            # Ours raised inside the backend (compile once's wait, say), kept where it left our
+            # code: the user gets our type, not torch's wrapper.
+            ours = once_seam.take_raised()
+            if ours is not None:
+                raise ours from ours.__cause__
             raise
         finally:
+            once_seam.take_raised()  # kept for this compile only
             _pending.frame = previous
             _pending.boxes = previous_boxes
             for box in boxes:

@@ -22,7 +22,8 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
 The AOTAutograd compile itself is wrapped here (``aot_compile``, called by the aot seam
 ``audit_seam.aot_module_simplified``): the backward lowered with the forward, the cache key
 computed with the user's own lowering setting, and compile once's ticket around it
-(``around_aot``).
+(``around_aot``). Our error that leaves it is kept (``take_raised``): the seam around Dynamo's
+compile raises it in place of the ``BackendCompilerFailed`` torch wraps it in.
 
 What compile once costs shows in Dynamo's compile timings as three ``dynamo_timed`` events
 (each a chromium event in ``TORCH_TRACE``, tlparse's trace view, and a key of
@@ -74,7 +75,9 @@ SWITCHES = (
     ("inductor_config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
 )
 
-_state = threading.local()  # frame: FrameId | None (the backend call's); lookup: bool; user_lowering
+# frame: FrameId | None (the backend call's); lookup: bool; user_lowering; raised: our error that
+# left the last AOTAutograd compile under compile once on this thread (``take_raised``)
+_state = threading.local()
 
 
 class _Cache:
@@ -216,10 +219,25 @@ def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
                 )
             else:
                 _finish(ticket, None)
+        except CollectiveError as e:
+            # Ours leaves our code here, into the backend's: Dynamo wraps whatever a backend raises
+            # (BackendCompilerFailed), so it is kept here for the seam around Dynamo's compile.
+            _state.raised = e
+            raise
         finally:
             # The role is known only after the key exchange, inside the compile: added at the end.
             _describe(EVENT, ticket)
     return result
+
+
+def take_raised() -> CollectiveError | None:
+    """Our error that left the last AOTAutograd compile under compile once on this thread (kept
+    by ``around_aot``), then forgotten. Dynamo wraps whatever a backend raises in its
+    ``BackendCompilerFailed``: the seam around Dynamo's compile raises this one in its place, so
+    the user gets our type without anyone digging it out of torch's exception."""
+    error: CollectiveError | None = getattr(_state, "raised", None)
+    _state.raised = None
+    return error
 
 
 @contextlib.contextmanager

@@ -49,8 +49,9 @@ group's own timeout, 30 minutes by default), ours are bounded by
 records for as long as a compile takes) through the side channel's
 ``StoreCaller``, one long-lived thread. A loader's wait for a notice
 (``NoticeWait``) blocks in the store's own ``wait`` on a connection of its
-own, so that it asks the store a few requests per notice, not one per poll,
-and holds up nothing else; ``stats()["store_requests"]`` counts every request
+own (one per generation, kept between waits and dropped with the side
+channel at ``GROUP_ENDING``), so that it asks the store a few requests per
+notice, not one per poll, and holds up nothing else; ``stats()["store_requests"]`` counts every request
 this module sends.
 
 At interpreter exit the heartbeat thread is stopped and joined (``shutdown``):
@@ -261,14 +262,16 @@ class StoreCaller:
 
 class NoticeWait:
     """Notices awaited with the store's own blocking ``wait``, on one daemon thread and a store
-    connection of its own (``Store.clone``): each notice costs one wait and one get however
-    long it takes, and the wait never holds up the heartbeat's or any other store call (a
-    TCPStore client runs one call at a time). The waiting thread asks ``done`` (no store
-    request) and ``cancel``s when it stops waiting: that leaves ``GAVE_UP`` under the notice
-    being waited for, which ends the store's wait, so this thread never outlives its waiter by
-    more than a store call. Every other rank waiting for that notice then looks for the real
-    post every ``GAVE_UP_POLL_S`` (it is hearing of the failure that made this rank give up).
-    A store that cannot be cloned (a Python ``Store``) is polled at that pace instead.
+    connection of its own (``Store.clone``; the side channel keeps one between waits, so a
+    process connects once per generation, not once per wait: ``SideChannel.notice_connection``):
+    each notice costs one wait and one get however long it takes, and the wait never holds up
+    the heartbeat's or any other store call (a TCPStore client runs one call at a time). The
+    waiting thread asks ``done`` (no store request) and ``cancel``s when it stops waiting: that
+    leaves ``GAVE_UP`` under the notice being waited for, which ends the store's wait, so this
+    thread never outlives its waiter by more than a store call. Every other rank waiting for
+    that notice then looks for the real post every ``GAVE_UP_POLL_S`` (it is hearing of the
+    failure that made this rank give up). A store that cannot be cloned (a Python ``Store``) is
+    polled at that pace instead.
 
     A store that fails under the wait (its host gone: the connection closed; a call that
     raised) ends it at once: ``done``, and ``result`` raises ``StoreFailureError`` naming the
@@ -331,27 +334,21 @@ class NoticeWait:
         self._stop.set()
 
     def _run(self) -> None:
+        own = None
         try:
-            own = self._own_store()
+            own = self._side.notice_connection()
             for i, key in enumerate(self._keys):
                 self._at = i  # before looking at _stop: a cancel gives up on this key or finds _stop set
                 value = self._wait_for(own, key)
                 if value is None:
-                    return
+                    break
                 self._values[i] = value
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
         finally:
+            if own is not None and self._error is None:
+                self._side.spare_connection(own)  # its calls all returned: the next wait takes it
             self._done.set()
-
-    def _own_store(self) -> Any:
-        count_requests()  # a TCPStore's clone connects
-        try:
-            store: Any = self._side.store  # PrefixStore: its stubs lack clone
-            return store.clone()
-        except Exception as e:  # noqa: BLE001 - a store type without clone: polled instead
-            log.debug("the store cannot be cloned (%s): notices are polled", e)
-            return None
 
     def _wait_for(self, own: Any, key: str) -> bytes | None:
         if own is not None and not self._stop.is_set():
@@ -539,6 +536,9 @@ class SideChannel:
         self._beats = 0
         self._store_failing = False
         self._caller = StoreCaller()  # the frequent store calls (``call``): one thread, not one per call
+        # A NoticeWait's store connection, kept between waits (``notice_connection``).
+        self._spare: Any = None
+        self._spare_lock = threading.Lock()
         # The ranks our agreements span (a scope: compiler_collectives.scope); None: every rank.
         # Rendezvous and diagnosis cover these only, so another scope is never waited for or
         # blamed. Failure reports are watched from every rank: a job stops as a whole.
@@ -608,6 +608,8 @@ class SideChannel:
         ``join(join_s)``, which waits up to ``join_s`` for both (True if both ended); it holds
         their threads only, not this channel or its store, which the threads let go as they end."""
         self._stop.set()
+        with self._spare_lock:
+            self._spare = None  # the store's last reference goes with the channel's (GROUP_ENDING)
         current = threading.current_thread()
         threads = [t for t in (self._caller.end(), self._thread) if t is not None and t is not current]
 
@@ -815,6 +817,29 @@ class SideChannel:
         """Start waiting for a notice under each of ``names`` (``NoticeWait``): on a store
         connection of its own, so that the heartbeat's and every other store call go on meanwhile."""
         return NoticeWait(self, [f"post/{name}" for name in names], timeout_s)
+
+    def notice_connection(self) -> Any:
+        """A store connection for one ``NoticeWait`` alone: the spare one a wait before it left
+        (``spare_connection``), else a new one (``Store.clone``: it connects); None where the
+        store cannot be cloned (a Python ``Store``: notices are polled)."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            return spare
+        count_requests()  # a TCPStore's clone connects
+        try:
+            store: Any = self.store  # PrefixStore: its stubs lack clone
+            return store.clone()
+        except Exception as e:  # noqa: BLE001 - a store type without clone: polled instead
+            log.debug("the store cannot be cloned (%s): notices are polled", e)
+            return None
+
+    def spare_connection(self, connection: Any) -> None:
+        """A ``NoticeWait`` is done with ``connection`` (every call of its returned, none failed):
+        kept for the next one, one at most, none once this channel stopped."""
+        with self._spare_lock:
+            if self._spare is None and not self._stop.is_set():
+                self._spare = connection
 
     def give_up_on(self, key: str, why: str) -> None:
         """Leave ``GAVE_UP`` under ``key`` unless something is posted there (bounded): it ends a

@@ -14,8 +14,8 @@ One module per concern:
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
 * ``hosttree``: a tree over a group's ranks by host (host leaders, recursive
-  doubling between them, a binomial broadcast): compile once's exchanges in
-  O(log hosts) steps;
+  doubling between them; a MIN and a gather, each telling a peer in another
+  exchange at its first message): compile once's exchanges in O(log hosts) steps;
 * ``groups``: lazily created groups (after the first rendezvous, the
   agreements layer's setup check, wired at install), the store side channel,
   and the teardown at interpreter exit;

@@ -79,8 +79,8 @@ from ..health.watchdog import NoticeWait, PeerRecords, SideChannel, bounded, dia
 from . import scope as scope_mod
 from . import segment
 from .channel import GuardChannel
-from .gloo import broken_connection, broken_peers, connections_can_be_looked_at
-from .hierarchy import build_guard_channel, host_key
+from .gloo import broken_connection, broken_peers, connections_can_be_looked_at, end_probes
+from .hierarchy import ShmGuardChannel, build_guard_channel, host_key
 
 log = logging.getLogger("compiler_collectives.transport")
 
@@ -489,6 +489,8 @@ class Groups:
         side = self.side
         if side is not None and not side.stop(join_s):
             log.debug("the heartbeat thread did not end within %.1fs (a store call hangs)", join_s)
+        if not end_probes(join_s):
+            log.debug("a connection probe's thread did not end within %.1fs", join_s)
         if dist.is_available() and dist.is_initialized() and self._scope is None:
             # (A scope's groups are not registered with torch: dropping them below ends them.)
             for name, pg in self.existing().items():
@@ -529,6 +531,11 @@ class Groups:
         """Leave a notice for the peers on the store side channel (names are this generation's;
         under a scope they are the scope's own)."""
         self._side_channel().post(self._notice(name), value)
+
+    def store_name(self) -> str:
+        """How messages name this generation's store ("the c10d store at host:port"); no request."""
+        side = self.side
+        return side.store_name if side is not None else "the c10d store"
 
     def read_post(self, name: str) -> bytes | None:
         """A notice a peer posted (``post``), or None if there is none yet."""
@@ -632,12 +639,19 @@ def set_peer_report_handler(handler: PeerReportHandler | None) -> None:
 
 
 def _heard_report(own_rank: int, peer: int, report: dict[str, Any]) -> None:
-    """Heartbeat thread: rank ``peer`` reported; pass it on as heard."""
+    """Heartbeat thread: rank ``peer`` reported; pass it on as heard, then end this rank's wait in
+    the guard's leaders' exchange, if it waits there (its waits are untimed: ``hierarchy``)."""
     handler = _peer_report_handler
     if handler is None:
         log.warning("rank %d heard rank %d's failure report, but no handler is registered", own_rank, peer)
         return
     handler(own_rank, peer, report)
+    channel = groups.built_guard_channel()
+    if isinstance(channel, ShmGuardChannel) and health.poisoned() is not None:
+        try:
+            channel.interrupt()
+        except Exception as e:  # noqa: BLE001 - the wait then ends at the group's timeout
+            log.debug("ending the leaders' exchange after rank %d's report: %s", peer, e)
 
 
 _exit_registered = False

@@ -49,12 +49,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import config
-from ..errors import CollectiveError, StoreUnresponsive
+from .. import config, health
+from ..errors import CollectiveError, PeerFailureError, StoreUnresponsive, describe
 from ..health.watchdog import bounded
 from . import segment, shm
 from .channel import GuardChannel
-from .gloo import GlooGuardChannel, started, wait
+from .gloo import GlooGuardChannel, close_connections, is_connection_failure, started, wait
 
 log = logging.getLogger("compiler_collectives.transport.hierarchy")
 
@@ -111,9 +111,21 @@ class LeaderExchange:
     first gives its pair to ``i - P`` and at the end takes the result from it;
     the P others swap with ``i ^ 2^k`` for each k, folding in what they get.
     Buffers and ctypes views are made once, here.
+
+    Its waits are untimed (gloo's own bound: the leaders' group timeout,
+    ``COMPILER_COLLECTIVES_TIMEOUT``). A timed wait on a gloo send or receive
+    that expires closes every connection of the group (``hosttree``'s
+    docstring), and a leader waits here for other hosts still compiling or
+    running user code; a helper thread per call, as compile once's exchanges
+    take, would cost the guard's fast path tens of microseconds. A failure
+    this rank hears of while it waits here ends the wait instead
+    (``interrupt``, from the heartbeat thread that heard it: the group is
+    of no further use to a poisoned rank, and its connections are closed).
+    A leader whose connection closes that way, and who has not heard of the
+    failure yet, waits about a heartbeat for it before it blames the peer.
     """
 
-    __slots__ = ("_plan", "_recv", "_recv_view", "_send", "_send_view", "hosts", "index", "pg")
+    __slots__ = ("_plan", "_recv", "_recv_view", "_send", "_send_view", "hosts", "index", "pg", "waiting")
 
     def __init__(self, pg: dist.ProcessGroup, index: int, hosts: int) -> None:
         self.pg = pg
@@ -124,30 +136,76 @@ class LeaderExchange:
         self._recv = torch.zeros(2, dtype=torch.int64)
         self._send_view = (ctypes.c_int64 * 2).from_address(self._send.data_ptr())
         self._recv_view = (ctypes.c_int64 * 2).from_address(self._recv.data_ptr())
+        self.waiting = False  # inside ``min2``: ``interrupt`` ends its wait
 
     @property
     def rounds(self) -> int:
         return len(self._plan)
 
     def min2(self, a: int, b: int) -> tuple[int, int]:
+        self.waiting = True
+        # After ``waiting`` is set: a failure heard from now on interrupts the wait below.
+        if health.first_failure is not None:
+            self.waiting = False
+            raise _stopped(health.first_failure)
         send, recv = self._send_view, self._recv_view
         send_list, recv_list = [self._send], [self._recv]
         pg = self.pg
-        for op, peer, tag in self._plan:
-            if op in ("give", "tell", "swap"):
-                send[0], send[1] = a, b
-                sent = pg.send(send_list, peer, tag)
-                if op != "swap":
-                    wait(sent)
-                    continue
-            wait(pg.recv(recv_list, peer, tag))
-            if op == "swap":
-                wait(sent)
-            if op == "take":
-                a, b = recv[0], recv[1]
-            else:
-                a, b = min(a, recv[0]), min(b, recv[1])
+        try:
+            for op, peer, tag in self._plan:
+                if op in ("give", "tell", "swap"):
+                    send[0], send[1] = a, b
+                    sent = pg.send(send_list, peer, tag)
+                    if op != "swap":
+                        sent.wait()
+                        continue
+                pg.recv(recv_list, peer, tag).wait()
+                if op == "swap":
+                    sent.wait()
+                if op == "take":
+                    a, b = recv[0], recv[1]
+                else:
+                    a, b = min(a, recv[0]), min(b, recv[1])
+        except RuntimeError as e:
+            self.waiting = False
+            raise _failed(e) from e
+        self.waiting = False
         return a, b
+
+    def interrupt(self) -> None:
+        """End a ``min2`` that waits now (any thread; this rank heard of a failure): close this
+        rank's connections in the leaders' group (``gloo.close_connections``)."""
+        if self.waiting:
+            close_connections(self.pg)
+
+
+def _stopped(failure: CollectiveError) -> PeerFailureError:
+    # As ``gloo.wait`` says it: keeps who reported it, so the failure procedure quotes that report.
+    return PeerFailureError(
+        f"{describe('guard', None, None, None)}: the exchange between hosts' leaders stopped waiting: {failure}",
+        ranks=failure.ranks,
+        reported_by=failure.reported_by,
+        left=getattr(failure, "left", False),
+    )
+
+
+REPORT_WAIT_HEARTBEATS = 2.5
+"""How long a leader whose connection closed waits for a failure report before it blames the
+peer (in heartbeats, plus a second): a leader that heard of a failure closes its connections."""
+
+
+def _failed(error: RuntimeError) -> BaseException:
+    """What ``min2`` raises after gloo's ``error``: a failure this rank heard of, where it heard
+    of one (now, or within about a heartbeat where a connection closed: a peer leader that heard of
+    it first closed its connections); else gloo's own (the guard hook translates it)."""
+    heard = health.first_failure
+    interval = config.settings.heartbeat_s
+    if heard is None and interval > 0 and is_connection_failure(error):
+        deadline = time.monotonic() + REPORT_WAIT_HEARTBEATS * interval + 1.0
+        while heard is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            heard = health.first_failure
+    return _stopped(heard) if heard is not None else error
 
 
 class ShmGuardChannel:
@@ -262,6 +320,12 @@ class ShmGuardChannel:
     def publish_failure(self, rank: int, left: bool = False) -> None:
         self._local.publish_failure(rank, left)
 
+    def interrupt(self) -> None:
+        """This rank heard of a failure: end its wait in the leaders' exchange, if it waits there."""
+        leaders = self._leaders
+        if leaders is not None:
+            leaders.interrupt()
+
 
 def _tell_other_hosts(leaders: LeaderExchange, error: CollectiveError, rank: int) -> None:
     """This host failed: still take part in the leaders' exchange, carrying a negative
@@ -274,8 +338,6 @@ def _tell_other_hosts(leaders: LeaderExchange, error: CollectiveError, rank: int
 
 
 def _describe_guard(rank: int) -> Callable[[int], str]:
-    from ..errors import describe
-
     return lambda n: describe("guard", rank, None, None) + f" (shared-memory call #{n})"
 
 

@@ -2,18 +2,28 @@
 
 Compile once settles each graph's keys, sends each compiling rank's result and counts who loaded;
 as all-gathers or a ring all-reduce on the whole group those cost O(N) hops and, for the
-all-gathers, O(N) bytes per rank. Over a ``HostTree`` they cost O(log hosts) steps and O(1) bytes
-per rank (a host's leader: O(ranks on its host)):
+all-gathers, O(N) bytes per rank. Over a ``HostTree`` they cost O(log hosts) steps, and bytes per
+rank that grow with what was contributed, not with the world (a host's leader: with its host's
+ranks too). Both operations take one path:
 
-* ``min_ints``: the element-wise MIN of every rank's fixed record. Each rank sends its record to
-  its host's leader (the host's lowest rank), the leader folds them, the leaders MIN-reduce by
-  recursive doubling (``hierarchy.doubling_plan``, as the guard collective's leaders do:
-  ceil(log2 H) rounds, two more when H is not a power of two) and each leader sends the outcome
-  back to its host's ranks. Every record travels at one width (``HostTree.width``), so that two
-  ranks in different exchanges still pair up, and see it in the records (callers put the
-  exchange's phase and number in them): they never wait for one another.
-* ``broadcast``: one rank's bytes down a binomial tree over the group (ceil(log2 N) rounds; a
-  header of the length and a stamp the receivers compare, then the bytes).
+* each rank sends what it holds to its host's leader (the host's lowest rank), the leader folds
+  it in; the leaders fold among themselves by recursive doubling (``hierarchy.doubling_plan``,
+  as the guard collective's leaders do: ceil(log2 H) rounds, two more when H is not a power of
+  two); each leader sends the outcome back to its host's ranks.
+* ``min_ints``: what a rank holds is a fixed record of ints (``HostTree.width``); folding is the
+  element-wise MIN.
+* ``gather``: what a rank holds is a set of entries (group rank -> bytes), its own payload or
+  none; folding is the union. A rank without a payload sends a record and nothing else.
+
+Every message of both starts with a record of one fixed width on one tag: the operation, the
+exchange's stamp (``HostTree.stamp``: its phase and number), and for a gather the number and the
+bytes of the entries that follow on another tag (checked against the caller's limit before
+anything is allocated). So whatever two ranks are doing, the first message one receives from the
+other says what the other is in: a rank in a MIN whose peer is in a gather, or at another graph,
+raises ``CollectiveDesyncError`` naming that peer at once, and sends its own record to each of its
+peers in the exchange (a notice) so that they raise too, instead of each waiting for
+COMPILER_COLLECTIVES_TIMEOUT. Records keep their width across operations so that the two always
+pair up.
 
 Point-to-point operations on the group itself, on tags of their own (``TAG_BASE``): no group
 more per host, and a rank of another host is one gloo connection away, as it is for compile
@@ -37,22 +47,47 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..errors import WireFormatError
-from .gloo import started, tensor_view, wait
+from ..errors import CollectiveDesyncError, WireFormatError
+from .gloo import PHASE_ONCE_KEYS, PHASE_ONCE_LOADED, PHASE_ONCE_RESULT, started, tensor_view, wait
 from .hierarchy import doubling_plan, host_key
 
 # Tags of these operations: bit 28 (compile once's pieces have bit 30; gloo.PROBE_TAG is bit 29).
+# Every operation's records share one tag, whatever the operation: see the module docstring.
 TAG_BASE = 1 << 28
-_UP, _DOWN, _HEAD, _BYTES = TAG_BASE | 1, TAG_BASE | 2, TAG_BASE | 3, TAG_BASE | 4
-_LEADERS = TAG_BASE | 0x100  # plus the doubling plan's tag
+_RECORD, _ENTRIES = TAG_BASE | 1, TAG_BASE | 2
 NEUTRAL = (1 << 63) - 1
 """A record element nobody set: MIN's identity."""
+
+MIN, GATHER = 1, 2
+_NOTICE = 1 << 8  # in a record's kind: the sender stopped the exchange (see the culprit's fields)
+_OPS = {MIN: "MIN", GATHER: "gather"}
+_PHASES = {
+    PHASE_ONCE_KEYS: "compile once's keys",
+    PHASE_ONCE_RESULT: "compile once's results",
+    PHASE_ONCE_LOADED: "compile once's load report",
+}
+# A record's header (int64s), before the MIN's values: the operation and stamp; the entries that
+# follow (a gather's) and their bytes; in a notice, the rank found in another exchange and what
+# it is in, and the rank that found it and what that one is in (each rank + 1; 0: none).
+_KIND, _STAMP, _COUNT, _BYTES, _CULPRIT, _CULPRIT_KIND, _CULPRIT_STAMP, _FINDER, _FINDER_KIND, _FINDER_STAMP = range(10)
+HEAD = 10
+NOTICE_GRACE_S = 2.0  # how long a rank that stops an exchange waits for its notices to be taken
+_ENTRY_HEAD = 16  # per entry in a gather's bytes: its group rank and its length, int64 each
+_ADVICE = (
+    "Every rank of the group must take the same exchanges in the same order (compile once: every rank "
+    "compiles the same graphs in the same order)."
+)
+
+
+def _same(i: int) -> int:
+    return i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +99,8 @@ class HostTree:
     place: tuple[tuple[int, int], ...]  # group rank -> (host, index on its host)
     width: int  # int64s per record of ``min_ints``
     NEUTRAL: ClassVar[int] = NEUTRAL
+    HEAD: ClassVar[int] = HEAD
+    ENTRY_HEAD: ClassVar[int] = _ENTRY_HEAD
 
     @classmethod
     def build(
@@ -84,6 +121,11 @@ class HostTree:
                 place[i] = (h, j)
         return cls(pg.rank(), hosts, tuple(place), width(max(len(h) for h in hosts)))
 
+    @staticmethod
+    def stamp(phase: int, seq: int) -> int:
+        """An exchange's stamp: its phase (``gloo.PHASE_*``) and number."""
+        return (phase << 32) | (seq & 0xFFFFFFFF)
+
     @property
     def size(self) -> int:
         return len(self.place)
@@ -100,117 +142,287 @@ class HostTree:
     def ranks_per_host(self) -> int:
         return max(len(h) for h in self.hosts)
 
-    def min_ints(self, pg: dist.ProcessGroup, values: list[int], describe: Callable[[], str]) -> list[int]:
-        """The element-wise MIN of every rank's ``values`` (at most ``width``; every rank the same length)."""
-        return _sliced(lambda: self._min_ints(pg, values), describe)
-
-    def _min_ints(self, pg: dist.ProcessGroup, values: list[int]) -> list[int]:
-        n = len(values)
-        buf = torch.full((self.width,), NEUTRAL, dtype=torch.int64)
-        buf[:n] = torch.tensor(values, dtype=torch.int64)
-        local = self.hosts[self.host]
-        leader = local[0]
-        if self.index != leader:
-            _done(started(pg.send, [buf], leader, _UP))
-            _done(started(pg.recv, [buf], leader, _DOWN))
-            return [int(v) for v in buf[:n].tolist()]
-        got = [torch.empty(self.width, dtype=torch.int64) for _ in local[1:]]
-        works = [started(pg.recv, [g], peer, _UP) for g, peer in zip(got, local[1:])]
-        for work, g in zip(works, got):
-            _done(work)
-            torch.minimum(buf, g, out=buf)
-        if len(self.hosts) > 1:
-            self._leaders(pg, buf)
-        sends = [started(pg.send, [buf], peer, _DOWN) for peer in local[1:]]
-        for work in sends:
-            _done(work)
-        return [int(v) for v in buf[:n].tolist()]
-
-    def _leaders(self, pg: dist.ProcessGroup, buf: torch.Tensor) -> None:
-        other = torch.empty_like(buf)
-        leaders = [h[0] for h in self.hosts]
-        for op, peer, tag in doubling_plan(self.host, len(self.hosts)):
-            dst, tag = leaders[peer], _LEADERS + tag
-            sent = None
-            if op in ("give", "tell", "swap"):
-                sent = started(pg.send, [buf], dst, tag)
-                if op != "swap":
-                    _done(sent)
-                    continue
-            _done(started(pg.recv, [other], dst, tag))
-            if sent is not None:
-                _done(sent)
-            if op == "take":
-                buf.copy_(other)
-            else:
-                torch.minimum(buf, other, out=buf)
-
-    def broadcast(
+    def min_ints(
         self,
         pg: dist.ProcessGroup,
-        root: int,
+        values: list[int],
+        describe: Callable[[], str],
+        stamp: int = 0,
+        name: Callable[[int], int] = _same,
+    ) -> list[int]:
+        """The element-wise MIN of every rank's ``values`` (at most ``width``; every rank the same
+        length). A rank in another exchange (another operation or ``stamp``) raises
+        ``CollectiveDesyncError`` naming it (``name``: group rank -> global)."""
+        if len(values) > self.width:
+            raise ValueError(f"{len(values)} values in a record of {self.width}")
+        held, _ = self._run(pg, MIN, stamp, values, None, 0, describe, name)
+        return held[: len(values)]
+
+    def gather(
+        self,
+        pg: dist.ProcessGroup,
         payload: bytes | None,
         stamp: int,
         max_bytes: int,
         describe: Callable[[], str],
-        name: Callable[[int], int] = lambda i: i,
-    ) -> tuple[int, bytes]:
-        """Group rank ``root``'s ``payload`` on every rank, with the ``stamp`` it sent (the
-        caller compares it with its own). ``max_bytes``: a larger announced length raises
-        ``WireFormatError`` naming ``root`` (``name``: group rank -> global), allocating nothing."""
-        return _sliced(lambda: self._broadcast(pg, root, payload, stamp, max_bytes, describe, name), describe)
+        name: Callable[[int], int] = _same,
+    ) -> dict[int, bytes]:
+        """Every rank's ``payload`` on every rank (group rank -> bytes; a rank whose payload is
+        None has no entry). A payload over ``max_bytes``, or more bytes announced than that allows,
+        raises ``WireFormatError`` naming the rank, allocating nothing; a rank in another
+        exchange raises ``CollectiveDesyncError`` naming it (``name``: group rank -> global)."""
+        _, entries = self._run(pg, GATHER, stamp, [], payload, max_bytes, describe, name)
+        return entries
 
-    def _broadcast(
+    def _run(
         self,
         pg: dist.ProcessGroup,
-        root: int,
+        kind: int,
+        stamp: int,
+        values: Sequence[int],
         payload: bytes | None,
+        max_bytes: int,
+        describe: Callable[[], str],
+        name: Callable[[int], int],
+    ) -> tuple[list[int], dict[int, bytes]]:
+        op = _Exchange(self, pg, kind, stamp, max_bytes, describe, name)
+        op.values[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
+        if payload is not None:
+            op.entries[self.index] = payload
+        return _sliced(op.run, describe, op.works)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mismatch:
+    """A record from a peer in another exchange, or a notice of one (``told_by``: from whom): the
+    rank found in another exchange (the culprit), the rank that found it, and what each is in."""
+
+    told_by: int | None
+    culprit: int
+    ckind: int
+    cstamp: int
+    finder: int
+    fkind: int
+    fstamp: int
+
+
+def _what(kind: int, stamp: int) -> str:
+    op = _OPS.get(kind & ~_NOTICE, f"operation {kind & ~_NOTICE}")
+    phase = stamp >> 32
+    return f"the {op} of {_PHASES.get(phase, f'phase {phase}')} #{stamp & 0xFFFFFFFF}"
+
+
+class _Exchange:
+    """One MIN or gather on this rank: what it holds, and every gloo operation it started (kept
+    until each ends: a helper thread waits for them after a failure)."""
+
+    def __init__(
+        self,
+        tree: HostTree,
+        pg: dist.ProcessGroup,
+        kind: int,
         stamp: int,
         max_bytes: int,
         describe: Callable[[], str],
         name: Callable[[int], int],
-    ) -> tuple[int, bytes]:
-        size = self.size
-        v = (self.index - root) % size
-        head = torch.zeros(2, dtype=torch.int64)
-        if v == 0:
-            assert payload is not None
-            data = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if payload
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            head[0], head[1] = len(payload), stamp
-        else:
-            parent = (root + v - (1 << (v.bit_length() - 1))) % size
-            _done(started(pg.recv, [head], parent, _HEAD))
-            length = int(head[0])
-            if length > max_bytes:
-                raise WireFormatError(
-                    f"{describe()}: rank {name(root)} announced a {length}-byte payload, over the limit of "
-                    f"{max_bytes} bytes (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); raise the limit on every rank "
-                    "if it is legitimately that large",
-                    ranks=(name(root),),
-                )
-            data = torch.empty(length, dtype=torch.uint8)
-            if length:
-                _done(started(pg.recv, [data], parent, _BYTES))
-        children = []
-        k = v.bit_length()
-        while v + (1 << k) < size:
-            children.append((root + v + (1 << k)) % size)
-            k += 1
-        works = []
-        for child in children:
-            works.append(started(pg.send, [head], child, _HEAD))
-            if data.numel():
-                works.append(started(pg.send, [data], child, _BYTES))
-        for work in works:
+    ) -> None:
+        self.tree, self.pg, self.kind, self.stamp = tree, pg, kind, stamp
+        self.max_bytes, self.describe, self.name = max_bytes, describe, name
+        self.values = torch.full((tree.width,), NEUTRAL, dtype=torch.int64)
+        self.entries: dict[int, bytes] = {}
+        self.works: list[Any] = []
+        self.peers, self.owed = self._peers()
+        self.mismatch: _Mismatch | None = None
+
+    def run(self) -> tuple[list[int], dict[int, bytes]]:
+        try:
+            self._steps()
+        except CollectiveDesyncError:
+            if self.mismatch is not None:
+                self._tell(self.mismatch)
+            raise
+        return [int(v) for v in self.values.tolist()], self.entries
+
+    def _steps(self) -> None:
+        tree = self.tree
+        local = tree.hosts[tree.host]
+        leader = local[0]
+        if tree.index != leader:
+            self._send(leader, self._pack())
+            self._take(leader, self._receive(leader), fold=False)
+            return
+        pending = [(peer, self._receive(peer)) for peer in local[1:]]
+        for peer, work in pending:
+            self._take(peer, work, fold=True)
+        leaders = [h[0] for h in tree.hosts]
+        for op, peer, _ in doubling_plan(tree.host, len(tree.hosts)):
+            # Partners meet once per direction in one exchange: the record's tag needs no step.
+            dst = leaders[peer]
+            sent = self._send(dst, self._pack()) if op in ("give", "tell", "swap") else []
+            if op in ("fold", "take", "swap"):
+                self._take(dst, self._receive(dst), fold=op != "take")
+            for work in sent:
+                _done(work)
+        packed = self._pack()
+        sent = [w for peer in local[1:] for w in self._send(peer, packed)]
+        for work in sent:
             _done(work)
-        if v == 0:
-            assert payload is not None
-            return stamp, payload
-        return int(head[1]), bytes(tensor_view(data))
+
+    def _peers(self) -> tuple[list[int], set[int]]:
+        """This rank's peers in the exchange, and those of them that wait for a record from it."""
+        tree = self.tree
+        local = tree.hosts[tree.host]
+        if tree.index != local[0]:
+            return [local[0]], {local[0]}
+        leaders = [h[0] for h in tree.hosts]
+        plan = doubling_plan(tree.host, len(tree.hosts))
+        partners = [leaders[peer] for _, peer, _ in plan]
+        told = [leaders[peer] for op, peer, _ in plan if op in ("give", "tell", "swap")]
+        return list(dict.fromkeys([*local[1:], *partners])), {*local[1:], *told}
+
+    def _pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        record = torch.zeros(HEAD + self.tree.width, dtype=torch.int64)
+        record[_KIND], record[_STAMP] = self.kind, self.stamp
+        record[HEAD:] = self.values
+        if not self.entries:
+            return record, None
+        items = sorted(self.entries.items())
+        table = array("q", [v for i, data in items for v in (i, len(data))])
+        blob = bytearray(table.tobytes())
+        for _, data in items:
+            blob += data
+        record[_COUNT], record[_BYTES] = len(items), len(blob)
+        return record, torch.frombuffer(blob, dtype=torch.uint8)
+
+    def _send(self, peer: int, packed: tuple[torch.Tensor, torch.Tensor | None]) -> list[Any]:
+        record, blob = packed
+        self.owed.discard(peer)
+        works = [started(self.pg.send, [record], peer, _RECORD)]
+        if blob is not None:
+            works.append(started(self.pg.send, [blob], peer, _ENTRIES))
+        self.works.extend(works)
+        return works
+
+    def _receive(self, peer: int) -> tuple[Any, torch.Tensor]:
+        record = torch.empty(HEAD + self.tree.width, dtype=torch.int64)
+        work = started(self.pg.recv, [record], peer, _RECORD)
+        self.works.append(work)
+        return work, record
+
+    def _take(self, peer: int, received: tuple[Any, torch.Tensor], fold: bool) -> None:
+        """Fold (MIN, union) or take (replace) what ``peer`` holds into this rank's."""
+        work, record = received
+        _done(work)
+        head = [int(v) for v in record[:HEAD].tolist()]
+        if head[_KIND] & _NOTICE:
+            c, f = head[_CULPRIT] - 1, head[_FINDER] - 1
+            self._mismatched(
+                _Mismatch(
+                    peer, c, head[_CULPRIT_KIND], head[_CULPRIT_STAMP], f, head[_FINDER_KIND], head[_FINDER_STAMP]
+                )
+            )
+        if head[_KIND] != self.kind or head[_STAMP] != self.stamp:
+            self._mismatched(_Mismatch(None, peer, head[_KIND], head[_STAMP], self.tree.index, self.kind, self.stamp))
+        entries = self._entries(peer, head[_COUNT], head[_BYTES])
+        if fold:
+            torch.minimum(self.values, record[HEAD:], out=self.values)
+            for i in entries:
+                if i in self.entries:
+                    raise self._bad(peer, f"sent rank {self.name(i)}'s entry, which this rank already holds")
+            self.entries.update(entries)
+            return
+        mine = self.entries.get(self.tree.index)
+        if mine is not None and entries.get(self.tree.index) != mine:
+            raise self._bad(peer, "sent back this rank's own entry altered or not at all")
+        self.values.copy_(record[HEAD:])
+        self.entries = entries
+
+    def _entries(self, peer: int, count: int, nbytes: int) -> dict[int, bytes]:
+        """The entries ``peer`` announced, received and checked; the sizes are checked first."""
+        limit = count * (_ENTRY_HEAD + self.max_bytes)
+        if not 0 <= count <= self.tree.size or not 0 <= nbytes <= limit or (count == 0) != (nbytes == 0):
+            raise WireFormatError(
+                f"{self.describe()}: rank {self.name(peer)} announced {count} entries in {nbytes} bytes, over the "
+                f"limit of {self.max_bytes} bytes a rank (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES) for a group of "
+                f"{self.tree.size}; raise the limit on every rank if a payload is legitimately that large",
+                ranks=(self.name(peer),),
+            )
+        if not nbytes:
+            return {}
+        blob = torch.empty(nbytes, dtype=torch.uint8)
+        work = started(self.pg.recv, [blob], peer, _ENTRIES)
+        self.works.append(work)
+        _done(work)
+        data = tensor_view(blob)
+        table = array("q")
+        table.frombytes(bytes(data[: count * _ENTRY_HEAD]))
+        out: dict[int, bytes] = {}
+        at = count * _ENTRY_HEAD
+        for k in range(count):
+            i, length = table[2 * k], table[2 * k + 1]
+            if not 0 <= i < self.tree.size or i in out or not 0 <= length <= nbytes - at:
+                raise self._bad(peer, f"sent a malformed set of entries (entry {k}: rank {i}, {length} bytes)")
+            if length > self.max_bytes:
+                raise WireFormatError(
+                    f"{self.describe()}: rank {self.name(i)}'s payload (passed on by rank {self.name(peer)}) is "
+                    f"{length} bytes, over the limit of {self.max_bytes} bytes "
+                    "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); raise the limit on every rank if it is legitimately "
+                    "that large",
+                    ranks=(self.name(i),),
+                )
+            out[i] = bytes(data[at : at + length])
+            at += length
+        if at != nbytes:
+            raise self._bad(peer, f"announced {nbytes} bytes of entries and sent {at}")
+        return out
+
+    def _bad(self, peer: int, what: str) -> WireFormatError:
+        return WireFormatError(f"{self.describe()}: rank {self.name(peer)} {what}", ranks=(self.name(peer),))
+
+    def _mismatched(self, m: _Mismatch) -> NoReturn:
+        self.mismatch = m
+        raise self._desync(m)
+
+    def _tell(self, m: _Mismatch) -> None:
+        """A notice to each peer of this exchange but the one that told this rank: those waiting
+        for this rank raise at once, and tell theirs. Gloo writes a message only once its peer
+        has posted the receive, and this process may end as soon as it raised: so this rank
+        raises once the peers that wait for a record from it took theirs, or after
+        ``NOTICE_GRACE_S`` (a thread of their own waits for those: a timed wait would close the
+        group's connections). The others (a peer not waiting for this rank never takes its
+        notice) are left to the helper thread."""
+        record = torch.zeros(HEAD + self.tree.width, dtype=torch.int64)
+        head = [self.kind | _NOTICE, self.stamp, 0, 0, m.culprit + 1, m.ckind, m.cstamp]
+        record[:HEAD] = torch.tensor([*head, m.finder + 1, m.fkind, m.fstamp], dtype=torch.int64)
+        owed: list[Any] = []
+        for peer in self.peers:
+            if peer != m.told_by:
+                try:
+                    work = started(self.pg.send, [record], peer, _RECORD)
+                except RuntimeError:  # a broken connection: that peer hears of it by other means
+                    continue
+                (owed if peer in self.owed else self.works).append(work)
+        _Background(lambda: [w.wait() for w in owed]).finished.wait(NOTICE_GRACE_S)
+
+    def _desync(self, m: _Mismatch) -> CollectiveDesyncError:
+        me, name = self.tree.index, self.name
+        mine = _what(self.kind, self.stamp)
+        ranks: tuple[int, ...]
+        if m.told_by is None:  # this rank found it: the culprit is its peer
+            said = f"rank {name(m.culprit)} is in {_what(m.ckind, m.cstamp)} while this rank is in {mine}"
+            ranks = (name(m.culprit),)
+        elif m.culprit == me:  # the peer that found it told this rank
+            said = f"rank {name(m.finder)} is in {_what(m.fkind, m.fstamp)} while this rank is in {mine}"
+            ranks = (name(m.finder),)
+        else:  # passed on from further away
+            said = (
+                f"rank {name(m.culprit)} is in {_what(m.ckind, m.cstamp)} while rank {name(m.finder)} is in "
+                f"{_what(m.fkind, m.fstamp)} (rank {name(m.told_by)} told this rank, which is in {mine})"
+            )
+            ranks = tuple(name(r) for r in dict.fromkeys((m.culprit, m.finder)) if r != me)
+        return CollectiveDesyncError(
+            f"{self.describe()}: {said}: the ranks are at different exchanges.\n{_ADVICE}", ranks=ranks
+        )
 
 
 T = TypeVar("T")
@@ -225,11 +437,15 @@ def _done(work: Any) -> None:
 class _Background:
     """An exchange run on a helper thread, waited for as a gloo work (``gloo.wait``: in slices,
     stopping once a peer is known to have failed). Gloo's send and receive cannot be waited for in
-    slices, and a rank waits in these exchanges for peers still compiling or running user code."""
+    slices, and a rank waits in these exchanges for peers still compiling or running user code.
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    After a failure the thread waits (the group's timeout) for the gloo operations in ``linger``
+    that may not have ended: gloo keeps writing into, and reading from, their buffers."""
+
+    def __init__(self, fn: Callable[[], Any], linger: Sequence[Any] = ()) -> None:
         self._fn = fn
-        self._done = threading.Event()
+        self._linger = linger
+        self.finished = self._done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
         threading.Thread(target=self._run, name="compiler_collectives-hosttree", daemon=True).start()
@@ -241,6 +457,12 @@ class _Background:
             self.error = e
         finally:
             self._done.set()
+        if self.error is not None:
+            for work in self._linger:
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 - the exchange failed already; this only keeps buffers alive
+                    pass
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
@@ -261,8 +483,8 @@ def run_p2p(fn: Callable[[], T], describe: Callable[[], str] | None = None) -> T
     return _sliced(fn, describe)
 
 
-def _sliced(fn: Callable[[], T], describe: Callable[[], str] | None) -> T:
-    job = _Background(fn)
+def _sliced(fn: Callable[[], T], describe: Callable[[], str] | None, linger: Sequence[Any] = ()) -> T:
+    job = _Background(fn, linger)
     wait(job, describe)
     value: T = job.value
     return value

@@ -14,8 +14,8 @@ or cold, so the exchanges never depend on cache state):
    key and graph, its lowest holder and its warmest rank. Where each index's key is the same on
    every host (every rank's, or a GPU job's key per device), that settles it
    (``once_keys_reduced``): the bytes per rank do not grow with the world. Otherwise (a
-   generation's first graph, keys that differ otherwise, a dir that changed) one all-gather of
-   every rank's offer follows. ``decide`` turns
+   generation's first graph, keys that differ otherwise, a dir that changed) one gather of
+   every rank's offer over the same tree follows. ``decide`` turns
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
@@ -29,8 +29,8 @@ or cold, so the exchanges never depend on cache state):
    DDP's all-reduce). They wait while the compiling rank is alive, up to
    ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
 3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, each
-   serving rank's outcome goes down a binomial tree over the ranks (an all-gather where there are
-   more serving ranks than ranks on a host): the manifest of its artifact (every file of
+   serving rank's outcome reaches every rank in one gather over the host tree, to which only the
+   serving ranks contribute: the manifest of its artifact (every file of
    the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
    program audit's fingerprints of the compile, and the SHA-256 of each piece of its bundle. The
    manifest comes over the job's own gloo group; the bytes do not travel to ranks that share the
@@ -44,9 +44,9 @@ or cold, so the exchanges never depend on cache state):
    AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
    entry there): the checks are on the bytes that travel between dirs (docs/design.md, "Trust").
 4. **Loaded** (``loaded``): one MIN over the host tree of whether every rank loaded; only where
-   some rank did not, one all-gather of each rank's outcome, so every rank logs and counts who
-   loaded, whose load missed (an entry's guards fail that rank's size hints: it compiled
-   locally) and who refused.
+   some rank did not, one gather over the tree of the outcomes of the ranks that did not (the
+   others contribute nothing), so every rank logs and counts who loaded, whose load missed (an
+   entry's guards fail that rank's size hints: it compiled locally) and who refused.
 
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
 ``CompileOnceError`` quoting it (the serving rank raises its own); so do the ranks waiting for a
@@ -57,9 +57,10 @@ Never a hang.
 
 Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
 install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
-``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks), ``keys``
-(the key record and the offers read back from it: pure) and ``protocol`` (the ticket, its
-``Step``, the exchanges and the waits). Plain Python over
+``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks, and a
+loader's install by its route), ``keys`` (the key record and the offers read back from it:
+pure), ``tally`` (the counters each graph's record adds to) and ``protocol`` (the ticket, its
+``Step``, the decisions, the exchanges and the waits, and each graph's record). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 

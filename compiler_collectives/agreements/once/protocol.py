@@ -44,12 +44,11 @@ from ..wire.once import (
     Loaded,
     ManifestFile,
     Offer,
-    OnceEnvelope,
     Result,
     decode_once,
     encode_once,
 )
-from . import artifact, keys, sidecar, transfer
+from . import artifact, keys, sidecar, tally, transfer
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 
 log = logging.getLogger("compiler_collectives.once")
@@ -141,6 +140,10 @@ class Ticket:
     # Our error raised inside AOTAutograd's lookup, which takes any exception for a cache bypass:
     # the seam keeps it here and raises it once the lookup returns.
     error: CollectiveError | None = None
+    # This rank's own compile of the graph raised (``finish``): its text.
+    failure: str | None = None
+    # The graph's record (``records()``'s item), once made: made once, and counted once (``tally``).
+    record: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ seam entry points
@@ -246,28 +249,20 @@ def _host_tree(ticket: Ticket) -> HostTree:
 def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
     """Every rank's offer: from one fixed-size MIN over the host tree when, for each index on a
     host, every host's rank of that index has the same key (and the cache dirs are those of the
-    last full exchange), else from an all-gather of every offer (``keys`` builds the record and
-    reads it back). Every rank takes both steps or the first only, by the MIN's outcome: the
-    same everywhere."""
+    last full exchange), else from a gather of every offer over the tree (``keys`` builds the
+    record and reads it back). Every rank takes both steps or the first only, by the MIN's
+    outcome: the same everywhere."""
     global _known
     kept, seq = _known, ticket.seq or 0
     tree = _host_tree(ticket)
     record = keys.record(mine, kept, members=ticket.members, tree=tree, seq=seq, level=ticket.level)
-    counters.once_tree_exchanges += 1
-    out = exchange_frame.framed(
-        ticket.pg,
-        lambda: tree.min_ints(ticket.pg, record, _where(ticket, "keys")),
-        kind="compile_once",
-        seq=ticket.seq,
-        frame=str(ticket.frame),
-        where=_where(ticket, "keys"),
-    )
+    out = _min(ticket, tree, record, PHASE_ONCE_KEYS, "keys")
     settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
     if settled is not None:
         counters.once_keys_reduced += 1
         return settled
-    gathered = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
-    offers = {e.rank: e.body for e in gathered}
+    counters.once_gathers += 1
+    offers = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
     _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
     return offers  # type: ignore[return-value]
 
@@ -295,11 +290,10 @@ def fetch(ticket: Ticket) -> bool:
     ticket.artifact_bytes = result.total()
     if result.status == "failed" and (result.failure or "").startswith("gathering the artifact failed"):
         ticket.outcome, ticket.outcome_why = "refused", f"rank {plan.source} has no artifact: {result.failure}"
-        counters.once_refused += 1
         return False
     if result.status == "failed":
         ticket.outcome, ticket.outcome_why = "none", "the compiling rank's compile raised"
-        _load_report(ticket)  # the serving rank takes it too before raising its own error
+        _report(ticket)  # the serving rank takes it too before raising its own error
         raise _failed(
             CompileOnceError(
                 f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
@@ -313,11 +307,9 @@ def fetch(ticket: Ticket) -> bool:
                 ranks=(plan.source,),
             )
         )
-    _send_artifacts(ticket, results)
-    why = _receive_and_install(ticket, result)
+    why = _install(ticket, result)
     if why is not None:
         ticket.outcome, ticket.outcome_why = "refused", why
-        counters.once_refused += 1
         log.warning(
             "compile once #%d of %s: rank %d refused the artifact of rank %d (%s); it compiles the graph "
             "itself, without the cache",
@@ -339,7 +331,6 @@ def loaded(ticket: Ticket, hit: bool | None) -> None:
     load report exchange."""
     if hit is True:
         ticket.outcome = "hit"
-        counters.once_loaded += 1
         if ticket.hit is not None and ticket.sent_entries and ticket.hit not in ticket.sent_entries:
             _own_entry_hit(ticket)
         else:
@@ -348,8 +339,7 @@ def loaded(ticket: Ticket, hit: bool | None) -> None:
             sidecar.write(ticket.cache.root(), ticket.key, ticket.fingerprints)
     elif hit is False:
         ticket.outcome, ticket.outcome_why = "miss", "the entry's guards fail this rank's size hints"
-        counters.once_load_misses += 1
-    _load_report(ticket)
+    _report(ticket)
 
 
 def _own_entry_hit(ticket: Ticket) -> None:
@@ -385,11 +375,12 @@ def finish(
     that never looked its graph up took no exchange: it is recorded as local, ``no_lookup`` why."""
     _local.ticket = ticket.outer
     step, plan = ticket.step, ticket.plan
+    if error is not None:
+        ticket.failure = failure_text or f"{type(error).__name__}: {error}"
     if step is Step.OPEN:
         ticket.step = Step.DONE
         if error is None:
             ticket.plan = Plan(LOCAL, None, no_lookup, False)
-            counters.once_local += 1
             _record(ticket)
         return
     assert plan is not None
@@ -399,14 +390,22 @@ def finish(
         # exchange would otherwise measure it against COMPILER_COLLECTIVES_TIMEOUT).
         ticket.step = Step.DONE
         said = b"ok" if error is None else (failure_text or f"{type(error).__name__}: {error}").encode()[:2000]
-        groups.post(_compiled_itself(ticket, ticket.rank), said)
+        compile_wait.post(
+            _compiled_itself(ticket, ticket.rank),
+            said,
+            me=ticket.rank,
+            what=f"compile once #{ticket.seq} of {ticket.frame}",
+            telling="its own compile of this graph ended",
+            kind="compile_once",
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+        )
         _wait_for_local_compiles(ticket, raised_here=error is not None)
         return
     if step is not Step.PLANNED:
         return
     if not _any_source(ticket):
         ticket.step = Step.DONE
-        counters.once_local += 1
         _record(ticket)
         return
     if plan.role == LOAD:
@@ -415,8 +414,8 @@ def finish(
     mine = Result("none", None, [], [])
     bundle = b""
     if plan.role in (COMPILE, SERVE):
-        if error is not None:
-            mine = Result("failed", failure_text or f"{type(error).__name__}: {error}"[:500], [], [])
+        if ticket.failure is not None:
+            mine = Result("failed", ticket.failure[:500], [], [])
         else:
             t0 = time.perf_counter()
             try:
@@ -435,19 +434,34 @@ def finish(
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
             ticket.install_s += time.perf_counter() - t0
-        groups.post(_notice(ticket, ticket.rank), b"1")
+        compile_wait.post(
+            _notice(ticket, ticket.rank),
+            b"1",
+            me=ticket.rank,
+            what=f"compile once #{ticket.seq} of {ticket.frame}",
+            telling="its compile of this graph ended",
+            kind="compile_once",
+            seq=ticket.seq,
+            frame=str(ticket.frame),
+        )
         ticket.posted_at = time.time()
     _wait_for_sources(ticket)
     results = _results(ticket, mine)
     if plan.role in (COMPILE, SERVE):
-        _send_artifacts(ticket, results, bundle)
-        if error is None:
-            counters.once_compiled += plan.role == COMPILE
-            counters.once_served += plan.role == SERVE
-    else:
-        counters.once_local += 1
-    _load_report(ticket)
+        ticket.transfer_s += transfer.serve(_transfer(ticket), bundle, results[ticket.rank])
+    _report(ticket)
     ticket.step = Step.DONE
+
+
+def _report(ticket: Ticket) -> None:
+    """The load report (``_load_report``, which makes the graph's record); when it raises (an
+    exchange failed, a rank that compiled the graph itself raised), the record is made all the
+    same: this rank's outcome still counts."""
+    try:
+        _load_report(ticket)
+    except BaseException:
+        _record(ticket)
+        raise
 
 
 def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
@@ -514,34 +528,52 @@ def _where(ticket: Ticket, what: str) -> Callable[[], str]:
     return lambda: f"compile once #{ticket.seq} ({what}) of {ticket.frame} on rank {ticket.rank}"
 
 
-def _gather(ticket: Ticket, body: Offer | Result | Loaded, phase: int, what: str) -> list[OnceEnvelope]:
-    pg = ticket.pg
-    rank, world = ticket.rank, pg.size()
-    seq = ticket.seq or 0
-    payload = encode_once(rank=rank, world_size=world, seq=seq, body=body)
-
-    def check(envelopes: Sequence[OnceEnvelope], me: int) -> None:
-        if len({e.seq for e in envelopes}) > 1:
-            lines = "\n".join(f"  rank {e.rank}: compile once #{e.seq}" for e in envelopes)
-            raise CollectiveDesyncError(
-                f"compile once on rank {me}: the ranks are at different graphs:\n{lines}\n"
-                "Every rank must compile the same graphs in the same order.",
-                ranks=tuple(e.rank for e in envelopes if e.seq != seq),
-            )
-
-    counters.once_gathers += 1
-    gathered = exchange_frame.gather(
+def _min(ticket: Ticket, tree: HostTree, record: list[int], phase: int, what: str) -> list[int]:
+    """The element-wise MIN of every rank's ``record`` over the host tree, in this graph's ``phase``."""
+    counters.once_tree_exchanges += 1
+    pg, where = ticket.pg, _where(ticket, what)
+    stamp = HostTree.stamp(phase, ticket.seq or 0)
+    return exchange_frame.framed(
         pg,
-        payload,
+        lambda: tree.min_ints(pg, record, where, stamp, lambda i: ticket.members[i]),
         kind="compile_once",
-        seq=seq,
+        seq=ticket.seq,
         frame=str(ticket.frame),
-        where=_where(ticket, what),
-        decode=decode_once,
-        check=check,
-        phase=phase,
+        where=where,
     )
-    return list(gathered.envelopes)
+
+
+_BODIES = {PHASE_ONCE_KEYS: "keys", PHASE_ONCE_RESULT: "result", PHASE_ONCE_LOADED: "loaded"}
+
+
+def _gather(
+    ticket: Ticket, body: Offer | Result | Loaded | None, phase: int, what: str
+) -> dict[int, Offer | Result | Loaded]:
+    """The ``body`` of every rank that has one (global rank -> body; None: this rank has none),
+    on every rank, over the host tree (``HostTree.gather``): O(log hosts) rounds, and bytes per
+    rank those of the bodies, not of the world."""
+    tree = _host_tree(ticket)
+    pg, seq, where = ticket.pg, ticket.seq or 0, _where(ticket, what)
+    limit = config.settings.max_payload_bytes
+    payload = None if body is None else encode_once(rank=ticket.rank, world_size=pg.size(), seq=seq, body=body)
+
+    def step() -> dict[int, Offer | Result | Loaded]:
+        got = tree.gather(pg, payload, HostTree.stamp(phase, seq), limit, where, lambda i: ticket.members[i])
+        out: dict[int, Offer | Result | Loaded] = {}
+        for i, data in sorted(got.items()):
+            sender = ticket.members[i]
+            envelope = decode_once(data, sender=sender, max_bytes=limit, expected_world_size=pg.size())
+            if envelope.seq != seq or envelope.kind != _BODIES[phase]:
+                raise CollectiveDesyncError(
+                    f"{where()}: rank {sender} sent its {envelope.kind} of compile once #{envelope.seq} in this "
+                    f"rank's exchange of {_BODIES[phase]} of #{seq}: the ranks are at different graphs.\n"
+                    "Every rank must compile the same graphs in the same order.",
+                    ranks=(sender,),
+                )
+            out[sender] = envelope.body
+        return out
+
+    return exchange_frame.framed(pg, step, kind="compile_once", seq=ticket.seq, frame=str(ticket.frame), where=where)
 
 
 def _any_source(ticket: Ticket) -> bool:
@@ -627,20 +659,14 @@ def _wait_for_posts(
 
 
 def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
-    """Every serving rank's result (global rank -> result), on every rank.
-
-    Only serving ranks have one: each is broadcast down a binomial tree over the group
-    (``HostTree.broadcast``), sources in rank order, when there are at most as many as ranks on
-    a host (a GPU job's: one per device index); with more, one all-gather of every rank's."""
+    """Every serving rank's result (global rank -> result), on every rank: one gather over the
+    host tree to which only the serving ranks contribute (the plans say who they are), however
+    many there are."""
     t0 = time.perf_counter()
-    sources = sorted(r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE))
-    tree = _tree
-    if tree is None or len(sources) > tree.ranks_per_host:
-        gathered = _gather(ticket, mine, PHASE_ONCE_RESULT, "result")
-        out = {e.rank: e.body for e in gathered}
-    else:
-        counters.once_tree_exchanges += 1
-        out = {r: _broadcast_result(ticket, tree, r, mine) for r in sources}
+    counters.once_tree_exchanges += 1
+    plan = ticket.plan
+    source = plan is not None and plan.role in (COMPILE, SERVE)
+    out = _gather(ticket, mine if source else None, PHASE_ONCE_RESULT, "result")
     for r, p in ticket.plans.items():
         body = out.get(r)
         if body is None and p.role not in (COMPILE, SERVE):
@@ -662,80 +688,37 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     return out  # type: ignore[return-value]
 
 
-def _broadcast_result(ticket: Ticket, tree: HostTree, source: int, mine: Result) -> Result | Offer | Loaded:
-    """``source``'s result, broadcast from it over the tree; its graph number checked here."""
-    pg, seq, where = ticket.pg, ticket.seq or 0, _where(ticket, "result")
-    index = ticket.members.index(source)
-    payload = encode_once(rank=ticket.rank, world_size=pg.size(), seq=seq, body=mine) if source == ticket.rank else None
-    stamp = (PHASE_ONCE_RESULT << 32) | seq
-
-    def step() -> Result | Offer | Loaded:
-        sent, data = tree.broadcast(
-            pg, index, payload, stamp, config.settings.max_payload_bytes, where, lambda i: ticket.members[i]
-        )
-        envelope = None
-        if sent == stamp:
-            envelope = decode_once(
-                data, sender=source, max_bytes=config.settings.max_payload_bytes, expected_world_size=pg.size()
-            )
-        if envelope is None or envelope.seq != seq or envelope.rank != source:
-            theirs = f"#{sent & 0xFFFFFFFF} (phase {sent >> 32})" if envelope is None else f"#{envelope.seq}"
-            raise CollectiveDesyncError(
-                f"compile once on rank {ticket.rank}: rank {source} sent its result of compile once {theirs} while "
-                f"this rank is at #{seq} (phase {PHASE_ONCE_RESULT}): the ranks are at different graphs.\n"
-                "Every rank must compile the same graphs in the same order.",
-                ranks=(source,),
-            )
-        return envelope.body
-
-    return exchange_frame.framed(pg, step, kind="compile_once", seq=ticket.seq, frame=str(ticket.frame), where=where)
-
-
 def _load_report(ticket: Ticket) -> None:
-    """Who did not load (a miss or a refusal): first one MIN of flags over the host tree; only
-    when some rank did not load (or the ranks are at different graphs), the all-gather of every
-    rank's outcome, for the names and the reasons."""
+    """Who did not load (a miss or a refusal): first one MIN of a flag over the host tree; only
+    when some rank did not load, a gather over the tree to which only those ranks contribute,
+    for the names and the reasons."""
     ticket.step = Step.REPORTED
     t0 = time.perf_counter()
-    seq = ticket.seq or 0
     loaded_here = ticket.outcome not in ("miss", "refused")
-    tree = _tree
-    if tree is not None:
-        counters.once_tree_exchanges += 1
-        pg = ticket.pg
-        record = [PHASE_ONCE_LOADED, -PHASE_ONCE_LOADED, seq, -seq, 1 if loaded_here else 0]
-        out = exchange_frame.framed(
-            pg,
-            lambda: tree.min_ints(pg, record, _where(ticket, "load report")),
-            kind="compile_once",
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            where=_where(ticket, "load report"),
-        )
-        if out[0] == -out[1] == PHASE_ONCE_LOADED and out[2] == -out[3] == seq and out[4] == 1:
-            ticket.local = ()
-            ticket.exchange_s += time.perf_counter() - t0
-            _wait_for_local_compiles(ticket)
-            _record(ticket)
-            return
-    gathered = _gather(ticket, Loaded(ticket.outcome, ticket.outcome_why), PHASE_ONCE_LOADED, "load report")
-    for e in gathered:
-        body = e.body
+    tree = _host_tree(ticket)
+    if _min(ticket, tree, [1 if loaded_here else 0], PHASE_ONCE_LOADED, "load report")[0] == 1:
+        ticket.local = ()
+        ticket.exchange_s += time.perf_counter() - t0
+        _wait_for_local_compiles(ticket)
+        _record(ticket)
+        return
+    counters.once_tree_exchanges += 1
+    mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
+    details = _gather(ticket, mine, PHASE_ONCE_LOADED, "load report")
+    counters.once_report_entries += len(details)
+    for r, body in details.items():
         assert isinstance(body, Loaded)
-        if body.outcome in ("miss", "refused"):
-            plan = ticket.plans.get(e.rank)
-            log.warning(
-                "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",
-                ticket.seq,
-                ticket.frame,
-                e.rank,
-                plan.source if plan is not None else "?",
-                body.outcome,
-                body.why,
-            )
-            if e.rank != ticket.rank:
-                counters.once_peer_local_compiles += 1
-    ticket.local = tuple(e.rank for e in gathered if e.body.outcome in ("miss", "refused"))  # type: ignore[union-attr]
+        plan = ticket.plans.get(r)
+        log.warning(
+            "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",
+            ticket.seq,
+            ticket.frame,
+            r,
+            plan.source if plan is not None else "?",
+            body.outcome,
+            body.why,
+        )
+    ticket.local = tuple(details)
     ticket.exchange_s += time.perf_counter() - t0
     if ticket.rank not in ticket.local:
         _wait_for_local_compiles(ticket)
@@ -754,8 +737,9 @@ def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
 
 
 def _record(ticket: Ticket) -> None:
+    """The graph's record (``records()``), once per ticket; it feeds the counters (``tally``)."""
     plan = ticket.plan
-    if plan is None:
+    if plan is None or ticket.record is not None:
         return
     if ticket.level == "aot" and ticket.fx_keys:
         sidecar.write_fx_keys(ticket.cache.root(), ticket.key, ticket.fx_keys)
@@ -766,27 +750,29 @@ def _record(ticket: Ticket) -> None:
     else:
         state = {COMPILE: "compiled", SERVE: "served", LOCAL: "compiled locally"}[plan.role]
         why = plan.why
-    _records.append(
-        {
-            "seq": ticket.seq,
-            "frame": str(ticket.frame),
-            "level": ticket.level,
-            "key": ticket.key,
-            "state": state,
-            "why": why,
-            "source": plan.source,
-            "waited_s": round(ticket.waited_s, 3),
-            "exchange_s": round(ticket.exchange_s, 6),
-            "install_s": round(ticket.install_s, 6),
-            "transfer_s": round(ticket.transfer_s, 6),
-            "span_s": round((time.time_ns() - ticket.started_ns) / 1e9, 6),
-            "artifact_bytes": ticket.artifact_bytes,
-            "posted_at": ticket.posted_at,
-            "wait_ended_at": ticket.wait_ended_at,
-        }
-    )
+    ticket.record = {
+        "seq": ticket.seq,
+        "frame": str(ticket.frame),
+        "level": ticket.level,
+        "key": ticket.key,
+        "state": state,
+        "ended": tally.ended(plan.role, ticket.outcome, ticket.failure is not None),
+        "why": why,
+        "source": plan.source,
+        "peers_local": [r for r in ticket.local if r != ticket.rank],
+        "waited_s": round(ticket.waited_s, 3),
+        "exchange_s": round(ticket.exchange_s, 6),
+        "install_s": round(ticket.install_s, 6),
+        "transfer_s": round(ticket.transfer_s, 6),
+        "span_s": round((time.time_ns() - ticket.started_ns) / 1e9, 6),
+        "artifact_bytes": ticket.artifact_bytes,
+        "posted_at": ticket.posted_at,
+        "wait_ended_at": ticket.wait_ended_at,
+    }
+    _records.append(ticket.record)
+    tally.add(ticket.record)
     if _on_record is not None:
-        _on_record(ticket, _records[-1])
+        _on_record(ticket, ticket.record)
     if rec is not None and ticket.seq is not None:
         rec.once(
             start_ns=ticket.started_ns,
@@ -841,143 +827,48 @@ def _collect(ticket: Ticket) -> tuple[list[ManifestFile], bytes]:
     return artifact.collect(ticket.cache.root(), dirs, ticket.sources)
 
 
-def _link(ticket: Ticket) -> transfer.Link:
+def _transfer(ticket: Ticket) -> transfer.Graph:
+    """The graph's transfer (``transfer.Graph``); a failed piece is published and counted here."""
     where = _where(ticket, "artifact")
-    return transfer.Link(
-        ticket.pg,
-        ticket.members,
-        ticket.rank,
-        ticket.seq or 0,
-        where,
-        lambda e, peer, what: _transfer_failed(e, ticket, where, peer, what),
-    )
 
-
-def _routes(ticket: Ticket, source: int, result: Result) -> dict[int, transfer.Route]:
-    return transfer.routes(source, result, ticket.plans, ticket.offers, ticket.level, config.settings.once_fanout)
-
-
-def _send_artifacts(ticket: Ticket, results: dict[int, Result], bundle: bytes = b"") -> None:
-    """A source sends its bytes to its children in the tree over the dirs of its loaders (the
-    receivers forward them on as they take them: ``_receive_and_install``)."""
-    plan = ticket.plan
-    assert plan is not None
-    if plan.role in (COMPILE, SERVE):
-        result = results[ticket.rank]
-        t0 = time.perf_counter()
-        transfer.send(_link(ticket), bundle, result, _routes(ticket, ticket.rank, result)[ticket.rank])
-        ticket.transfer_s += time.perf_counter() - t0
-
-
-def _receive_and_install(ticket: Ticket, result: Result) -> str | None:
-    """Receive (or find in this dir) the source's files and check each against its SHA-256;
-    install them. None on success, else why they were refused (nothing was written then).
-
-    A dir's receiver takes every byte its parent sends and forwards it whatever it then decides
-    for itself: its subtree and its dir's readers must never wait on a decision only it made.
-
-    Its time goes to the ticket's ``transfer_s`` (the bytes reaching this dir) and the rest,
-    checking and installing, to its ``install_s``."""
-    t0, moved = time.perf_counter(), ticket.transfer_s
-    try:
-        return _receive_and_install_timed(ticket, result)
-    finally:
-        ticket.install_s += time.perf_counter() - t0 - (ticket.transfer_s - moved)
-
-
-def _receive_and_install_timed(ticket: Ticket, result: Result) -> str | None:
-    plan = ticket.plan
-    assert plan is not None and plan.source is not None
-    problem = artifact.manifest_problem(result, plan.source, ticket.level)
-    if problem is not None:
-        return problem  # the same on every rank: no rank receives (``transfer.routes``)
-    route = _routes(ticket, plan.source, result)[ticket.rank]
-    got = transfer.Received(b"", None)
-    if route.mode == transfer.RECEIVE:
-        t0 = time.perf_counter()
-        got = transfer.receive(_link(ticket), result, route, plan.source)
-        ticket.transfer_s += time.perf_counter() - t0
-        ticket.bytes_in = result.total()
-    why = _refused(artifact.foreign_entry(result.manifest, _entry_prefix(ticket), ticket.key, ticket.level))
-    if why is None:
-        why = _place(ticket, result, route, got.data, got.refusal)
-    if why is None and got.refetched is not None:
-        ticket.outcome_why = got.refetched  # the graph's record says where the bytes came from
-    if route.mode == transfer.RECEIVE and route.readers:
-        groups.post(_installed(ticket, ticket.rank), b"ok" if why is None else why.encode()[:2000])
-    return why
-
-
-def _place(
-    ticket: Ticket, result: Result, route: transfer.Route, data: bytes, received: artifact.Refusal | None
-) -> str | None:
-    """The files in place under this rank's cache dir, by its route; None, or why not."""
-    plan = ticket.plan
-    assert plan is not None and plan.source is not None
-    root = ticket.cache.root()
-    if route.mode == transfer.NONE:
-        mine = ticket.offers[ticket.rank]
-        return (
-            f"the artifact is {result.total()} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
-            f"({mine.max_artifact_bytes})"
-        )
-    if route.mode == transfer.SHARED:
-        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
-    if route.mode == transfer.READ:
-        assert route.via is not None
-        t0 = time.perf_counter()
-        said = _wait_for_posts(ticket, [route.via], _installed, "receive the artifact for this cache dir")[route.via]
-        ticket.transfer_s += time.perf_counter() - t0
-        if said != b"ok":
-            return f"rank {route.via}, which receives for this cache dir, did not install it: " + said.decode(
-                "utf-8", "replace"
+    def failed(error: CollectiveError) -> CollectiveError:
+        return _failed(
+            failure_procedure.exchange_failed(
+                error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
             )
-        return _taken(ticket, artifact.check_shared(root, result.manifest, plan.source))
-    if received is not None:
-        return _refused(received)
-    return _taken(ticket, transfer.install(root, result, data, plan.source))
-
-
-def _taken(ticket: Ticket, outcome: artifact.Accepted | artifact.Refusal) -> str | None:
-    """None when the artifact is in place, else why not. Files it replaced (torn or stale) or
-    kernel binaries it kept (built here from the same source) are named for on-call."""
-    if isinstance(outcome, artifact.Refusal):
-        return _refused(outcome)
-    if outcome.replaced or outcome.kept:
-        log.info(
-            "compile once #%d of %s: took the artifact; replaced %d file(s) whose bytes differed (torn or "
-            "stale) %s; kept %d kernel binar(ies) built here from the same source %s",
-            ticket.seq,
-            ticket.frame,
-            len(outcome.replaced),
-            list(outcome.replaced[:10]),
-            len(outcome.kept),
-            list(outcome.kept[:10]),
         )
-    return None
+
+    link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed)
+    return transfer.Graph(link, ticket.plans, ticket.offers, ticket.level, config.settings.once_fanout)
 
 
-def _refused(refusal: artifact.Refusal | None) -> str | None:
-    if refusal is None:
-        return None
-    if refusal.digest:
-        counters.once_digest_mismatches += 1
-    return refusal.why
+def _install(ticket: Ticket, result: Result) -> str | None:
+    """A loader: the source's files received (or found in its dir), checked and installed
+    (``transfer.receive_and_install``), its time and bytes on the ticket; None, or why it refused.
+    The ranks of one dir hear of their receiver's install through the store."""
+    plan = ticket.plan
+    assert plan is not None and plan.source is not None
 
+    def installed(via: int) -> bytes:
+        return _wait_for_posts(ticket, [via], _installed, "receive the artifact for this cache dir")[via]
 
-def _transfer_failed(
-    error: RuntimeError, ticket: Ticket, where: Callable[[], str], peer: int, what: str
-) -> CollectiveError:
-    """The error of a failed piece: gloo's own (a broken connection) names the one peer it was
-    with, which the whole subtree below then hears in this rank's report."""
-    if not isinstance(error, CollectiveError):
-        error = PeerFailureError(
-            f"{where()}: the connection to rank {peer} ({what}) broke: {error}. Rank {peer} most likely "
-            f"crashed or was killed; check its log and exit status.",
-            ranks=(peer,),
+    def post(said: bytes) -> None:
+        compile_wait.post(
+            _installed(ticket, ticket.rank),
+            said,
+            me=ticket.rank,
+            what=f"compile once #{ticket.seq} of {ticket.frame}",
+            telling="it installed the artifact for this cache dir",
+            kind="compile_once",
+            seq=ticket.seq,
+            frame=str(ticket.frame),
         )
-    return _failed(
-        failure_procedure.exchange_failed(
-            error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
-        )
-    )
+
+    here = transfer.Dir(ticket.cache.root(), _entry_prefix(ticket), ticket.key, installed, post)
+    done = transfer.receive_and_install(_transfer(ticket), result, plan.source, here)
+    ticket.transfer_s += done.transfer_s
+    ticket.install_s += done.install_s
+    ticket.bytes_in += done.bytes_in
+    if done.refetched is not None:
+        ticket.outcome_why = done.refetched  # the graph's record says where the bytes came from
+    return done.refusal

@@ -14,6 +14,13 @@ offers, the result), how each loader of one source gets the bytes:
 * ``NONE``: it does not accept the artifact (its size limit, or the manifest is unsafe): it
   refuses on its own, and no bytes come its way.
 
+The protocol hands each graph's transfer in as a ``Graph`` (its ``Link``, the plans, the offers,
+the level, the fan-out) once the result exchange ended: the source ``serve``s its bytes down its
+tree, and each loader calls ``receive_and_install``, which follows its route to the files in its
+cache dir (``Dir``: the dir, and the protocol's store notices by which a dir's readers hear of
+its receiver's install) and says why it refused, if it did. Who loads, and what a failure means,
+stay the protocol's: ``Link.failed`` publishes and counts a broken piece's error.
+
 The tree: the source is node 0, the receivers nodes 1..D in rank order, and node i's children
 are nodes F*i+1 .. F*i+F. The bytes go in pieces of ``chunk_bytes`` (the source's
 ``COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES``), each with its own tag, so a receiver forwards piece k
@@ -50,10 +57,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ...errors import CollectiveError
+from ...errors import CollectiveError, PeerFailureError
 from ...stats import counters
 from ...transport import byte_tensor, run_p2p, start_recv, start_send, tensor_view
 from ..wire.once import Offer, Result
@@ -87,7 +95,9 @@ class Link:
     rank: int
     seq: int
     where: Callable[[], str]
-    failed: Callable[[RuntimeError, int, str], CollectiveError]  # (error, the peer, what it is to this rank)
+    # How this rank publishes and counts the error of a failed transfer (the protocol's failure
+    # procedure); the error already names the peer (``broken``).
+    failed: Callable[[CollectiveError], CollectiveError]
 
     def tag(self, piece: int) -> int:
         return TAG_BASE | ((self.seq & ((1 << _SEQ_BITS) - 1)) << _PIECE_BITS) | piece
@@ -149,6 +159,30 @@ def routes(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One graph's transfer as its ticket has it once the result exchange ended: the link, every
+    rank's plan and offer (from which every rank works out the same routes), the graph's level
+    ("aot" or "fx") and the tree's fan-out (``COMPILER_COLLECTIVES_ONCE_FANOUT``)."""
+
+    link: Link
+    plans: dict[int, Plan]
+    offers: dict[int, Offer]
+    level: str
+    fanout: int
+
+    def route(self, source: int, result: Result) -> Route:
+        """This rank's route for ``source``'s artifact."""
+        return routes(source, result, self.plans, self.offers, self.level, self.fanout)[self.link.rank]
+
+
+def serve(graph: Graph, bundle: bytes, result: Result) -> float:
+    """The source: its bytes down its tree (``send``); the seconds it took."""
+    t0 = time.perf_counter()
+    send(graph.link, bundle, result, graph.route(graph.link.rank, result))
+    return time.perf_counter() - t0
+
+
 def chunk_digests(bundle: bytes, chunk_bytes: int) -> list[bytes]:
     """The SHA-256 of each ``chunk_bytes`` piece of ``bundle`` (the source's, for the result)."""
     view = memoryview(bundle)
@@ -165,11 +199,23 @@ _Broken = tuple[RuntimeError, int, str]
 
 def _run(link: Link, fn: Callable[[], tuple[T, _Broken | None]]) -> T:
     """``fn`` (the waits of one transfer) on ``run_p2p``'s helper thread; a failed piece as our error."""
-    value, broken = run_p2p(fn, link.where)
-    if broken is not None:
-        error, peer, what = broken
-        raise link.failed(error, peer, what) from error
+    value, failed = run_p2p(fn, link.where)
+    if failed is not None:
+        error, peer, what = failed
+        raise link.failed(broken(error, link.where, peer, what)) from error
     return value
+
+
+def broken(error: RuntimeError, where: Callable[[], str], peer: int, what: str) -> CollectiveError:
+    """The error of a failed piece: gloo's own (a broken connection) names the one peer it was
+    with, which the whole subtree below then hears in this rank's report."""
+    if isinstance(error, CollectiveError):
+        return error
+    return PeerFailureError(
+        f"{where()}: the connection to rank {peer} ({what}) broke: {error}. Rank {peer} most likely "
+        f"crashed or was killed; check its log and exit status.",
+        ranks=(peer,),
+    )
 
 
 def _verdict(rank: int) -> bytes:
@@ -352,3 +398,117 @@ def install(root: str, result: Result, data: bytes, source: int) -> artifact.Acc
     if refusal is not None:
         return refusal
     return artifact.install(root, pieces)
+
+
+# ------------------------------------------------------------------ a loader's side, by its route
+
+
+@dataclasses.dataclass(frozen=True)
+class Dir:
+    """This rank's cache dir as a loader's install needs it: its root, where the entry of its own
+    key lives under it (``prefix``), and how the ranks of one dir hear of their receiver's install
+    (the protocol's notices on the store)."""
+
+    root: str
+    prefix: str
+    key: str | None
+    installed: Callable[[int], bytes]  # what rank ``via``, this dir's receiver, posted: b"ok" or why it refused
+    post: Callable[[bytes], None]  # this rank as its dir's receiver: the same post, for its readers
+
+
+@dataclasses.dataclass(frozen=True)
+class Installed:
+    """What a loader's receive and install came to: why it refused (None: the files are in
+    place; nothing was written otherwise), why its bytes are the source's own copy rather than
+    the tree's (``Received.refetched``), the bytes it received, and its time: the bytes reaching
+    this dir (receiving, or waiting for the dir's receiver) and the rest (checking, installing)."""
+
+    refusal: str | None
+    refetched: str | None = None
+    bytes_in: int = 0
+    transfer_s: float = 0.0
+    install_s: float = 0.0
+
+
+def receive_and_install(graph: Graph, result: Result, source: int, here: Dir) -> Installed:
+    """A loader of ``source``'s artifact: receive (or find in this dir) its files and check each
+    against its SHA-256; install them.
+
+    A dir's receiver takes every byte its parent sends and forwards it whatever it then decides
+    for itself: its subtree and its dir's readers must never wait on a decision only it made."""
+    started = time.perf_counter()
+    problem = artifact.manifest_problem(result, source, graph.level)
+    if problem is not None:
+        # The same on every rank: no rank receives (``routes``).
+        return Installed(problem, install_s=time.perf_counter() - started)
+    route = graph.route(source, result)
+    got, moved, bytes_in = Received(b"", None), 0.0, 0
+    if route.mode == RECEIVE:
+        t0 = time.perf_counter()
+        got = receive(graph.link, result, route, source)
+        moved, bytes_in = time.perf_counter() - t0, result.total()
+    why = _refused(artifact.foreign_entry(result.manifest, here.prefix, here.key, graph.level))
+    if why is None and route.mode == READ:
+        assert route.via is not None
+        t0 = time.perf_counter()
+        said = here.installed(route.via)
+        moved += time.perf_counter() - t0
+        if said != b"ok":
+            why = f"rank {route.via}, which receives for this cache dir, did not install it: " + said.decode(
+                "utf-8", "replace"
+            )
+    if why is None:
+        why = _place(graph, result, route, source, here.root, got.data, got.refusal)
+    if route.mode == RECEIVE and route.readers:
+        here.post(b"ok" if why is None else why.encode()[:2000])
+    refetched = got.refetched if why is None else None
+    return Installed(why, refetched, bytes_in, moved, time.perf_counter() - started - moved)
+
+
+def _place(
+    graph: Graph,
+    result: Result,
+    route: Route,
+    source: int,
+    root: str,
+    data: bytes,
+    received: artifact.Refusal | None,
+) -> str | None:
+    """The files in place under ``root`` by this rank's route; None, or why not."""
+    if route.mode == NONE:
+        mine = graph.offers[graph.link.rank]
+        return (
+            f"the artifact is {result.total()} bytes, over COMPILER_COLLECTIVES_MAX_ARTIFACT_BYTES "
+            f"({mine.max_artifact_bytes})"
+        )
+    if route.mode in (SHARED, READ):
+        return _taken(graph, artifact.check_shared(root, result.manifest, source))
+    if received is not None:
+        return _refused(received)
+    return _taken(graph, install(root, result, data, source))
+
+
+def _taken(graph: Graph, outcome: artifact.Accepted | artifact.Refusal) -> str | None:
+    """None when the artifact is in place, else why not. Files it replaced (torn or stale) or
+    kernel binaries it kept (built here from the same source) are named for on-call."""
+    if isinstance(outcome, artifact.Refusal):
+        return _refused(outcome)
+    if outcome.replaced or outcome.kept:
+        log.info(
+            "%s: took the artifact; replaced %d file(s) whose bytes differed (torn or stale) %s; kept %d "
+            "kernel binar(ies) built here from the same source %s",
+            graph.link.where(),
+            len(outcome.replaced),
+            list(outcome.replaced[:10]),
+            len(outcome.kept),
+            list(outcome.kept[:10]),
+        )
+    return None
+
+
+def _refused(refusal: artifact.Refusal | None) -> str | None:
+    if refusal is None:
+        return None
+    if refusal.digest:
+        counters.once_digest_mismatches += 1
+    return refusal.why
