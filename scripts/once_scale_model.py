@@ -310,6 +310,17 @@ def before37(hosts: int, link: float, f: Figures) -> dict[str, float]:
     }
 
 
+def host_keys(n: int, link: float, f: Figures) -> float:
+    """The all-gather of host keys a generation's tree is built from (``hosttree.gather_ints``):
+    Bruck's, ceil(log2 N) rounds of a send and a receive, 8(N - 1) bytes in all per rank."""
+    us, held, t = 1e-6, 1, f.thread_us * 1e-6
+    while held < n:
+        step = min(held, n - held)
+        t += f.hop_us * us + 2 * f.send_us * us + 8 * step / link
+        held += step
+    return t
+
+
 def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
     """The exchanges per graph as built (``transport/hosttree.py``, ``protocol``)."""
     n, k = hosts * f.ranks_per_host, sources(hosts, f)
@@ -319,7 +330,7 @@ def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
     offers = tree_gather(hosts, link, f, n, OFFER_BYTES)
     report = t["time_s"] if k else 0.0
     steady = t["time_s"] + (results["time_s"] if results else 0.0) + report
-    layout = (n - 1) * (f.hop_us * 1e-6 + 8 / link)
+    layout = host_keys(n, link, f)
     return {
         "keys_s": t["time_s"],
         "result_s": results["time_s"] if results else 0.0,

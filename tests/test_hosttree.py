@@ -4,7 +4,8 @@ ranks, without a compile.
 Ranks are split into "hosts" by ``GROUP_RANK``, as torchrun's agents split them; five ranks on
 three hosts of two, two and one rank: hosts of unequal size, and a host count that is not a power
 of two (the leaders' recursive doubling takes its extra steps). The gather is also taken on five
-hosts of one rank and on one host of five, in the same job.
+hosts of one rank and on one host of five, in the same job, and the all-gather of one int per rank
+that builds the tree (Bruck's: its last round sends fewer than it holds).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def tree_job(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from compiler_collectives.transport import HostTree
+    from compiler_collectives.transport.hosttree import gather_ints, run_p2p
 
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
-    out: dict = {"gather": {}}
+    out: dict = {"gather": {}, "ints": run_p2p(lambda: gather_ints(pg, 1000 + 7 * rank), where)}
     for layout in (HOST_OF, [0, 1, 2, 3, 4], [0] * 5):
         os.environ["GROUP_RANK"] = str(layout[rank])
         tree = HostTree.build(pg, lambda per_host: 2 + per_host, where)
@@ -55,6 +57,7 @@ def test_every_rank_gets_every_min_and_every_contribution_to_a_gather_on_hosts_o
         assert r["hosts"] == [[0, 1], [2, 3], [4]] and r["width"] == 4
         assert r["min"] == [[6, 0, 100]] * 3
         assert r["gather"] == {3: expected, 5: expected, 1: expected}
+        assert r["ints"] == [1000 + 7 * i for i in range(5)]
 
 
 def mismatch_job(rank: int, world: int) -> dict:
