@@ -9,8 +9,9 @@ writes what it saw to a JSON file. Rank 1 compiles graph #1 (the plan's first tu
 waits for it; a fault is injected on rank 1 at the start of that compile.
 
 The c10d store can fail under that wait too (issue 37, item 4): hosted there by a process of its
-own, which rank 1 kills or stops as its compile starts; those tests, and the broken collective's,
-tell hosts apart by ``GROUP_RANK`` under ``run_ranks``.
+own, which rank 1 kills or stops as its compile starts; rank 1's post that its compile ended then
+meets the failed store too. Those tests, and the broken collective's, tell hosts apart by
+``GROUP_RANK`` under ``run_ranks``.
 """
 
 from __future__ import annotations
@@ -193,17 +194,15 @@ def job_whose_store_fails(rank: int, world: int, case: dict) -> dict:
     return out
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
-def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_naming_the_store_within_seconds(
-    tmp_path, fault
-):
-    """Killed: the store's connections close, and the wait ends at once. Stopped: its calls go
-    unanswered; the compiling rank's heartbeat stands still, and the wait's read of its record
-    runs out at COMPILER_COLLECTIVES_TIMEOUT (the compile timeout is an hour)."""
+@pytest.fixture(scope="module", params=["killed", "stopped"])
+def failing_store(request, tmp_path_factory):
+    """The job, its store killed or stopped as the compile starts: (fault, the store's port, the
+    outcome). One run for both tests of a fault: the waiting rank's error and the compiling rank's."""
     import subprocess
     import sys
 
+    fault = request.param
+    tmp_path = tmp_path_factory.mktemp(f"store_{fault}")
     host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout is not None
@@ -222,6 +221,17 @@ def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_n
     finally:
         host.kill()
         host.wait(10)
+    return fault, port, outcome
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_naming_the_store_within_seconds(
+    failing_store,
+):
+    """Killed: the store's connections close, and the wait ends at once. Stopped: its calls go
+    unanswered; the compiling rank's heartbeat stands still, and the wait's read of its record
+    runs out at COMPILER_COLLECTIVES_TIMEOUT (the compile timeout is an hour)."""
+    fault, port, outcome = failing_store
     waiting, compiling = outcome.results[WAITING_RANK], outcome.results[COMPILING_RANK]
     assert waiting is not None and compiling is not None, outcome
     assert waiting["type"] == "StoreFailureError", waiting
@@ -233,6 +243,26 @@ def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_n
     # Stopped: + the 3 s before a heartbeat of 1 s counts as silent, + the failure report's bound (3 s).
     within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 3.0 + 3.0 + 2.0
     assert waiting["ended_at"] - compiling["failed_at"] < within_s, (waiting["ended_at"], compiling["failed_at"])
+
+
+@pytest.mark.timeout(200)
+def test_a_compiling_rank_whose_post_meets_a_failed_store_raises_a_store_failure_naming_the_store_and_the_graph(
+    failing_store,
+):
+    """Rank 1 compiles on after the store failed, then posts that its compile ended: our
+    ``StoreFailureError``, published through the failure procedure, never c10d's own error. (The
+    waiting rank cannot hear it through the failed store: it raises its own store failure, above.)
+    Stopped: the waiting rank kills the store as it ends, so the post meets a stopped or a dead one."""
+    _, port, outcome = failing_store
+    compiling = outcome.results[COMPILING_RANK]
+    assert compiling is not None, outcome  # our error, caught by the job: not torch's, which escapes it
+    assert compiling["type"] == "StoreFailureError", compiling
+    message = compiling["message"]
+    assert message.startswith("compile once #1 of ") and f"on rank {COMPILING_RANK}:" in message, message
+    assert "could not tell the ranks waiting for it that its compile of this graph ended" in message, message
+    assert f"the c10d store at 127.0.0.1:{port} " in message and "MASTER_ADDR" in message, message
+    # Published through the failure procedure: its store report meets the same failed store.
+    assert any("could not report its failure on the c10d store" in line for line in compiling["logs"]), compiling
 
 
 # ---------------------------------------------------------------- a broken collective names the peer

@@ -94,15 +94,13 @@ def wait_for_posts(
     def store_failed(failed: str) -> CollectiveError:
         nonlocal why_not
         why_not = _STORE_FAILED
-        counters.errors += 1
-        error = StoreFailureError(
-            f"{what} on rank {me}: stopped waiting for {ranks_text(pending)} to {doing}: {failed}. {STORE_ADVICE}",
+        return _store_failure(
+            f"{what} on rank {me}: stopped waiting for {ranks_text(pending)} to {doing}: {failed}",
             kind=kind,
             rank=me,
             seq=seq,
             frame=frame,
         )
-        return failure_procedure.known(error, seq=seq)
 
     try:
         next_probe = started
@@ -208,12 +206,17 @@ def post(name: str, value: bytes, *, me: int, what: str, telling: str, kind: str
             raise
         failed = f"{groups.store_name()} failed while this rank posted it ({store_error_text(e)})"
         cause = e
-    counters.errors += 1
-    error = StoreFailureError(
-        f"{what} on rank {me}: could not tell the ranks waiting for it that {telling}: {failed}. {STORE_ADVICE}",
+    raise _store_failure(
+        f"{what} on rank {me}: could not tell the ranks waiting for it that {telling}: {failed}",
         kind=kind,
         rank=me,
         seq=seq,
         frame=frame,
-    )
-    raise failure_procedure.known(error, seq=seq) from cause
+    ) from cause
+
+
+def _store_failure(text: str, *, kind: str, rank: int, seq: int | None, frame: str) -> CollectiveError:
+    """``StoreFailureError`` saying ``text`` and what to check, counted and published (``known``)."""
+    counters.errors += 1
+    error = StoreFailureError(f"{text}. {STORE_ADVICE}", kind=kind, rank=rank, seq=seq, frame=frame)
+    return failure_procedure.known(error, seq=seq)

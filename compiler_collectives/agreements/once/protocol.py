@@ -390,16 +390,7 @@ def finish(
         # exchange would otherwise measure it against COMPILER_COLLECTIVES_TIMEOUT).
         ticket.step = Step.DONE
         said = b"ok" if error is None else (failure_text or f"{type(error).__name__}: {error}").encode()[:2000]
-        compile_wait.post(
-            _compiled_itself(ticket, ticket.rank),
-            said,
-            me=ticket.rank,
-            what=f"compile once #{ticket.seq} of {ticket.frame}",
-            telling="its own compile of this graph ended",
-            kind="compile_once",
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-        )
+        _post(ticket, _compiled_itself, said, "its own compile of this graph ended")
         _wait_for_local_compiles(ticket, raised_here=error is not None)
         return
     if step is not Step.PLANNED:
@@ -434,16 +425,7 @@ def finish(
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
             ticket.install_s += time.perf_counter() - t0
-        compile_wait.post(
-            _notice(ticket, ticket.rank),
-            b"1",
-            me=ticket.rank,
-            what=f"compile once #{ticket.seq} of {ticket.frame}",
-            telling="its compile of this graph ended",
-            kind="compile_once",
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-        )
+        _post(ticket, _notice, b"1", "its compile of this graph ended")
         ticket.posted_at = time.time()
     _wait_for_sources(ticket)
     results = _results(ticket, mine)
@@ -590,6 +572,21 @@ def _installed(ticket: Ticket, rank: int) -> str:
 
 def _compiled_itself(ticket: Ticket, rank: int) -> str:
     return f"once/{ticket.seq}/local/{rank}"
+
+
+def _post(ticket: Ticket, notice: Callable[[Ticket, int], str], value: bytes, telling: str) -> None:
+    """Post this rank's ``notice`` for the ranks waiting for it (``compile_wait.post``: a failed
+    store raises our ``StoreFailureError``, published); ``telling``: what the post tells them."""
+    compile_wait.post(
+        notice(ticket, ticket.rank),
+        value,
+        me=ticket.rank,
+        what=f"compile once #{ticket.seq} of {ticket.frame}",
+        telling=telling,
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+    )
 
 
 def _wait_for_local_compiles(ticket: Ticket, raised_here: bool = False) -> None:
@@ -853,16 +850,7 @@ def _install(ticket: Ticket, result: Result) -> str | None:
         return _wait_for_posts(ticket, [via], _installed, "receive the artifact for this cache dir")[via]
 
     def post(said: bytes) -> None:
-        compile_wait.post(
-            _installed(ticket, ticket.rank),
-            said,
-            me=ticket.rank,
-            what=f"compile once #{ticket.seq} of {ticket.frame}",
-            telling="it installed the artifact for this cache dir",
-            kind="compile_once",
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-        )
+        _post(ticket, _installed, said, "it installed the artifact for this cache dir")
 
     here = transfer.Dir(ticket.cache.root(), _entry_prefix(ticket), ticket.key, installed, post)
     done = transfer.receive_and_install(_transfer(ticket), result, plan.source, here)
