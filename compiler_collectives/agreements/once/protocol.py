@@ -294,18 +294,13 @@ def fetch(ticket: Ticket) -> bool:
     if result.status == "failed":
         ticket.outcome, ticket.outcome_why = "none", "the compiling rank's compile raised"
         _report(ticket)  # the serving rank takes it too before raising its own error
-        raise _failed(
-            CompileOnceError(
-                f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
-                f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
-                f"{plan.source}'s log for the traceback. COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank "
-                "compile its own graphs.",
-                kind="compile_once",
-                rank=ticket.rank,
-                seq=ticket.seq,
-                frame=str(ticket.frame),
-                ranks=(plan.source,),
-            )
+        raise _once_error(
+            ticket,
+            f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
+            f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
+            f"{plan.source}'s log for the traceback. COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank "
+            "compile its own graphs.",
+            (plan.source,),
         )
     why = _install(ticket, result)
     if why is not None:
@@ -474,6 +469,15 @@ def _failed(error: _E) -> _E:
     return error
 
 
+def _once_error(ticket: Ticket, message: str, ranks: tuple[int, ...]) -> CompileOnceError:
+    """Compile once's own error about this ticket's graph, naming ``ranks``, counted (``_failed``)."""
+    return _failed(
+        CompileOnceError(
+            message, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), ranks=ranks
+        )
+    )
+
+
 def abandon(ticket: Ticket) -> None:
     """Drop ``ticket`` without further exchanges (ours failed during its compile)."""
     _local.ticket = ticket.outer
@@ -599,18 +603,13 @@ def _wait_for_local_compiles(ticket: Ticket, raised_here: bool = False) -> None:
     raised = {r: text for r, text in sorted(said.items()) if text != b"ok"}
     if raised and not raised_here:
         r, text = next(iter(raised.items()))
-        raise _failed(
-            CompileOnceError(
-                f"rank {ticket.rank}: rank {r} compiled graph #{ticket.seq} of {ticket.frame} itself (it did not load "
-                f"the artifact) and its compile raised: {text.decode('utf-8', 'replace')}. Every rank leaves a graph's "
-                f"compile together, so this rank raises too; see rank {r}'s log for the traceback. "
-                "COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank compile its own graphs.",
-                kind="compile_once",
-                rank=ticket.rank,
-                seq=ticket.seq,
-                frame=str(ticket.frame),
-                ranks=tuple(raised),
-            )
+        raise _once_error(
+            ticket,
+            f"rank {ticket.rank}: rank {r} compiled graph #{ticket.seq} of {ticket.frame} itself (it did not load "
+            f"the artifact) and its compile raised: {text.decode('utf-8', 'replace')}. Every rank leaves a graph's "
+            f"compile together, so this rank raises too; see rank {r}'s log for the traceback. "
+            "COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank compile its own graphs.",
+            tuple(raised),
         )
 
 
@@ -670,16 +669,11 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
             continue
         bad = not isinstance(body, Result) or (p.role in (COMPILE, SERVE)) != (body.status != "none")
         if bad:
-            raise _failed(
-                CompileOnceError(
-                    f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
-                    f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
-                    kind="compile_once",
-                    rank=ticket.rank,
-                    seq=ticket.seq,
-                    frame=str(ticket.frame),
-                    ranks=(r,),
-                )
+            raise _once_error(
+                ticket,
+                f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
+                f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
+                (r,),
             )
     ticket.exchange_s += time.perf_counter() - t0
     return out  # type: ignore[return-value]
