@@ -1,7 +1,7 @@
 """This module holds the list of the process's global state: what each moment clears.
 
 Every module-level mutable of the layers below the Dynamo seam (agreements,
-transport, health, instrument) is declared here, by the module that owns it,
+transport, health, store, instrument) is declared here, by the module that owns it,
 with a decorator on the function that clears or sets it:
 
 * ``@clears(*moments, names=..., what=...)``: the function is that module's

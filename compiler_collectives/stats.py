@@ -107,7 +107,7 @@ class Counters:
     once_wait_s: float = 0.0
     # slow path: recompile reasons exchanged after an agreed miss
     guard_reason_exchanges: int = 0
-    # requests this rank's side channel sent to the c10d store (health/watchdog.py: heartbeats,
+    # requests this rank's side channel sent to the c10d store (store/: heartbeats,
     # failure reports, rendezvous, notices and the compile wait's waits and heartbeat reads; a
     # timed-out wait counts two, its cancel included); groups made on the store are not counted
     store_requests: int = 0

@@ -93,11 +93,11 @@ that store):
       COMPILER_COLLECTIVES_HEARTBEAT_S (``--heartbeat-s``, 1): 2N/hb;
   compile wait: while a graph compiles, every rank but the sources waits for every source's
       post (``compile_wait.wait_for_posts``). As built (issue 37 item 2) it blocks: a store
-      connection of its own (one request: ``watchdog.NoticeWait``), then per source one
+      connection of its own (one request: ``store.mailbox.NoticeWait``), then per source one
       blocking ``wait`` and one ``get``; the sources' liveness read once (per source its failure
       key, whether it has a record, the record), then one ``multi_get`` of all their records
       each time the last read makes them look silent: once per stale_after = 2.5 hb + 0.5 s
-      (3 s) while they beat (``watchdog.PeerRecords``); /proc and the gloo connection cost the
+      (3 s) while they beat (``store.board.PeerRecords``); /proc and the gloo connection cost the
       store nothing, failure reports come through the heartbeat. Steady state:
       (N - S_src) / stale_after; per graph (N - S_src) * (1 + 5 S_src + C / stale_after) + S_src
       over a compile of C seconds (``--compile-s``, 30).
@@ -161,7 +161,7 @@ LOOK_REQUESTS = (
 WAIT_REQUESTS = 1  # per waiting rank and graph: its notice wait's own store connection (a clone connects)
 NOTICE_REQUESTS = 2  # per source: the blocking wait for its post, and the get of it
 FIRST_READ_REQUESTS = 3  # per source, once per graph: its failure key, whether it has a record, the record
-RECORD_EVERY_S = 1.0  # watchdog.RECORD_EVERY_S: heartbeats off, how often a source's failure key is read
+RECORD_EVERY_S = 1.0  # store.board.RECORD_EVERY_S: heartbeats off, how often a source's failure key is read
 HEARTBEAT_REQUESTS = 2  # per beat: the record's set, the failure count's add
 
 
@@ -370,7 +370,7 @@ def store(hosts: int, f: Figures) -> dict[str, float]:
     waiters = n - src if src else 0
     heartbeat = HEARTBEAT_REQUESTS * n / f.heartbeat_s if f.heartbeat_s > 0 else 0.0
     # Heartbeats on: one multi_get of the sources' records per stale_after; off: each source's
-    # failure key every RECORD_EVERY_S (watchdog.RECORD_EVERY_S, 1 s).
+    # failure key every RECORD_EVERY_S (store.board.RECORD_EVERY_S, 1 s).
     waiting = waiters / stale_after(f.heartbeat_s) if f.heartbeat_s > 0 else waiters * src / RECORD_EVERY_S
     per_graph = waiters * (WAIT_REQUESTS + (NOTICE_REQUESTS + FIRST_READ_REQUESTS) * src) + waiting * f.compile_s + src
     polling = waiters * src * LOOK_REQUESTS / POLL_S[1]

@@ -328,7 +328,7 @@ def _wired() -> dict[str, object]:
     from compiler_collectives import dynamo, health
     from compiler_collectives.agreements import audit, compiler, failure, fingerprint, guard, scope, setup
     from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
-    from compiler_collectives.health import watchdog
+    from compiler_collectives.store import calls as store_calls
     from compiler_collectives.transport import groups
 
     transport_groups = sys.modules["compiler_collectives.transport.groups"]  # the module, not the instance
@@ -339,7 +339,7 @@ def _wired() -> dict[str, object]:
         "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
         "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit.progress)],
         "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
-        "store": vars(watchdog)["_default_store"] is dynamo.torch_original("get_default_store"),
+        "store": vars(store_calls)["_default_store"] is dynamo.torch_original("get_default_store"),
         "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
         "frames": sorted(vars(guard)["_wrapper_locals"].values()),
         "profiler": vars(guard)["_profiler_enabled"](),

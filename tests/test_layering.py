@@ -248,13 +248,16 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
 BASE = ("config", "errors", "observations", "process_state", "stats", "version")
 RANKS = {
     # the root package's __init__ (the public API) and __main__: above everything
-    "package": 7,
+    "package": 8,
     # the command-line tools (cli, doctor, report): they read everything
-    "tools": 6,
-    "dynamo": 5,
-    "agreements": 4,
-    "transport": 3,
-    "health": 2,
+    "tools": 7,
+    "dynamo": 6,
+    "agreements": 5,
+    "transport": 4,
+    # liveness and diagnosis: what the store's records say of a peer
+    "health": 3,
+    # the store floor: bounded store calls, the heartbeat and failure-report board, notices, rendezvous
+    "store": 2,
     # timing and the artifacts' plain data: what every layer records into
     "instrument": 1,
     # config, errors, observations, process_state, stats, version
@@ -603,7 +606,10 @@ def test_the_version_is_declared_once_and_pyproject_agrees():
         # a lazy one, inside a function
         ("compiler_collectives.agreements.guard", "def f():\n    from ..dynamo import bound\n"),
         # one under TYPE_CHECKING
-        ("compiler_collectives.health.watchdog", "if TYPE_CHECKING:\n    from ..transport import Groups\n"),
+        ("compiler_collectives.health.diagnosis", "if TYPE_CHECKING:\n    from ..transport import Groups\n"),
+        # the store floor reading the health layer above it (a verdict, a diagnosis)
+        ("compiler_collectives.store.board", "from ..health.liveness import stale_after\n"),
+        ("compiler_collectives.store.calls", "def f():\n    from ..health import diagnosis\n"),
         # the instrumentation reading the agreements (the artifacts' old Shared import)
         (
             "compiler_collectives.instrument.artifacts",
@@ -673,7 +679,7 @@ def test_the_private_import_check_flags_a_private_import(snippet):
         "from .. import transport\nx = transport.shm._HDR_VERSION\n",
         "from ..transport import shm\nshm._HDR_VERSION = 9\n",
         "from ..transport import shm\nx = getattr(shm, '_HDR_VERSION')\n",
-        "def f():\n    from ..health import watchdog as w\n    return w._log\n",
+        "def f():\n    from ..store import board as w\n    return w._log\n",
     ],
 )
 def test_the_private_read_check_flags_a_private_read_through_any_alias(snippet):

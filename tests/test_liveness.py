@@ -5,7 +5,7 @@ The verdict (``health.liveness.judge``) reads a peer's heartbeat record, for a
 process on this host ``/proc``, and what a look at its connection found; the
 tests give it real processes: this test process, or a child that sleeps,
 stopped, resumed and killed for real. The failure diagnosis names a stopped,
-wedged or silent peer absent; compile once's wait (``SideChannel.watch``,
+wedged or silent peer absent; compile once's wait (``health.watch.watch_peer``,
 ``groups.watch_peers``) waits for all three, warning when it starts and every
 period while it lasts, and gives up only on a gone or failed one (evidence of
 death, not silence), heartbeats on or off. Side channels run over a real
@@ -31,8 +31,11 @@ import compiler_collectives
 from compiler_collectives import config
 from compiler_collectives.errors import StoreFailureError, StoreUnresponsive
 from compiler_collectives.health import liveness
+from compiler_collectives.health.diagnosis import diagnose
 from compiler_collectives.health.liveness import COMPILE_WAIT, DIAGNOSIS, Liveness, PeerWatch, judge
-from compiler_collectives.health.watchdog import SideChannel, StoreCaller
+from compiler_collectives.health.watch import watch_peer
+from compiler_collectives.store.board import SideChannel
+from compiler_collectives.store.calls import StoreCaller
 from compiler_collectives.transport.segment import process_identity
 
 # Multi-process tests here: release independent (tests/tiers.py).
@@ -259,7 +262,7 @@ def test_with_heartbeats_off_the_compile_wait_names_a_dead_same_host_peer_gone_w
     waiter, compiler = _channels(tmp_path, sleeper.pid)
     try:
         assert not compiler.beating  # no thread: only the record written at start
-        probe = waiter.watch(1)
+        probe = watch_peer(waiter, 1)
         assert probe() is None
         sleeper.kill()
         sleeper.wait(10)
@@ -277,7 +280,7 @@ def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagno
 ):
     waiter, compiler = _channels(tmp_path, sleeper.pid)
     try:
-        probe = waiter.watch(1, policy=COMPILE_WAIT)
+        probe = watch_peer(waiter, 1, policy=COMPILE_WAIT)
         sleeper.send_signal(signal.SIGSTOP)
         _until(lambda: process_identity(sleeper.pid)[0] in ("T", "t"))
         with caplog.at_level(logging.WARNING, logger="compiler_collectives.watchdog"):
@@ -287,7 +290,7 @@ def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagno
         assert f"rank 1's process (pid {sleeper.pid}, this host) is stopped (SIGSTOP or a debugger)" in warnings[0]
         assert "COMPILER_COLLECTIVES_COMPILE_TIMEOUT" in warnings[0]
 
-        diagnosis = waiter.diagnose(grace_s=5.0)
+        diagnosis = diagnose(waiter, grace_s=5.0)
         assert diagnosis.absent == [1]
         assert "rank 1: absent, its process" in diagnosis.render() and "is stopped" in diagnosis.render()
 
@@ -304,10 +307,10 @@ def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period
     tmp_path, caplog, monkeypatch
 ):
     """Issue 37: silence is no evidence of death; a broken connection is."""
-    from compiler_collectives.health import watchdog
+    from compiler_collectives.health import watch
 
-    monkeypatch.setattr(watchdog, "WARN_EVERY_S", 0.5)
-    monkeypatch.setattr(watchdog, "CONNECTION_EVERY_S", 0.0)
+    monkeypatch.setattr(watch, "WARN_EVERY_S", 0.5)
+    monkeypatch.setattr(watch, "CONNECTION_EVERY_S", 0.0)
     broken: list[str] = []
     looks = []
 
@@ -318,7 +321,7 @@ def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period
     with config.override(heartbeat_s=0.1):
         waiter, compiler = _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE)
         try:
-            probe = waiter.watch(1, policy=COMPILE_WAIT, connection=connection)
+            probe = watch_peer(waiter, 1, policy=COMPILE_WAIT, connection=connection)
             assert probe() is None
             compiler.stop(1.0)  # its beat counter stands still from now on
             with caplog.at_level(logging.WARNING, logger="compiler_collectives.watchdog"):
@@ -335,7 +338,7 @@ def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period
             broken.append("gloo: Connection reset by peer")
             gone = probe()
             assert gone is not None and "its connection to this rank broke (gloo: Connection reset by peer)" in gone
-            assert waiter.diagnose(grace_s=3.0).absent == [1]  # the diagnosis: silent for 0.75 s is absent
+            assert diagnose(waiter, grace_s=3.0).absent == [1]  # the diagnosis: silent for 0.75 s is absent
         finally:
             waiter.stop(1.0)
             compiler.stop(1.0)
@@ -360,13 +363,13 @@ def _counting_thread_starts(monkeypatch) -> list[str]:
 def test_polling_a_peer_and_its_notice_starts_no_thread_per_call(tmp_path, heartbeats_off, monkeypatch):
     waiter, compiler = _channels(tmp_path, os.getpid())  # the peer is this process: alive
     try:
-        probe = waiter.watch(1)
-        compiler.post("once/1/1", b"not yet")
+        probe = watch_peer(waiter, 1)
+        compiler.mailbox.post("once/1/1", b"not yet")
         started = _counting_thread_starts(monkeypatch)
         for _ in range(200):
             assert probe() is None
-            assert waiter.read_post("once/1/1") == b"not yet"
-            assert waiter.read_post("once/1/0") is None
+            assert waiter.mailbox.read_post("once/1/1") == b"not yet"
+            assert waiter.mailbox.read_post("once/1/0") is None
         assert len(started) <= 1, started  # at most the one store-call thread, started on first use
     finally:
         waiter.stop(1.0)
@@ -383,12 +386,12 @@ def test_the_compile_wait_reads_a_peer_s_record_once_then_only_what_can_change_a
 ):
     """Issue 37: /proc is looked at on every call; the store (its failure report, heartbeats off)
     once every ``RECORD_EVERY_S``, not at every poll."""
-    from compiler_collectives.health import watchdog
+    from compiler_collectives.store import board
 
-    monkeypatch.setattr(watchdog, "RECORD_EVERY_S", 0.5)
+    monkeypatch.setattr(board, "RECORD_EVERY_S", 0.5)
     waiter, compiler = _channels(tmp_path, os.getpid())
     try:
-        probe = waiter.watch(1)
+        probe = watch_peer(waiter, 1)
         before = _store_requests()
         assert [probe() for _ in range(50)] == [None] * 50
         assert _store_requests() - before == 3  # its failure report, whether it has a record, the record
@@ -405,10 +408,10 @@ def test_a_notice_wait_blocks_on_the_store_and_wakes_on_the_post_in_a_few_reques
     waiter, compiler = _channels(tmp_path, os.getpid())
     try:
         before = _store_requests()
-        notices = waiter.wait_posts(["once/1/1"], 30.0)
+        notices = waiter.mailbox.wait_posts(["once/1/1"], 30.0)
         assert not notices.done(1.5)
         assert notices.posted() == [None]
-        compiler.post("once/1/1", b"ok")
+        compiler.mailbox.post("once/1/1", b"ok")
         assert notices.done(5.0)
         assert notices.result() == [b"ok"]
         assert _store_requests() - before <= 4  # its connection, the wait, the get; the post
@@ -427,8 +430,8 @@ def test_notice_waits_one_after_another_share_one_store_connection_until_the_cha
             if n == 2:
                 waiter.stopping()  # GROUP_ENDING: the spare connection goes with the channel
             before = _store_requests()
-            notices = waiter.wait_posts([f"once/{n}/1"], 30.0)
-            compiler.post(f"once/{n}/1", b"ok")
+            notices = waiter.mailbox.wait_posts([f"once/{n}/1"], 30.0)
+            compiler.mailbox.post(f"once/{n}/1", b"ok")
             assert notices.done(5.0) and notices.result() == [b"ok"]
             cost.append(_store_requests() - before)
         assert cost == [4, 3, 4], cost  # [its connection,] the wait, the get; the post
@@ -441,15 +444,15 @@ def test_notice_waits_one_after_another_share_one_store_connection_until_the_cha
 def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_gets_the_post(tmp_path, heartbeats_off):
     waiter, compiler = _channels(tmp_path, os.getpid())
     try:
-        given_up = waiter.wait_posts(["once/1/1"], 30.0)
-        other = compiler.wait_posts(["once/1/1"], 30.0)  # another rank waiting for the same notice
+        given_up = waiter.mailbox.wait_posts(["once/1/1"], 30.0)
+        other = compiler.mailbox.wait_posts(["once/1/1"], 30.0)  # another rank waiting for the same notice
         assert not given_up.done(0.5)
         assert _waiting_threads() == 2
         given_up.cancel("rank 0 stopped waiting for it")
         assert given_up.done(0.0) and _waiting_threads() == 1  # its thread ended with it
-        assert waiter.read_post("once/1/1") is None  # what it left there is no post
+        assert waiter.mailbox.read_post("once/1/1") is None  # what it left there is no post
         assert not other.done(0.5)
-        waiter.post("once/1/1", b"ok")
+        waiter.mailbox.post("once/1/1", b"ok")
         assert other.done(5.0) and other.result() == [b"ok"]
     finally:
         waiter.stop(1.0)
@@ -463,7 +466,7 @@ def test_a_notice_wait_whose_store_host_goes_away_ends_at_once_with_a_store_fail
     client = dist.TCPStore("127.0.0.1", port, 1, False)
     waiter = SideChannel(0, 2, 1, dict, identity={"pid": os.getpid()}, probe=process_identity, store=client)
     try:
-        notices = waiter.wait_posts(["once/1/1"], 30.0)
+        notices = waiter.mailbox.wait_posts(["once/1/1"], 30.0)
         assert not notices.done(0.5)
         del host  # its server stops: every connection to it closes
         began = time.monotonic()
@@ -547,7 +550,7 @@ def test_with_heartbeats_off_a_rank_still_writes_its_identity_once_and_starts_no
         record = json.loads(waiter.store.get("hb/1"))
         assert {k: record[k] for k in ("pid", "host", "hb_s")} == {"pid": os.getpid(), "host": HERE, "hb_s": 0.0}
         assert record["start"] == process_identity(os.getpid())[1]
-        assert waiter.watch(1)() is None  # alive: found in /proc from that record
+        assert watch_peer(waiter, 1)() is None  # alive: found in /proc from that record
     finally:
         waiter.stop(1.0)
         compiler.stop(1.0)

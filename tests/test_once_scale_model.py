@@ -91,7 +91,8 @@ def test_the_bytes_per_rank_of_the_exchanges_as_built_do_not_grow_with_the_world
 def test_the_model_takes_its_shapes_from_the_code(m):
     from compiler_collectives.agreements.once import keys
     from compiler_collectives.agreements.wire.once import Loaded, encode_once
-    from compiler_collectives.health import liveness, watchdog
+    from compiler_collectives.health import liveness
+    from compiler_collectives.store import board
     from compiler_collectives.transport import HostTree
     from compiler_collectives.transport.hierarchy import doubling_plan
 
@@ -101,7 +102,7 @@ def test_the_model_takes_its_shapes_from_the_code(m):
     miss = Loaded("miss", "the entry's guards fail this rank's size hints")  # once.protocol.loaded's reason
     assert m.LOADED_BYTES == len(encode_once(rank=8191, world_size=8192, seq=100, body=miss))
     assert m.stale_after(f.heartbeat_s) == liveness.stale_after(f.heartbeat_s)
-    assert m.RECORD_EVERY_S == watchdog.RECORD_EVERY_S
+    assert m.RECORD_EVERY_S == board.RECORD_EVERY_S
     for hosts in (2, 3, 5, 8, 1000, 1024):
         assert m._rounds(hosts) == max(len(doubling_plan(i, hosts)) for i in range(hosts))
 

@@ -5,7 +5,7 @@
 ``reset_stats()``) clears, what install wires and what is kept for the
 process's life. Each module declares its own, with a decorator on the function
 that clears, sets or fills it. The check below parses the agreements,
-transport, health and instrument layers with ``ast`` (as ``test_layering.py``
+transport, health, store and instrument layers with ``ast`` (as ``test_layering.py``
 does) and flags a module-level mutable that no declaration names, or a
 declaration that names nothing the module binds; it is shown to fail on a
 mutation.
@@ -32,7 +32,7 @@ import pytest
 
 from .test_layering import TOP, TREE, Tree, mutated
 
-LAYERS = ("agreements", "transport", "health", "instrument")
+LAYERS = ("agreements", "transport", "health", "store", "instrument")
 MUTABLE_CALLS = {
     "local",
     "Lock",
@@ -101,7 +101,7 @@ def module_mutables(text: str) -> dict[str, int]:
 
 
 def check_declared(tree: Tree, declared: dict[str, set[str]]) -> list[str]:
-    """Every module-level mutable in the four layers is declared in ``process_state``, and
+    """Every module-level mutable in the five layers is declared in ``process_state``, and
     every declared name is bound by its module."""
     offences = []
     for module, src in tree.items():
@@ -142,7 +142,8 @@ def test_every_module_level_mutable_below_the_seam_is_declared():
     [
         ("compiler_collectives.agreements.guard", "_x = {}\n"),
         ("compiler_collectives.transport.groups", "_seen: list[int] = []\n"),
-        ("compiler_collectives.health.watchdog", "import threading\n_tls = threading.local()\n"),
+        ("compiler_collectives.store.mailbox", "import threading\n_tls = threading.local()\n"),
+        ("compiler_collectives.health.diagnosis", "_seen: dict[int, float] = {}\n"),
         ("compiler_collectives.instrument.timing", "_count = 0\ndef bump():\n    global _count\n    _count += 1\n"),
         ("compiler_collectives.agreements.once.protocol", "import weakref\n_w = weakref.WeakKeyDictionary()\n"),
     ],

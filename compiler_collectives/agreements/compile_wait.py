@@ -41,8 +41,8 @@ from collections.abc import Mapping
 
 from .. import config, health
 from ..errors import CollectiveError, PeerFailureError, StoreFailureError, StoreUnresponsive, ranks_text
-from ..health.watchdog import store_error_text
 from ..stats import counters
+from ..store.calls import store_error_text
 from ..transport import groups
 from . import failure as failure_procedure
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from .. import config, health
 from ..errors import CollectiveDesyncError, CollectiveError, PeerFailureError, WireFormatError, describe
-from ..health.watchdog import Diagnosis, diagnose_with_deadline
+from ..health.diagnosis import Diagnosis, diagnose_with_deadline
 from ..transport import groups, is_connection_failure, set_peer_report_handler, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")

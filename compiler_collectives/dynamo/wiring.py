@@ -13,7 +13,7 @@ each offers setters and registries, and ``wire()`` fills every one of them:
   collective, the guard collective and the audit);
 * transport: ``set_enqueue_context`` (torch's ``no_python_dispatcher``: our
   gloo operations started inside a compile leave torch's Python dispatcher);
-* health.watchdog: ``set_default_store_source`` (the c10d store);
+* store.calls: ``set_default_store_source`` (the c10d store);
 * agreements.setup: ``register_source`` (switches only known at run time);
 * agreements.compiler: ``set_compile_id_source``;
 * agreements.guard: ``set_frame_sources`` and ``set_profiler_probe``;
@@ -38,7 +38,7 @@ import functools
 
 from ..agreements import audit, compiler, failure, fingerprint, guard, scope, setup
 from ..agreements.once import protocol as once_protocol
-from ..health import watchdog
+from ..store import calls as store_calls
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
 
@@ -53,7 +53,7 @@ def wire() -> None:
         groups.add_progress_source(source)
     setup.register_source(guard_seam.setup_items)
     # what the layers below may only see of torch through the seam table
-    watchdog.set_default_store_source(originals["get_default_store"])
+    store_calls.set_default_store_source(originals["get_default_store"])
     set_enqueue_context(originals["no_python_dispatcher"])
     compiler.set_compile_id_source(compiler_seam.current_compile_id)
     orig_code_map = originals["orig_code_map"]

@@ -1,8 +1,8 @@
 """One verdict on whether a peer rank lives, and what each kind of wait makes of it.
 
 Two waits ask whether a peer is still there: the failure procedure's
-diagnosis (``SideChannel.diagnose``, a guard or compiler collective failed:
-who is to blame, within seconds) and compile once's loader (``SideChannel.watch``,
+diagnosis (``diagnosis.diagnose``, a guard or compiler collective failed:
+who is to blame, within seconds) and compile once's loader (``watch.watch_peer``,
 a peer is compiling a graph for this rank: may take an hour). Both read the
 same evidence, the peer's heartbeat record on the store, for a peer on this
 host its process in ``/proc``, and, where the wait has one, its connection to
@@ -74,7 +74,8 @@ def stale_after(heartbeat_s: float) -> float:
     return 2.5 * heartbeat_s + 0.5
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
+    """A record's integer field, or None where it holds none (a bool is no integer here)."""
     return value if type(value) is int else None
 
 
@@ -107,7 +108,7 @@ def judge(
         interval = heartbeat_s
     beats = interval > 0
     silent = beats and silent_s >= stale_after(interval)
-    host, pid, start = (_as_int(record.get(k)) for k in ("host", "pid", "start"))
+    host, pid, start = (as_int(record.get(k)) for k in ("host", "pid", "start"))
     if probe is not None and host is not None and pid is not None and host == here:
         # On this host /proc decides, heartbeat or not: a stop is not a death, a dead pid is.
         ident = probe(pid)

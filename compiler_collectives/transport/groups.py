@@ -74,8 +74,13 @@ from ..errors import (
     ScopeError,
     StoreUnresponsive,
 )
+from ..health.diagnosis import diagnose_with_deadline
 from ..health.liveness import COMPILE_WAIT, WaitPolicy
-from ..health.watchdog import NoticeWait, PeerRecords, SideChannel, bounded, diagnose_with_deadline
+from ..health.watch import watch_peer
+from ..store import rendezvous
+from ..store.board import PeerRecords, SideChannel
+from ..store.calls import bounded
+from ..store.mailbox import NoticeWait
 from . import scope as scope_mod
 from . import segment
 from .channel import GuardChannel
@@ -303,7 +308,7 @@ class Groups:
             else:
                 # Our own rendezvous first: group creation would otherwise wait on the
                 # store with whatever timeout it picks and could not say who is missing.
-                absent = side.rendezvous(tag, timeout_s)
+                absent = rendezvous.meet(side.store, side.rank, side.peers(), tag, timeout_s)
                 if absent:
                     raise self._absent_error(side, absent, kind, rank, timeout_s)
         except StoreUnresponsive as e:
@@ -530,7 +535,7 @@ class Groups:
     def post(self, name: str, value: bytes) -> None:
         """Leave a notice for the peers on the store side channel (names are this generation's;
         under a scope they are the scope's own)."""
-        self._side_channel().post(self._notice(name), value)
+        self._side_channel().mailbox.post(self._notice(name), value)
 
     def store_name(self) -> str:
         """How messages name this generation's store ("the c10d store at host:port"); no request."""
@@ -539,13 +544,13 @@ class Groups:
 
     def read_post(self, name: str) -> bytes | None:
         """A notice a peer posted (``post``), or None if there is none yet."""
-        return self._side_channel().read_post(self._notice(name))
+        return self._side_channel().mailbox.read_post(self._notice(name))
 
     def wait_posts(self, names: Sequence[str], timeout_s: float) -> NoticeWait:
         """Start waiting for the notices ``names`` (``post``) on a store connection of their own
-        (``health.watchdog.NoticeWait``): ``done``, ``posted``, ``result``, and ``cancel`` when the
+        (``store.mailbox.NoticeWait``): ``done``, ``posted``, ``result``, and ``cancel`` when the
         caller stops waiting. A few store requests per notice, however long it takes."""
-        return self._side_channel().wait_posts([self._notice(name) for name in names], timeout_s)
+        return self._side_channel().mailbox.wait_posts([self._notice(name) for name in names], timeout_s)
 
     def watch_peers(
         self, ranks: Sequence[int], *, policy: WaitPolicy = COMPILE_WAIT
@@ -556,7 +561,7 @@ class Groups:
         host, or a silent one on another, is waited for, with a warning every 30 s
         (``health.liveness``). Cheap enough to call every poll: no thread per call, no store
         request at most calls (the probes share one read of their records, made again only where
-        a record looks silent: ``health.watchdog.PeerRecords``), ``/proc`` read for a peer on this
+        a record looks silent: ``store.board.PeerRecords``), ``/proc`` read for a peer on this
         host, heartbeats or not, and for one elsewhere that is silent or beats no heartbeat, this
         rank's gloo connection to it (in the compile group) looked at about once a second: a
         reset connection is how a process that ended on another host is known."""
@@ -569,7 +574,7 @@ class Groups:
             connection: Callable[[], str | None] | None = None
             if pg is not None and rank in members:
                 connection = functools.partial(broken_connection, pg, members.index(rank))
-            probes[rank] = side.watch(rank, policy=policy, connection=connection, records=records)
+            probes[rank] = watch_peer(side, rank, policy=policy, connection=connection, records=records)
         return probes
 
     def broken_peers(self, pg: Any) -> dict[int, str]:
@@ -676,7 +681,7 @@ def _at_exit() -> None:
 # thread, which could otherwise poison ``health`` after it was cleared.
 _GROUPS = (
     "our gloo groups, the guard channel, the side channel (its heartbeat thread and "
-    "StoreCaller: health.liveness and health.watchdog) and the scope they span; the "
+    "StoreCaller: store.board and store.calls) and the scope they span; the "
     "heartbeat's progress sources are wired by install and kept"
 )
 

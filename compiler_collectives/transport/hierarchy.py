@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from .. import config, health
 from ..errors import CollectiveError, PeerFailureError, StoreUnresponsive, describe
-from ..health.watchdog import bounded
+from ..store.calls import bounded
 from . import segment, shm
 from .channel import GuardChannel
 from .gloo import GlooGuardChannel, close_connections, is_connection_failure, started, wait
