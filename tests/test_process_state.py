@@ -142,6 +142,7 @@ def test_every_module_level_mutable_below_the_seam_is_declared():
     [
         ("compiler_collectives.agreements.guard", "_x = {}\n"),
         ("compiler_collectives.transport.groups", "_seen: list[int] = []\n"),
+        ("compiler_collectives.transport.generation", "_worlds = set()\n"),
         ("compiler_collectives.health.watchdog", "import threading\n_tls = threading.local()\n"),
         ("compiler_collectives.instrument.timing", "_count = 0\ndef bump():\n    global _count\n    _count += 1\n"),
         ("compiler_collectives.agreements.once.protocol", "import weakref\n_w = weakref.WeakKeyDictionary()\n"),
