@@ -2,7 +2,7 @@
 death): one pending receive per peer however often it is looked at, and none past a destroy.
 
 Compile once's wait looks at a silent peer's connection about once a second
-(``transport.gloo.broken_connection``): a zero-byte receive on a tag nobody sends on. Each
+(``transport.probes.broken_connection``): a zero-byte receive on a tag nobody sends on. Each
 receive posted leaves an entry on both ends that nothing matches; one is kept pending per peer
 and waited for by a thread of its own, which sees the connection break at once. Two real gloo
 ranks; the looks run on the default group.
@@ -33,7 +33,7 @@ def looks_at_a_live_peer_then_destroys(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import compiler_collectives as cc
-    from compiler_collectives.transport import gloo
+    from compiler_collectives.transport import probes
 
     cc.enable()  # the c10d seam: destroy_process_group runs our GROUP_ENDING moment
     pg = dist.group.WORLD
@@ -43,9 +43,9 @@ def looks_at_a_live_peer_then_destroys(rank: int, world: int) -> dict:
         stay_until(1, 30.0, name="destroyed")
         dist.destroy_process_group()
         return out
-    looks = [gloo.broken_connection(pg, 1) for _ in range(LOOKS)]
+    looks = [probes.broken_connection(pg, 1) for _ in range(LOOKS)]
     out["looks"] = sorted({str(v) for v in looks})
-    out["pending"] = gloo.pending_probes()
+    out["pending"] = probes.pending_probes()
     out["threads"] = _probe_threads()
     started = time.monotonic()
     dist.destroy_process_group()
@@ -53,7 +53,7 @@ def looks_at_a_live_peer_then_destroys(rank: int, world: int) -> dict:
     deadline = time.monotonic() + 1.0
     while _probe_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    out["pending_after"] = gloo.pending_probes()
+    out["pending_after"] = probes.pending_probes()
     out["threads_after"] = _probe_threads()  # a receive still pending would hold the group's connections
     release("destroyed")
     return out
@@ -71,20 +71,20 @@ def test_looking_at_a_live_peer_s_connection_keeps_one_receive_pending_and_a_des
 def looks_until_the_peer_is_gone(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from compiler_collectives.transport import gloo
+    from compiler_collectives.transport import probes
 
     pg = dist.group.WORLD
     if rank == 1:
         stay_until(1, 30.0)
         os._exit(0)  # its host's kernel closes its connections
-    assert gloo.broken_connection(pg, 1) is None  # the receive is pending from here on
+    assert probes.broken_connection(pg, 1) is None  # the receive is pending from here on
     release()
     started = time.monotonic()
     why = None
     while why is None and time.monotonic() - started < 10.0:
         time.sleep(0.05)
-        why = gloo.broken_connection(pg, 1)
-    return {"why": why, "seconds": time.monotonic() - started, "pending": gloo.pending_probes()}
+        why = probes.broken_connection(pg, 1)
+    return {"why": why, "seconds": time.monotonic() - started, "pending": probes.pending_probes()}
 
 
 @pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
-"""The host tree (``transport/hosttree.py``): compile once's MIN and gather by host, on real gloo
-ranks, without a compile.
+"""The host tree (``transport/hosttree.py``): a MIN and a gather by host (compile once's, in the
+agreements layer), on real gloo ranks, without a compile.
 
 Ranks are split into "hosts" by ``GROUP_RANK``, as torchrun's agents split them; five ranks on
 three hosts of two, two and one rank: hosts of unequal size, and a host count that is not a power
@@ -25,7 +25,7 @@ def tree_job(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from compiler_collectives.transport import HostTree
-    from compiler_collectives.transport.hosttree import gather_ints, run_p2p
+    from compiler_collectives.transport.p2p import gather_ints, run_p2p
 
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
@@ -66,12 +66,13 @@ def mismatch_job(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from compiler_collectives.transport import HostTree
+    from compiler_collectives.transport import HostTree, Phases
 
     os.environ["GROUP_RANK"] = "0"
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
-    tree = HostTree.build(pg, lambda per_host: 2, where)
+    # The caller names its phases; the tree quotes them.
+    tree = HostTree.build(pg, lambda per_host: 2, where, Phases({3: "the test's offers"}, "Take turns."))
     start = time.monotonic()
     try:
         if rank == 1:
@@ -91,6 +92,7 @@ def test_a_rank_in_a_gather_while_its_peers_take_a_min_is_named_at_once_by_them_
     assert [r["type"] for r in results] == ["CollectiveDesyncError"] * 3, results
     assert all(r["s"] < 4 for r in results), results
     leader, gathering, other = results
-    assert leader["ranks"] == (1,) and "rank 1 is in the gather of compile once's keys #5" in leader["message"]
-    assert gathering["ranks"] == (0,) and "rank 0 is in the MIN of compile once's keys #5" in gathering["message"]
+    assert leader["ranks"] == (1,) and "rank 1 is in the gather of the test's offers #5" in leader["message"]
+    assert gathering["ranks"] == (0,) and "rank 0 is in the MIN of the test's offers #5" in gathering["message"]
+    assert all(r["message"].endswith("the ranks are at different exchanges.\nTake turns.") for r in results), results
     assert set(other["ranks"]) == {0, 1} and "rank 0 told this rank" in other["message"], other

@@ -10,7 +10,7 @@ does) and flags a module-level mutable that no declaration names, or a
 declaration that names nothing the module binds; it is shown to fail on a
 mutation.
 
-There is one way of noticing a new generation: ``transport.groups``'
+There is one way of noticing a new generation: ``transport.generation``'
 ``notice()`` is the one place that looks at which default group is current
 (``dist.group.WORLD``); it runs the destroyed group's moment when that
 changed. ``check_one_noticer`` flags any other module of the package that
@@ -144,6 +144,7 @@ def test_every_module_level_mutable_below_the_seam_is_declared():
         ("compiler_collectives.transport.groups", "_seen: list[int] = []\n"),
         ("compiler_collectives.store.mailbox", "import threading\n_tls = threading.local()\n"),
         ("compiler_collectives.health.diagnosis", "_seen: dict[int, float] = {}\n"),
+        ("compiler_collectives.transport.generation", "_worlds = set()\n"),
         ("compiler_collectives.instrument.timing", "_count = 0\ndef bump():\n    global _count\n    _count += 1\n"),
         ("compiler_collectives.agreements.once.protocol", "import weakref\n_w = weakref.WeakKeyDictionary()\n"),
     ],
@@ -186,13 +187,13 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
 
 # ------------------------------------------------- noticing a new generation
 
-NOTICER = f"{TOP}.transport.groups"
+NOTICER = f"{TOP}.transport.generation"
 # What names the default group itself: torch's public handle, and its c10d internals.
 DEFAULT_GROUP_NAMES = {"WORLD", "_get_default_group", "default_pg", "_world"}
 
 
 def check_one_noticer(tree: Tree) -> list[str]:
-    """Only ``transport.groups`` reads which default group is current; every other module asks it
+    """Only ``transport.generation`` reads which default group is current; every other module asks it
     (``groups.notice()``) or keeps nothing a generation's moment does not clear."""
     offences = []
     for module, src in tree.items():
@@ -210,13 +211,13 @@ def check_one_noticer(tree: Tree) -> list[str]:
             if name in DEFAULT_GROUP_NAMES:
                 offences.append(
                     f"{src.shown}:{node.lineno} reads the default group ({name}): call "
-                    "transport.groups.notice(), the one place that notices a new one, and let the "
+                    "transport.groups.notice() (generation.notice), the one place that notices a new one, and let the "
                     "moment it runs clear what this module keeps"
                 )
     return offences
 
 
-def test_only_the_transport_groups_read_which_default_group_is_current():
+def test_only_the_transport_generation_reads_which_default_group_is_current():
     assert check_one_noticer(TREE) == []
 
 

@@ -51,6 +51,20 @@ def gather_with_default_settings(rank: int, world: int, lengths: list[int]) -> t
     return [bytes(p) for p in payloads], rounds, slot
 
 
+def gather_in_another_phase(rank: int, world: int) -> dict:
+    """Rank 1 gathers in phase 8 while rank 0 gathers in phase 7; the caller names both."""
+    import torch.distributed as dist
+
+    from compiler_collectives.transport import Phases, all_gather_bytes
+
+    phases = Phases({7: "the caller's first exchange", 8: "its second"}, "Take turns.")
+    try:
+        all_gather_bytes(dist.group.WORLD, b"x", max_bytes=16, slot_bytes=16, phase=7 + rank, phases=phases)
+    except Exception as e:  # noqa: BLE001 - the test asserts on what each rank raised
+        return {"type": type(e).__name__, "message": str(e), "ranks": list(e.ranks)}
+    return {"type": None}
+
+
 class _AnnouncesFalseLength:
     """Stands in for transport._LEN on one rank: the header claims ``claim`` bytes."""
 
@@ -205,6 +219,15 @@ def test_a_payload_larger_than_the_inline_slot_takes_exactly_two_rounds_and_is_e
     for rank, (payloads, rounds) in enumerate(outcome.results):
         assert rounds == 2, f"rank {rank}"
         assert payloads == expected, f"rank {rank}"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_in_different_phases_raise_a_desync_in_the_callers_words_for_its_phases():
+    results = run_ranks(gather_in_another_phase, 2, timeout=45).results
+    for rank, r in enumerate(results):
+        assert r["type"] == "CollectiveDesyncError" and r["ranks"] == [1 - rank], r
+        assert "rank 0: the caller's first exchange\n  rank 1: its second\n" in r["message"], r["message"]
+        assert r["message"].endswith("Nothing was applied. Take turns."), r["message"]
 
 
 @pytest.mark.timeout(60)

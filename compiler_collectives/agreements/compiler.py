@@ -20,9 +20,10 @@ from ..errors import describe
 from ..instrument import timing
 from ..observations import DistributedState, FrameId, LocalState
 from ..stats import counters
-from ..transport import PHASE_INPUTS, PHASE_TRACE, groups
+from ..transport import groups
 from . import exchange as exchange_frame
 from . import guard, wire
+from .phases import INPUTS, TRACE
 
 log = logging.getLogger("compiler_collectives.compiler")
 
@@ -109,7 +110,7 @@ def exchange(
         where=where,
         decode=wire.decode,
         check=_same_frame,
-        phase=PHASE_TRACE if state is None else PHASE_INPUTS,
+        phase=TRACE if state is None else INPUTS,
         profile_as="compiler_collectives.compiler_collective",
     )
     envelopes, payloads, rounds, elapsed = (gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)

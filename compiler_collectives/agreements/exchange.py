@@ -24,6 +24,7 @@ from ..observations import FrameId
 from ..stats import counters
 from ..transport import all_gather_bytes, groups
 from . import failure
+from .phases import ALL_GATHER
 
 E = TypeVar("E")
 
@@ -79,6 +80,7 @@ def gather(
                 max_bytes=settings.max_payload_bytes,
                 slot_bytes=settings.inline_slot_bytes,
                 phase=phase,
+                phases=ALL_GATHER,
                 describe=where,
                 members=members,
             )

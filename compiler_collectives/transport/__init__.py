@@ -2,8 +2,11 @@
 
 One module per concern:
 
-* ``gloo``: dedicated gloo groups; the compiler collective's byte all-gather
-  and the guard collective's all-reduce path;
+* ``gloo``: the byte all-gather of the compiler collective, the guard
+  collective's all-reduce path, the sliced wait on a gloo operation, and the
+  translation of gloo's errors; ``Phases``, how a caller names its exchanges;
+* ``probes``: whether this rank's gloo connection to a peer broke (connection
+  probes; which members' connections broke after a failure);
 * ``channel``: ``GuardChannel``, the interface every guard mechanism offers
   the agreements;
 * ``segment``: one shared-memory segment per host: its layout, creation,
@@ -13,34 +16,36 @@ One module per concern:
 * ``futex``: the kernel sleeps and wake-ups the wait protocol uses;
 * ``hierarchy``: which ranks share a host, the segment's set-up, and the host
   leaders' log-depth exchange; it builds the guard channel;
+* ``p2p``: point-to-point exchanges waited for in slices on a helper thread
+  (``run_p2p``), and Bruck's all-gather of one int per rank;
 * ``hosttree``: a tree over a group's ranks by host (host leaders, recursive
   doubling between them; a MIN and a gather, each telling a peer in another
-  exchange at its first message): compile once's exchanges in O(log hosts) steps;
-* ``groups``: lazily created groups (after the first rendezvous, the
-  agreements layer's setup check, wired at install), the store side channel,
-  and the teardown at interpreter exit;
+  exchange at its first message): a caller's exchanges in O(log hosts) steps;
+* ``generation``: the current generation's groups and its lifecycle
+  (``notice()`` of a new default group, reset, destroy, fork, exit);
+* ``groups``: building our groups into the generation (after the first
+  rendezvous, the agreements layer's setup check, wired at install), the store
+  side channel, a scope's own groups;
+* ``facade``: ``groups``, the one object the agreements call: our groups,
+  ``use_scope``, and what they do with peers over the side channel;
 * ``scope``: which ranks our groups span.
 
 Transport reports what it saw; what a failure means for the job is decided
 above this layer (``agreements/failure.py``), whose handler of a peer's
-failure report is wired here at install (``set_peer_report_handler``).
+failure report is wired here at install (``set_peer_report_handler``). The
+callers number and name their exchanges (``Phases``): this layer knows none.
 
 The layer above (the agreements) imports only what this module exports
 (``tests/test_layering.py`` checks it).
 """
 
 from .channel import GuardChannel
+from .facade import Groups, groups
 from .gloo import (
-    PHASE_INPUTS,
-    PHASE_ONCE_KEYS,
-    PHASE_ONCE_LOADED,
-    PHASE_ONCE_RESULT,
-    PHASE_TRACE,
     PROTOCOL_VERSION,
     GlooGuardChannel,
+    Phases,
     all_gather_bytes,
-    broken_connection,
-    broken_peers,
     byte_tensor,
     guard_key,
     is_connection_failure,
@@ -51,18 +56,15 @@ from .gloo import (
     translate_failure,
     wait,
 )
-from .groups import Groups, PeerReportHandler, groups, set_first_rendezvous, set_peer_report_handler
+from .groups import PeerReportHandler, set_first_rendezvous, set_peer_report_handler
 from .hierarchy import ShmGuardChannel
-from .hosttree import HostTree, run_p2p
+from .hosttree import HostTree
+from .p2p import run_p2p
+from .probes import broken_connection, broken_peers
 from .scope import Scope
 from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 
 __all__ = [
-    "PHASE_INPUTS",
-    "PHASE_ONCE_KEYS",
-    "PHASE_ONCE_LOADED",
-    "PHASE_ONCE_RESULT",
-    "PHASE_TRACE",
     "PROTOCOL_VERSION",
     "SHM_LAYOUT_VERSION",
     "GlooGuardChannel",
@@ -70,6 +72,7 @@ __all__ = [
     "GuardChannel",
     "HostTree",
     "PeerReportHandler",
+    "Phases",
     "Scope",
     "ShmGuardChannel",
     "all_gather_bytes",

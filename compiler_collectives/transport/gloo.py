@@ -7,7 +7,9 @@ and the fallback where shared memory cannot be used).
   numpy: bytes go in through ``torch.frombuffer`` and out through ``ctypes``.
   Each slot's header carries the payload's length and the exchange's phase,
   so two ranks in different exchanges (the input exchange and the
-  end-of-trace exchange of a compile) never pair up silently.
+  end-of-trace exchange of a compile) never pair up silently. The caller
+  numbers its exchanges and names them (``Phases``): this layer moves the
+  numbers and quotes the names, and knows no exchange of its own.
 * ``wait``: every wait on a gloo operation of ours runs in slices; between
   slices it stops with ``PeerFailureError`` once this rank knows that a peer
   failed (the heartbeat thread poisons the rank on a peer's store report).
@@ -20,30 +22,10 @@ and the fallback where shared memory cannot be used).
   two-element int64 tensor (one element without the desync check).
 * ``translate_failure``: a gloo ``RuntimeError`` turned into one of our errors,
   naming the peers whose connection broke where the caller looked
-  (``broken_peers``).
-* ``broken_connection``: whether this rank's connection to one peer broke.
-  When a process ends, its host's kernel closes its sockets and gloo marks
-  each of its connections broken; an operation started on a broken one raises
-  at once, and one pending on it fails at once. A zero-byte receive on a tag
-  nobody sends on (``PROBE_TAG``) is that look, so no collective of ours ever
-  meets it. This is evidence of death that needs no heartbeat: a stopped
-  process, or one whose native call holds the GIL, keeps its connections
-  (gloo's own threads serve them). Each receive posted leaves an entry on
-  both ends that nothing ever matches, so one receive per peer and group is
-  posted and kept pending (``pending_probes``), and re-posted only once it
-  ended. Gloo tells nothing of a receive that nobody waits for
-  (``is_completed`` stays False until a wait, and a timed wait that expires
-  closes every connection of the group): a daemon thread per pending receive
-  waits for it untimed (a ten-year bound), and ends when the connection
-  breaks. Every pending receive is ended when a generation ends
-  (``end_probes``: ``GROUP_ENDING``, ``GROUP_DESTROYED``, ``RESET``) by
-  expiring one timed wait on it, which closes that group's connections (it is
-  going, and a receive pending on it would keep its connections open).
-* ``close_connections``: that same expiry on purpose, for a wait that must
-  end now on a group that is of no further use to this rank.
+  (``probes.broken_peers``; the connection probes live in ``probes``).
 * ``started``: how every operation of ours off the guard path is started:
-  outside torch's Python dispatcher. Compile once exchanges inside
-  AOTAutograd, where that dispatcher is on; an operation started there keeps
+  outside torch's Python dispatcher. Our callers exchange inside AOTAutograd
+  too, where that dispatcher is on; an operation started there keeps
   the GIL while gloo's ``enqueue`` waits for the queue's lock, which a gloo
   worker holds while it waits for the GIL to free the previous operation's
   tensors: a deadlock (seen in torch's own ``_sync_decision_cross_ranks``). The Dynamo seam hands
@@ -59,15 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import logging
-import os
-import re
 import struct
-import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,21 +89,20 @@ def started(op: Callable[..., Any], *args: Any) -> Any:
         return op(*args)
 
 
-# Phases of a byte all-gather (the compiler collective's two exchanges per compile).
+# The phase of a byte all-gather whose caller named none.
 PHASE_UNSPECIFIED = 0
-PHASE_INPUTS = 1
-PHASE_TRACE = 2
-PHASE_ONCE_KEYS = 3
-PHASE_ONCE_RESULT = 4
-PHASE_ONCE_LOADED = 5
-PHASE_NAMES = {
-    PHASE_UNSPECIFIED: "a byte all-gather",
-    PHASE_INPUTS: "the input exchange (before the first trace)",
-    PHASE_TRACE: "the end-of-trace exchange",
-    PHASE_ONCE_KEYS: "compile once's key exchange (at AOTAutograd's cache lookup)",
-    PHASE_ONCE_RESULT: "compile once's result exchange (after the graph compiled)",
-    PHASE_ONCE_LOADED: "compile once's load report",
-}
+_UNSPECIFIED_NAME = "a byte all-gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phases:
+    """How a caller names the exchanges it runs on one group, for the error raised where ranks
+    are found in different ones (``all_gather_bytes``, ``HostTree``): each exchange's phase number
+    -> what that exchange is, and what the ranks must do about it. Only the numbers travel."""
+
+    names: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    advice: str = ""
+
 
 WAIT_SLICE = datetime.timedelta(milliseconds=200)
 WAIT_MARGIN_S = 5.0  # past COMPILER_COLLECTIVES_TIMEOUT: gloo's own timeout error comes first
@@ -170,167 +148,6 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
                 "threads are gone: is this a forked child using its parent's process group?). "
                 "A rank is stuck, much slower, or took another code path."
             )
-
-
-PROBE_TAG = 1 << 29
-"""The tag of ``broken_connection``'s receives: no operation of ours sends on it (compile once's
-pieces have bit 30 set; collectives use slots of their own)."""
-
-_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
-
-
-def gloo_words(error: BaseException) -> str:
-    """The first line of gloo's error, without its source location or its advice."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return _GLOO_SOURCE.sub("", text).split(". This is typically")[0]
-
-
-def connections_can_be_looked_at() -> bool:
-    """Whether ``broken_connection`` can look: not in torch's lazily connected gloo groups
-    (``TORCH_GLOO_LAZY_INIT``), which connect at a pair's first operation, so that a look at
-    a connection never made would make it (and wait for the peer)."""
-    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0").lower() not in ("1", "true", "yes", "on")
-
-
-_FOREVER = datetime.timedelta(days=3650)  # a probe's wait: no bound that expires (see the module docstring)
-_EXPIRE = datetime.timedelta(milliseconds=1)  # a wait that expires at once (0 means no bound to gloo)
-
-
-class _Probe:
-    """One pending ``PROBE_TAG`` receive from one peer, and the daemon thread that waits for it."""
-
-    __slots__ = ("pg", "thread", "why", "work")
-
-    def __init__(self, pg: dist.ProcessGroup, work: Any) -> None:
-        self.pg = weakref.ref(pg)  # never keeps the group (and its store) alive
-        self.work: Any = work
-        self.why: str | None = None  # what broke its connection: gloo's words
-        self.thread = threading.Thread(target=self._wait, name="compiler_collectives-probe", daemon=True)
-        self.thread.start()
-
-    @property
-    def pending(self) -> bool:
-        return self.thread.is_alive()
-
-    def _wait(self) -> None:
-        try:
-            self.work.wait(_FOREVER)  # nobody sends on its tag: returns only if someone did (intact)
-        except Exception as e:  # noqa: BLE001 - gloo's RuntimeError: the connection broke
-            self.why = f"gloo: {gloo_words(e)}"
-        finally:
-            self.work = None  # the receive holds the group's connections: let them go with it
-
-    def end(self) -> None:
-        """Expire a timed wait on the receive: gloo closes the group's connections and fails every
-        operation pending on them, this receive too (its thread ends)."""
-        work = self.work
-        if work is None or not self.pending:
-            return
-        try:
-            work.wait(_EXPIRE)
-        except Exception as e:  # noqa: BLE001 - the expiry's own error, or the connection had broken
-            log.debug("ending a connection probe: %s", gloo_words(e))
-
-
-# (id(group), group rank of the peer) -> its probe; the probe checks that the group is the same.
-_probes: dict[tuple[int, int], _Probe] = {}
-_probes_lock = threading.Lock()
-_inherited_probes: list[_Probe] = []  # a forked child's copies of its parent's: kept, never used
-
-
-def broken_connection(pg: dist.ProcessGroup, peer: int) -> str | None:
-    """What broke this rank's connection to group rank ``peer`` of ``pg`` (gloo's words, as
-    ``gloo: ...``), or None while it is intact or cannot be looked at (see the module docstring).
-    One receive per peer and group is pending at a time, however often this looks."""
-    if peer == pg.rank() or not connections_can_be_looked_at():
-        return None
-    key = (id(pg), peer)
-    with _probes_lock:
-        probe = _probes.get(key)
-        if probe is not None and probe.pg() is pg:
-            if probe.pending:
-                return None
-            if probe.why is not None:
-                return probe.why  # broken for good: gloo never mends a connection
-        try:
-            work = started(pg.recv, [torch.empty(0, dtype=torch.uint8)], peer, PROBE_TAG)
-        except RuntimeError as e:
-            _probes.pop(key, None)
-            return f"gloo: {gloo_words(e)}"
-        _probes[key] = _Probe(pg, work)
-    return None
-
-
-def pending_probes() -> int:
-    """How many ``broken_connection`` receives are pending now (at most one per peer and group)."""
-    with _probes_lock:
-        return sum(probe.pending for probe in _probes.values())
-
-
-@process_state.clears(
-    process_state.GROUP_ENDING,
-    process_state.GROUP_DESTROYED,
-    process_state.RESET,
-    names=("_probes",),
-    what="the pending connection probes, ended: their groups' connections closed, their threads told to end",
-)
-def end_probes(join_s: float = 0.0) -> bool:
-    """End every pending connection probe (see the module docstring); with ``join_s``, wait that
-    long for their threads (interpreter exit). True if every thread ended."""
-    global _probes
-    with _probes_lock:
-        probes, _probes = list(_probes.values()), {}
-    for probe in probes:
-        probe.end()
-    deadline = time.monotonic() + join_s
-    for probe in probes:
-        if join_s > 0:
-            probe.thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(probe.pending for probe in probes)
-
-
-@process_state.clears(process_state.FORK, names=("_probes", "_probes_lock"), what="the parent's probes (kept)")
-@process_state.kept(names=("_inherited_probes",), why="a forked child's copies of its parent's probes: never used")
-def _probes_after_fork() -> None:
-    global _probes, _probes_lock
-    _inherited_probes.extend(_probes.values())
-    _probes, _probes_lock = {}, threading.Lock()
-
-
-def close_connections(pg: dist.ProcessGroup) -> None:
-    """Close every connection of this rank in ``pg`` now: every operation pending on them fails at
-    once, on any thread. For a group of no further use to this rank (it failed) where a thread
-    waits untimed on it. Gloo's own way: a timed wait that expires (on a probe receive)."""
-    for peer in range(pg.size()):
-        if peer == pg.rank():
-            continue
-        try:
-            work = started(pg.recv, [torch.empty(0, dtype=torch.uint8)], peer, PROBE_TAG)
-        except RuntimeError:
-            continue  # that connection broke already: another one may not have
-        try:
-            work.wait(_EXPIRE)
-        except RuntimeError as e:
-            log.debug("closing the connections of a group: %s", gloo_words(e))
-        return
-
-
-def broken_peers(pg: dist.ProcessGroup, members: Sequence[int] | None = None) -> dict[int, str]:
-    """Every member of ``pg`` whose connection to this rank broke: global rank (``members``
-    names them; None: the group's ranks) -> gloo's words. For a failed operation: which peer's
-    connection broke, where gloo's error names only an address. Looks once, after a failure:
-    a receive started on each connection fails at once if it broke, and is dropped if not (no
-    thread per peer here; the entry it leaves behind is one per peer per failure)."""
-    named = list(members) if members is not None else list(range(pg.size()))
-    found: dict[int, str] = {}
-    for peer in range(pg.size()):
-        if peer == pg.rank() or not connections_can_be_looked_at():
-            continue
-        try:
-            started(pg.recv, [torch.empty(0, dtype=torch.uint8)], peer, PROBE_TAG)
-        except RuntimeError as e:
-            found[named[peer]] = f"gloo: {gloo_words(e)}"
-    return found
 
 
 def is_connection_failure(error: BaseException) -> bool:
@@ -409,6 +226,7 @@ def all_gather_bytes(
     max_bytes: int,
     slot_bytes: int,
     phase: int = PHASE_UNSPECIFIED,
+    phases: Phases | None = None,
     describe: Callable[[], str] | None = None,
     members: Sequence[int] | None = None,
 ) -> tuple[list[bytes], int]:
@@ -418,7 +236,8 @@ def all_gather_bytes(
     decision to run a second round, and any error, is the same on every rank.
     Raises ``CollectiveDesyncError`` if the ranks are in different phases, and
     ``WireFormatError`` (naming the sender) if a rank announces more than
-    ``max_bytes``; nothing of that size is ever allocated.
+    ``max_bytes``; nothing of that size is ever allocated. ``phase``: this exchange's number
+    (in every slot's header); ``phases``: how the caller names its exchanges in that error.
     """
     world = pg.size()
     named = list(members) if members is not None else list(range(world))  # global rank of each member
@@ -435,20 +254,20 @@ def all_gather_bytes(
 
     headers = [_tensor_to_bytes(t, HEADER_BYTES) for t in recv]
     lengths = [_LEN.unpack_from(h, 0)[0] for h in headers]
-    phases = [_PHASE.unpack_from(h, _LEN.size)[0] for h in headers]
-    if len(set(phases)) > 1:
-        lines = "\n".join(
-            f"  rank {named[r]}: {PHASE_NAMES.get(p, f'unknown phase {p}')}" for r, p in enumerate(phases)
-        )
+    at = [_PHASE.unpack_from(h, _LEN.size)[0] for h in headers]  # each rank's phase
+    if len(set(at)) > 1:
+        names = {PHASE_UNSPECIFIED: _UNSPECIFIED_NAME, **(phases.names if phases is not None else {})}
+        lines = "\n".join(f"  rank {named[r]}: {names.get(p, f'unknown phase {p}')}" for r, p in enumerate(at))
         where = describe() if describe is not None else f"byte all-gather on rank {named[pg.rank()]}"
+        advice = (
+            phases.advice
+            if phases is not None and phases.advice
+            else "Every rank must run the same exchanges in the same order."
+        )
         raise CollectiveDesyncError(
-            f"{where}: the ranks are in different exchanges of a compile:\n{lines}\n"
-            "Nothing was applied. Every rank must run the same exchanges in the same order: a "
-            "setting that decides whether the input exchange runs (COMPILER_COLLECTIVES_EXCHANGE_"
-            "INPUTS_FIRST, COMPILER_COLLECTIVES_SKIP_NEEDLESS_RESTART, torch._dynamo.config."
-            "automatic_dynamic_shapes) was changed on some ranks only after the groups were created.",
+            f"{where}: the ranks are in different exchanges of a compile:\n{lines}\nNothing was applied. {advice}",
             kind="compiler",
-            ranks=tuple(named[r] for r, p in enumerate(phases) if p != phases[pg.rank()]),
+            ranks=tuple(named[r] for r, p in enumerate(at) if p != at[pg.rank()]),
         )
     for sender, length in enumerate(lengths):
         if length > max_bytes:

@@ -54,7 +54,8 @@ from ..errors import CollectiveError, PeerFailureError, StoreUnresponsive, descr
 from ..store.calls import bounded
 from . import segment, shm
 from .channel import GuardChannel
-from .gloo import GlooGuardChannel, close_connections, is_connection_failure, started, wait
+from .gloo import GlooGuardChannel, is_connection_failure, started, wait
+from .probes import close_connections
 
 log = logging.getLogger("compiler_collectives.transport.hierarchy")
 
@@ -174,7 +175,7 @@ class LeaderExchange:
 
     def interrupt(self) -> None:
         """End a ``min2`` that waits now (any thread; this rank heard of a failure): close this
-        rank's connections in the leaders' group (``gloo.close_connections``)."""
+        rank's connections in the leaders' group (``probes.close_connections``)."""
         if self.waiting:
             close_connections(self.pg)
 

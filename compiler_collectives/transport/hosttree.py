@@ -1,10 +1,9 @@
 """A tree over one gloo group's ranks by host, for exchanges whose cost must not grow with the world.
 
-Compile once settles each graph's keys, sends each compiling rank's result and counts who loaded;
-as all-gathers or a ring all-reduce on the whole group those cost O(N) hops and, for the
-all-gathers, O(N) bytes per rank. Over a ``HostTree`` they cost O(log hosts) steps, and bytes per
-rank that grow with what was contributed, not with the world (a host's leader: with its host's
-ranks too). Both operations take one path:
+An exchange a caller runs for every graph it compiles, as an all-gather or a ring all-reduce on
+the whole group, costs O(N) hops and, for the all-gathers, O(N) bytes per rank. Over a
+``HostTree`` it costs O(log hosts) steps, and bytes per rank that grow with what was contributed,
+not with the world (a host's leader: with its host's ranks too). Both operations take one path:
 
 * each rank sends what it holds to its host's leader (the host's lowest rank), the leader folds
   it in; the leaders fold among themselves by recursive doubling (``hierarchy.doubling_plan``,
@@ -16,29 +15,25 @@ ranks too). Both operations take one path:
   none; folding is the union. A rank without a payload sends a record and nothing else.
 
 Every message of both starts with a record of one fixed width on one tag: the operation, the
-exchange's stamp (``HostTree.stamp``: its phase and number), and for a gather the number and the
-bytes of the entries that follow on another tag (checked against the caller's limit before
+exchange's stamp (``HostTree.stamp``: the caller's phase and number), and for a gather the number
+and the bytes of the entries that follow on another tag (checked against the caller's limit before
 anything is allocated). So whatever two ranks are doing, the first message one receives from the
-other says what the other is in: a rank in a MIN whose peer is in a gather, or at another graph,
-raises ``CollectiveDesyncError`` naming that peer at once, and sends its own record to each of its
-peers in the exchange (a notice) so that they raise too, instead of each waiting for
-COMPILER_COLLECTIVES_TIMEOUT. Records keep their width across operations so that the two always
-pair up.
+other says what the other is in: a rank in a MIN whose peer is in a gather, or at another number,
+raises ``CollectiveDesyncError`` naming that peer at once (in the caller's words for its phases:
+``gloo.Phases``, given at ``build``), and sends its own record to each of its peers in the exchange
+(a notice) so that they raise too, instead of each waiting for COMPILER_COLLECTIVES_TIMEOUT. Records
+keep their width across operations so that the two always pair up.
 
-Point-to-point operations on the group itself, on tags of their own (``TAG_BASE``): no group
-more per host, and a rank of another host is one gloo connection away, as it is for compile
-once's artifact tree. Within a host the records go over gloo's loopback connections, not the
-guard's shared-memory segment: a few tens of microseconds per graph, which compile once (one
-exchange per compiled graph, not per call) can afford.
-
-Gloo's send and receive cannot be waited for in slices (a timed wait that expires closes every
-connection of the group), and a rank waits here for peers still compiling or running user code:
-each exchange runs on a helper thread that waits with the group's own timeout, and the calling
-thread waits for it in ``gloo.wait``'s slices, stopping once a peer is known to have failed.
+Point-to-point operations on the group itself, on tags of their own (``p2p.TAG_BASE``): no group
+more per host, and a rank of another host is one gloo connection away. Within a host the records
+go over gloo's loopback connections, not the guard's shared-memory segment: a few tens of
+microseconds per exchange, which an exchange per graph (not per call) can afford. Each exchange
+runs on a helper thread and is waited for in slices (``p2p.run_p2p``: a rank waits here for peers
+still compiling or running user code).
 
 Built once per generation of our groups, every rank together, from one all-gather of each
 rank's host key (``hierarchy.host_key``: torchrun's agents are hosts), by Bruck's algorithm
-(``gather_ints``: ceil(log2 N) rounds). The tree holds ints
+(``p2p.gather_ints``: ceil(log2 N) rounds). The tree holds ints (and the caller's names)
 only: the caller passes the group to each exchange, so nothing here keeps a group (and its
 store) alive past its generation.
 """
@@ -46,22 +41,20 @@ store) alive past its generation.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import threading
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveDesyncError, WireFormatError
-from .gloo import PHASE_ONCE_KEYS, PHASE_ONCE_LOADED, PHASE_ONCE_RESULT, started, tensor_view, wait
+from .gloo import Phases, started, tensor_view
 from .hierarchy import doubling_plan, host_key
+from .p2p import TAG_BASE, Background, done, gather_ints, sliced
 
-# Tags of these operations: bit 28 (compile once's pieces have bit 30; gloo.PROBE_TAG is bit 29).
-# Every operation's records share one tag, whatever the operation: see the module docstring.
-TAG_BASE = 1 << 28
+# Tags of these operations: ``p2p.TAG_BASE``'s. Every operation's records share one tag, whatever
+# the operation: see the module docstring.
 _RECORD, _ENTRIES = TAG_BASE | 1, TAG_BASE | 2
 NEUTRAL = (1 << 63) - 1
 """A record element nobody set: MIN's identity."""
@@ -69,11 +62,6 @@ NEUTRAL = (1 << 63) - 1
 MIN, GATHER = 1, 2
 _NOTICE = 1 << 8  # in a record's kind: the sender stopped the exchange (see the culprit's fields)
 _OPS = {MIN: "MIN", GATHER: "gather"}
-_PHASES = {
-    PHASE_ONCE_KEYS: "compile once's keys",
-    PHASE_ONCE_RESULT: "compile once's results",
-    PHASE_ONCE_LOADED: "compile once's load report",
-}
 # A record's header (int64s), before the MIN's values: the operation and stamp; the entries that
 # follow (a gather's) and their bytes; in a notice, the rank found in another exchange and what
 # it is in, and the rank that found it and what that one is in (each rank + 1; 0: none).
@@ -81,10 +69,7 @@ _KIND, _STAMP, _COUNT, _BYTES, _CULPRIT, _CULPRIT_KIND, _CULPRIT_STAMP, _FINDER,
 HEAD = 10
 NOTICE_GRACE_S = 2.0  # how long a rank that stops an exchange waits for its notices to be taken
 _ENTRY_HEAD = 16  # per entry in a gather's bytes: its group rank and its length, int64 each
-_ADVICE = (
-    "Every rank of the group must take the same exchanges in the same order (compile once: every rank "
-    "compiles the same graphs in the same order)."
-)
+_ADVICE = "Every rank of the group must take the same exchanges in the same order."  # unless the caller's
 
 
 def _same(i: int) -> int:
@@ -99,18 +84,24 @@ class HostTree:
     hosts: tuple[tuple[int, ...], ...]  # group ranks of each host, ascending
     place: tuple[tuple[int, int], ...]  # group rank -> (host, index on its host)
     width: int  # int64s per record of ``min_ints``
+    phases: Phases = dataclasses.field(default_factory=Phases)  # how the caller names its exchanges
     NEUTRAL: ClassVar[int] = NEUTRAL
     HEAD: ClassVar[int] = HEAD
     ENTRY_HEAD: ClassVar[int] = _ENTRY_HEAD
 
     @classmethod
     def build(
-        cls, pg: dist.ProcessGroup, width: Callable[[int], int], describe: Callable[[], str] | None = None
+        cls,
+        pg: dist.ProcessGroup,
+        width: Callable[[int], int],
+        describe: Callable[[], str] | None = None,
+        phases: Phases | None = None,
     ) -> HostTree:
         """Every rank of ``pg`` together: one all-gather of host keys (``gather_ints``: ceil(log2 N)
         rounds, not gloo's ring of N - 1). ``width(ranks_per_host)``: the record width (the same
-        on every rank)."""
-        keys = _sliced(lambda: gather_ints(pg, host_key()), describe)
+        on every rank); ``phases``: how the caller names the phases of its stamps, and what it
+        advises, where ranks are found in different exchanges."""
+        keys = sliced(lambda: gather_ints(pg, host_key()), describe)
         by_key: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             by_key.setdefault(key, []).append(i)
@@ -119,11 +110,11 @@ class HostTree:
         for h, ranks in enumerate(hosts):
             for j, i in enumerate(ranks):
                 place[i] = (h, j)
-        return cls(pg.rank(), hosts, tuple(place), width(max(len(h) for h in hosts)))
+        return cls(pg.rank(), hosts, tuple(place), width(max(len(h) for h in hosts)), phases or Phases())
 
     @staticmethod
     def stamp(phase: int, seq: int) -> int:
-        """An exchange's stamp: its phase (``gloo.PHASE_*``) and number."""
+        """An exchange's stamp: its phase (the caller's number, named in ``phases``) and number."""
         return (phase << 32) | (seq & 0xFFFFFFFF)
 
     @property
@@ -189,7 +180,7 @@ class HostTree:
         op.values[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
         if payload is not None:
             op.entries[self.index] = payload
-        return _sliced(op.run, describe, op.works)
+        return sliced(op.run, describe, op.works)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +197,10 @@ class _Mismatch:
     fstamp: int
 
 
-def _what(kind: int, stamp: int) -> str:
+def _what(phases: Phases, kind: int, stamp: int) -> str:
     op = _OPS.get(kind & ~_NOTICE, f"operation {kind & ~_NOTICE}")
     phase = stamp >> 32
-    return f"the {op} of {_PHASES.get(phase, f'phase {phase}')} #{stamp & 0xFFFFFFFF}"
+    return f"the {op} of {phases.names.get(phase, f'phase {phase}')} #{stamp & 0xFFFFFFFF}"
 
 
 class _Exchange:
@@ -262,11 +253,11 @@ class _Exchange:
             if op in ("fold", "take", "swap"):
                 self._take(dst, self._receive(dst), fold=op != "take")
             for work in sent:
-                _done(work)
+                done(work)
         packed = self._pack()
         sent = [w for peer in local[1:] for w in self._send(peer, packed)]
         for work in sent:
-            _done(work)
+            done(work)
 
     def _peers(self) -> tuple[list[int], set[int]]:
         """This rank's peers in the exchange, and those of them that wait for a record from it."""
@@ -312,7 +303,7 @@ class _Exchange:
     def _take(self, peer: int, received: tuple[Any, torch.Tensor], fold: bool) -> None:
         """Fold (MIN, union) or take (replace) what ``peer`` holds into this rank's."""
         work, record = received
-        _done(work)
+        done(work)
         head = [int(v) for v in record[:HEAD].tolist()]
         if head[_KIND] & _NOTICE:
             c, f = head[_CULPRIT] - 1, head[_FINDER] - 1
@@ -352,7 +343,7 @@ class _Exchange:
         blob = torch.empty(nbytes, dtype=torch.uint8)
         work = started(self.pg.recv, [blob], peer, _ENTRIES)
         self.works.append(work)
-        _done(work)
+        done(work)
         data = tensor_view(blob)
         table = array("q")
         table.frombytes(bytes(data[: count * _ENTRY_HEAD]))
@@ -402,115 +393,24 @@ class _Exchange:
                 except RuntimeError:  # a broken connection: that peer hears of it by other means
                     continue
                 (owed if peer in self.owed else self.works).append(work)
-        _Background(lambda: [w.wait() for w in owed]).finished.wait(NOTICE_GRACE_S)
+        Background(lambda: [w.wait() for w in owed]).finished.wait(NOTICE_GRACE_S)
 
     def _desync(self, m: _Mismatch) -> CollectiveDesyncError:
-        me, name = self.tree.index, self.name
-        mine = _what(self.kind, self.stamp)
+        me, name, phases = self.tree.index, self.name, self.tree.phases
+        mine = _what(phases, self.kind, self.stamp)
         ranks: tuple[int, ...]
         if m.told_by is None:  # this rank found it: the culprit is its peer
-            said = f"rank {name(m.culprit)} is in {_what(m.ckind, m.cstamp)} while this rank is in {mine}"
+            said = f"rank {name(m.culprit)} is in {_what(phases, m.ckind, m.cstamp)} while this rank is in {mine}"
             ranks = (name(m.culprit),)
         elif m.culprit == me:  # the peer that found it told this rank
-            said = f"rank {name(m.finder)} is in {_what(m.fkind, m.fstamp)} while this rank is in {mine}"
+            said = f"rank {name(m.finder)} is in {_what(phases, m.fkind, m.fstamp)} while this rank is in {mine}"
             ranks = (name(m.finder),)
         else:  # passed on from further away
             said = (
-                f"rank {name(m.culprit)} is in {_what(m.ckind, m.cstamp)} while rank {name(m.finder)} is in "
-                f"{_what(m.fkind, m.fstamp)} (rank {name(m.told_by)} told this rank, which is in {mine})"
+                f"rank {name(m.culprit)} is in {_what(phases, m.ckind, m.cstamp)} while rank {name(m.finder)} is in "
+                f"{_what(phases, m.fkind, m.fstamp)} (rank {name(m.told_by)} told this rank, which is in {mine})"
             )
             ranks = tuple(name(r) for r in dict.fromkeys((m.culprit, m.finder)) if r != me)
         return CollectiveDesyncError(
-            f"{self.describe()}: {said}: the ranks are at different exchanges.\n{_ADVICE}", ranks=ranks
+            f"{self.describe()}: {said}: the ranks are at different exchanges.\n{phases.advice or _ADVICE}", ranks=ranks
         )
-
-
-_GATHER_INTS = TAG_BASE | 0x40  # plus the round: at most 63 rounds (N < 2**63)
-
-
-def gather_ints(pg: dist.ProcessGroup, value: int) -> list[int]:
-    """Every rank's ``value``, by group rank, on every rank: Bruck's all-gather over point-to-point
-    operations, ceil(log2 N) rounds for any N (gloo's own all-gather is a ring: N - 1 hops, 205 ms
-    at 8,192 ranks in the scale model). Round k doubles what each rank holds: it sends the first
-    2**k values it has (its own and those of the ranks after it) to the rank 2**k before it, and
-    receives as many from the rank 2**k after it. Call it off the calling thread (``run_p2p``)."""
-    size, me = pg.size(), pg.rank()
-    have = torch.empty(size, dtype=torch.int64)  # have[j]: the value of group rank (me + j) % size
-    have[0] = value
-    held, k = 1, 0
-    while held < size:
-        n = min(held, size - held)
-        out = have[:n].clone()
-        into = torch.empty(n, dtype=torch.int64)
-        sent = started(pg.send, [out], (me - held) % size, _GATHER_INTS + k)
-        _done(started(pg.recv, [into], (me + held) % size, _GATHER_INTS + k))
-        _done(sent)
-        have[held : held + n] = into
-        held, k = held + n, k + 1
-    values = have.tolist()
-    return [values[(i - me) % size] for i in range(size)]
-
-
-T = TypeVar("T")
-
-
-def _done(work: Any) -> None:
-    """Wait for a point-to-point operation with gloo's own timeout (the group's): a timed wait
-    on one (``gloo.wait``'s slices) would close every connection of the group when it expires."""
-    work.wait()
-
-
-class _Background:
-    """An exchange run on a helper thread, waited for as a gloo work (``gloo.wait``: in slices,
-    stopping once a peer is known to have failed). Gloo's send and receive cannot be waited for in
-    slices, and a rank waits in these exchanges for peers still compiling or running user code.
-
-    After a failure the thread waits (the group's timeout) for the gloo operations in ``linger``
-    that may not have ended: gloo keeps writing into, and reading from, their buffers."""
-
-    def __init__(self, fn: Callable[[], Any], linger: Sequence[Any] = ()) -> None:
-        self._fn = fn
-        self._linger = linger
-        self.finished = self._done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-        threading.Thread(target=self._run, name="compiler_collectives-hosttree", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self.value = self._fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            self.error = e
-        finally:
-            self._done.set()
-        if self.error is not None:
-            for work in self._linger:
-                try:
-                    work.wait()
-                except Exception:  # noqa: BLE001 - the exchange failed already; this only keeps buffers alive
-                    pass
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
-            raise RuntimeError("the exchange has not ended yet")
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-
-def run_p2p(fn: Callable[[], T], describe: Callable[[], str] | None = None) -> T:
-    """``fn()`` (gloo sends and receives, waited for with ``work.wait()``: the group's timeout) on a
-    helper thread, waited for here as ``gloo.wait`` waits for a collective: in slices, stopping once
-    a peer is known to have failed. A timed wait of gloo's on a send or receive would close every
-    connection of the group when it expires."""
-    return _sliced(fn, describe)
-
-
-def _sliced(fn: Callable[[], T], describe: Callable[[], str] | None, linger: Sequence[Any] = ()) -> T:
-    job = _Background(fn, linger)
-    wait(job, describe)
-    value: T = job.value
-    return value

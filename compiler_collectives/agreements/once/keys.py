@@ -27,7 +27,8 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 
-from ...transport import PHASE_ONCE_KEYS, HostTree
+from ...transport import HostTree
+from ..phases import ONCE_KEYS
 from ..wire.once import Offer
 
 HEAD, SLOT = 8, 4  # the record: the phase, then six items; then four per index on a host
@@ -76,7 +77,7 @@ def record(
     )
     common = _digest(seq, level, tuple(sorted(mine.switches)), kept.digest) if kept is not None and valid else 0
     own = _digest(mine.key, mine.why, mine.graph)
-    head = [PHASE_ONCE_KEYS, -PHASE_ONCE_KEYS, common, -common, 0 if valid else -1]
+    head = [ONCE_KEYS, -ONCE_KEYS, common, -common, 0 if valid else -1]
     head += [0 if mine.key is not None else -1, own, -own]
     slots = [HostTree.NEUTRAL] * (SLOT * tree.ranks_per_host)
     k = tree.local_index * SLOT

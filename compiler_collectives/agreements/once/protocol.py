@@ -27,14 +27,8 @@ from ...errors import (
 from ...instrument import timing
 from ...observations import FrameId
 from ...stats import counters
-from ...transport import (
-    PHASE_ONCE_KEYS,
-    PHASE_ONCE_LOADED,
-    PHASE_ONCE_RESULT,
-    HostTree,
-    groups,
-)
-from .. import audit, compile_wait
+from ...transport import HostTree, groups
+from .. import audit, compile_wait, phases
 from .. import exchange as exchange_frame
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
@@ -237,7 +231,7 @@ def _host_tree(ticket: Ticket) -> HostTree:
         where = _where(ticket, "hosts")
         tree = _tree = exchange_frame.framed(
             pg,
-            lambda: HostTree.build(pg, keys.record_width, where),
+            lambda: HostTree.build(pg, keys.record_width, where, phases.HOST_TREE),
             kind="compile_once",
             seq=ticket.seq,
             frame=str(ticket.frame),
@@ -256,13 +250,13 @@ def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
     kept, seq = _known, ticket.seq or 0
     tree = _host_tree(ticket)
     record = keys.record(mine, kept, members=ticket.members, tree=tree, seq=seq, level=ticket.level)
-    out = _min(ticket, tree, record, PHASE_ONCE_KEYS, "keys")
+    out = _min(ticket, tree, record, phases.ONCE_KEYS, "keys")
     settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
     if settled is not None:
         counters.once_keys_reduced += 1
         return settled
     counters.once_gathers += 1
-    offers = _gather(ticket, mine, PHASE_ONCE_KEYS, "keys")
+    offers = _gather(ticket, mine, phases.ONCE_KEYS, "keys")
     _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
     return offers  # type: ignore[return-value]
 
@@ -529,7 +523,7 @@ def _min(ticket: Ticket, tree: HostTree, record: list[int], phase: int, what: st
     )
 
 
-_BODIES = {PHASE_ONCE_KEYS: "keys", PHASE_ONCE_RESULT: "result", PHASE_ONCE_LOADED: "loaded"}
+_BODIES = {phases.ONCE_KEYS: "keys", phases.ONCE_RESULT: "result", phases.ONCE_LOADED: "loaded"}
 
 
 def _gather(
@@ -662,7 +656,7 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     counters.once_tree_exchanges += 1
     plan = ticket.plan
     source = plan is not None and plan.role in (COMPILE, SERVE)
-    out = _gather(ticket, mine if source else None, PHASE_ONCE_RESULT, "result")
+    out = _gather(ticket, mine if source else None, phases.ONCE_RESULT, "result")
     for r, p in ticket.plans.items():
         body = out.get(r)
         if body is None and p.role not in (COMPILE, SERVE):
@@ -687,7 +681,7 @@ def _load_report(ticket: Ticket) -> None:
     t0 = time.perf_counter()
     loaded_here = ticket.outcome not in ("miss", "refused")
     tree = _host_tree(ticket)
-    if _min(ticket, tree, [1 if loaded_here else 0], PHASE_ONCE_LOADED, "load report")[0] == 1:
+    if _min(ticket, tree, [1 if loaded_here else 0], phases.ONCE_LOADED, "load report")[0] == 1:
         ticket.local = ()
         ticket.exchange_s += time.perf_counter() - t0
         _wait_for_local_compiles(ticket)
@@ -695,7 +689,7 @@ def _load_report(ticket: Ticket) -> None:
         return
     counters.once_tree_exchanges += 1
     mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
-    details = _gather(ticket, mine, PHASE_ONCE_LOADED, "load report")
+    details = _gather(ticket, mine, phases.ONCE_LOADED, "load report")
     counters.once_report_entries += len(details)
     for r, body in details.items():
         assert isinstance(body, Loaded)

@@ -1,0 +1,212 @@
+"""``groups``: the one object the agreements (and the seams, tools and tests) call for our groups.
+
+It holds nothing of its own: each call goes to the current generation
+(``generation.current``: what it built, and ``notice()``, which ends it when a
+new default group appears) or to the builders (``groups.py``: the compile
+group, the guard channel, the side channel, ``use_scope``'s setup check). What
+the agreements do with peers over the side channel is here too: leave a
+notice, read and wait for one, watch peers, read a peer's failure report, say
+which connections broke. Under a scope, notices are the scope's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import process_state
+from ..health.liveness import COMPILE_WAIT, WaitPolicy
+from ..health.watch import watch_peer
+from ..store.board import PeerRecords, SideChannel
+from ..store.mailbox import NoticeWait
+from . import groups as build
+from . import scope as scope_mod
+from .channel import GuardChannel
+from .generation import Generation, current
+from .probes import broken_connection, broken_peers, connections_can_be_looked_at
+
+log = logging.getLogger("compiler_collectives.transport")
+
+
+class Groups:
+    """Our gloo groups and their side channel, as the agreements see them (see the module docstring)."""
+
+    def __init__(self, generation: Generation) -> None:
+        self._gen = generation
+        # Bound once: the guard hook calls ``notice()`` on every call (one attribute read and one
+        # comparison), and ``available()`` where it decides whether it has peers.
+        self.notice: Callable[[], None] = generation.notice
+        self.available: Callable[[], bool] = generation.available
+
+    ends_the_default_group = staticmethod(Generation.ends_the_default_group)
+
+    @property
+    def side(self) -> SideChannel | None:
+        """The side channel of this generation, or None before one is built (never builds)."""
+        return self._gen.side
+
+    @property
+    def progress_sources(self) -> list[Callable[[], dict[str, Any]]]:
+        return self._gen.progress_sources
+
+    def add_progress_source(self, source: Callable[[], dict[str, Any]]) -> None:
+        """What the heartbeat tells of this rank's progress, merged from every source (idempotent per function)."""
+        self._gen.add_progress_source(source)
+
+    def compile_pg(self) -> dist.ProcessGroup:
+        return build.compile_pg(self._gen)
+
+    def guard_channel(self) -> GuardChannel:
+        """The guard channel of this generation, built on every rank together at first use."""
+        return build.guard_channel(self._gen)
+
+    def built_guard_channel(self) -> GuardChannel | None:
+        """The guard channel if this generation built one already, else None (never builds)."""
+        return self._gen.guard_channel
+
+    def guard_pg(self) -> dist.ProcessGroup:
+        return self.guard_channel().pg
+
+    def guard_transport(self) -> str | None:
+        """The guard mechanism in use ("gloo", "shm", "shm+leaders"), or None before the first call."""
+        channel = self._gen.guard_channel
+        return None if channel is None else channel.name
+
+    def use_scope(self, chosen: scope_mod.Scope | None) -> None:
+        """``compiler_collectives.scope()`` (see ``groups.use_scope``)."""
+        build.use_scope(self._gen, chosen)
+
+    def scope(self) -> scope_mod.Scope | None:
+        """The scope our groups of this generation span (None: every rank, or none agreed yet)."""
+        return self._gen.scope
+
+    def member_ranks(self, pg: Any) -> tuple[int, ...]:
+        """The global ranks of ``pg``'s members, in group-rank order (messages name global ranks)."""
+        gen = self._gen
+        if gen.scope is not None and pg is not None and (pg is gen.compile_pg or pg is gen.guard_pg):
+            return gen.scope.ranks
+        try:
+            return tuple(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001 - a group torch does not know (a benchmark's own)
+            return tuple(range(pg.size()))
+
+    def existing(self) -> dict[str, dist.ProcessGroup]:
+        """The groups created so far (for doctor/diagnostics)."""
+        return self._gen.existing()
+
+    def forget(self) -> None:
+        """Drop our groups; the next collective creates new ones (all ranks must do this together)."""
+        self._gen.forget()
+
+    def leave(self, what: str, seq: int | None, kind: str = "guard") -> None:
+        """This rank leaves mid-collective (its own code raised): tell the peers, in those words.
+
+        Not a failure, and nothing is diagnosed. Same-host peers see the
+        shared-memory failure word at once, its kind bit saying "left", and
+        read these words from the store report; other peers hear of it
+        through the store within about a heartbeat. Either way they stop
+        waiting for this rank and say that it left.
+        """
+        side = self._gen.side
+        if side is None:
+            return
+        channel = self._gen.guard_channel
+        if channel is not None:
+            channel.publish_failure(side.rank, left=True)
+        try:
+            side.report_failure(kind, seq, what, ranks=(side.rank,), left=True)
+        except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+            log.warning("rank %d could not tell the other ranks that it left (%s)", side.rank, e)
+
+    def post(self, name: str, value: bytes) -> None:
+        """Leave a notice for the peers on the store side channel (names are this generation's;
+        under a scope they are the scope's own)."""
+        build.side_channel(self._gen).mailbox.post(self._notice(name), value)
+
+    def store_name(self) -> str:
+        """How messages name this generation's store ("the c10d store at host:port"); no request."""
+        side = self._gen.side
+        return side.store_name if side is not None else "the c10d store"
+
+    def read_post(self, name: str) -> bytes | None:
+        """A notice a peer posted (``post``), or None if there is none yet."""
+        return build.side_channel(self._gen).mailbox.read_post(self._notice(name))
+
+    def wait_posts(self, names: Sequence[str], timeout_s: float) -> NoticeWait:
+        """Start waiting for the notices ``names`` (``post``) on a store connection of their own
+        (``store.mailbox.NoticeWait``): ``done``, ``posted``, ``result``, and ``cancel`` when the
+        caller stops waiting. A few store requests per notice, however long it takes."""
+        return build.side_channel(self._gen).mailbox.wait_posts([self._notice(name) for name in names], timeout_s)
+
+    def watch_peers(
+        self, ranks: Sequence[int], *, policy: WaitPolicy = COMPILE_WAIT
+    ) -> dict[int, Callable[[], str | None]]:
+        """A probe of each global rank of ``ranks``: each call says why ``policy`` gives up on it
+        (it is absent), or None while ``policy`` waits for it. The default is compile once's loader
+        wait (its only caller): a gone or failed peer is absent; a stopped or wedged one on this
+        host, or a silent one on another, is waited for, with a warning every 30 s
+        (``health.liveness``). Cheap enough to call every poll: no thread per call, no store
+        request at most calls (the probes share one read of their records, made again only where
+        a record looks silent: ``store.board.PeerRecords``), ``/proc`` read for a peer on this
+        host, heartbeats or not, and for one elsewhere that is silent or beats no heartbeat, this
+        rank's gloo connection to it (in the compile group) looked at about once a second: a
+        reset connection is how a process that ended on another host is known."""
+        side = build.side_channel(self._gen)
+        pg = self._gen.compile_pg
+        members = self.member_ranks(pg) if pg is not None and connections_can_be_looked_at() else ()
+        records = PeerRecords(side, ranks)
+        probes = {}
+        for rank in ranks:
+            connection: Callable[[], str | None] | None = None
+            if pg is not None and rank in members:
+                connection = functools.partial(broken_connection, pg, members.index(rank))
+            probes[rank] = watch_peer(side, rank, policy=policy, connection=connection, records=records)
+        return probes
+
+    def broken_peers(self, pg: Any) -> dict[int, str]:
+        """The members of ``pg`` (global ranks) whose gloo connection to this rank broke, each with
+        gloo's words: after an operation on ``pg`` failed on a broken connection, who it was."""
+        try:
+            return broken_peers(pg, self.member_ranks(pg))
+        except Exception as e:  # noqa: BLE001 - the error then names nobody, as before
+            log.debug("looking for broken connections: %s", e)
+            return {}
+
+    def _notice(self, name: str) -> str:
+        chosen = self._gen.scope
+        return name if chosen is None else f"scope/{chosen.key}/{name}"
+
+    def read_peer_report(self, peer: int, own_rank: int | None, wait_s: float) -> tuple[int, dict[str, Any]] | None:
+        """Rank ``peer``'s failure report as it wrote it (a ``SideChannel.report_failure`` record),
+        waiting up to ``wait_s`` for it: (the rank whose report it is, the report). Where ``peer``
+        only relayed another rank's report, that rank's. None if there is none (or the store
+        does not answer). What the report means is the reader's to decide."""
+        side = self._gen.side
+        if side is None:
+            return None
+        try:
+            report = side.read_report(peer, wait_s)
+            origin = report.get("heard_from") if report is not None else None
+            if type(origin) is int and origin not in (peer, own_rank) and 0 <= origin < side.world:
+                first = side.read_report(origin, wait_s)
+                if first is not None:
+                    peer, report = origin, first
+        except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
+            log.debug("reading rank %d's failure report: %s", peer, e)
+            return None
+        return None if report is None else (peer, report)
+
+
+@process_state.kept(
+    names=("groups",),
+    why="the agreements' view of the current generation: holds nothing of its own, so nothing clears it",
+)
+def _view_of(generation: Generation) -> Groups:
+    return Groups(generation)
+
+
+groups = _view_of(current)
