@@ -334,7 +334,7 @@ def _wired() -> dict[str, object]:
     transport_groups = sys.modules["compiler_collectives.transport.groups"]  # the module, not the instance
     sources = groups.progress_sources
     return {
-        "explainer": health.explainer is failure.explain_report,
+        "explainer": health.latch.explainer is failure.explain_report,
         "peer_reports": vars(transport_groups)["_peer_report_handler"] is failure.peer_reported,
         "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
         "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit.progress)],

@@ -21,7 +21,6 @@ import torch
 from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
 from ..observations import FrameId
-from ..stats import counters
 from ..transport import all_gather_bytes, groups
 from . import failure
 from .phases import ALL_GATHER
@@ -91,8 +90,7 @@ def gather(
         if check is not None:
             check(envelopes, rank)
     except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
-        counters.errors += 1
-        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
+        err = failure.fail(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)
@@ -113,8 +111,7 @@ def framed(
     try:
         return op()
     except RuntimeError as e:
-        counters.errors += 1
-        err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
+        err = failure.fail(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise
         raise err from (e.__cause__ if isinstance(e, CollectiveError) else e)

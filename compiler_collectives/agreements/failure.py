@@ -3,16 +3,20 @@
 Transport moves bytes and says what it saw (gloo's error, a timeout, a peer's
 failure word). This module decides what that means for the job:
 
-* ``exchange_failed``: the error a byte exchange raises. A bad payload or a
-  desync is seen identically by every rank, so nobody needs telling; anything
-  else (a timeout, a dead peer, gloo's ``RuntimeError``) goes through ``fail``.
+* ``fail``: the one failure procedure of a collective of ours (an agreement's
+  byte exchange, the guard collective, an entry check). It translates what
+  transport saw into our error, counts it, publishes it, diagnoses it and
+  poisons this rank; it returns the error to raise. A bad payload or a desync
+  is seen identically by every rank of the collective: not diagnosed (on the
+  guard channel, where every rank takes part, not even published). Anything
+  else (a timeout, a dead peer, gloo's ``RuntimeError``) is published, then
+  diagnosed: same-host peers see the shared-memory failure word within
+  microseconds; every other peer's heartbeat thread sees the store report
+  within a heartbeat and poisons its rank. The diagnosis then names the ranks
+  that are absent (crashed, killed, stopped) or alive elsewhere (a desync),
+  and the error is re-typed to say so.
 * ``known``: publish a failure whose cause this rank knows already (compile
   once's timeout, a compiling rank that is gone), without a diagnosis.
-* ``fail``: publish, then diagnose. Same-host peers see the shared-memory
-  failure word within microseconds; every other peer's heartbeat thread sees
-  the store report within a heartbeat and poisons its rank. The diagnosis then
-  names the ranks that are absent (crashed, killed, stopped) or alive
-  elsewhere (a desync), and the error is re-typed to say so.
 
 **A report keeps its type.** When this rank's collective stopped on a peer's
 report (the error's ``reported_by``: the failure word, the store report its
@@ -37,7 +41,7 @@ for this rank:
   ``transport.set_peer_report_handler``): this rank is poisoned by it, so its
   next collective refuses and a wait in progress in one of ours stops;
 * ``explain_report``: the first refusal of a report that names nobody asks
-  for this rank's own short diagnosis of who is absent (``health.explainer``).
+  for this rank's own short diagnosis of who is absent (``health.latch.explainer``).
 
 ``connect`` registers both with the layers below. It runs when this module
 is imported and is idempotent; ``reset()`` and a fork keep both registered.
@@ -50,8 +54,16 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import config, health
-from ..errors import CollectiveDesyncError, CollectiveError, PeerFailureError, WireFormatError, describe
+from ..errors import (
+    CollectiveDesyncError,
+    CollectiveError,
+    PeerFailureError,
+    SetupMismatchError,
+    WireFormatError,
+    describe,
+)
 from ..health.diagnosis import Diagnosis, diagnose_with_deadline
+from ..stats import counters
 from ..transport import groups, is_connection_failure, set_peer_report_handler, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")
@@ -61,42 +73,62 @@ REPORT_WAIT_S = 2.0
 words): the peer publishes the word first, the report a store round-trip later."""
 
 
-def exchange_failed(
+# Failures every rank of the collective sees alike (a bad payload, ranks out of step): the
+# diagnosis has nothing to add. Over an agreement's exchange (a host tree's pairs) only some ranks
+# see them, so they are published; the guard channel's all-gather shows them to every rank.
+SEEN_ALIKE = (WireFormatError, CollectiveDesyncError)
+SEEN_ALIKE_ON_GUARD_CHANNEL = (CollectiveDesyncError, SetupMismatchError)
+
+
+def fail(
     error: BaseException,
     *,
     kind: str,
-    rank: int,
+    rank: int | None,
     seq: int | None,
     frame: str | None,
     where: Callable[[], str],
     pg: Any = None,
+    guard_channel: bool = False,
 ) -> CollectiveError:
-    """The error a byte exchange raises after ``error``; this rank is poisoned either way.
+    """The error to raise after ``error`` stopped a collective of ours: translated, counted,
+    published (and diagnosed), this rank poisoned.
 
-    Our own errors take the exchange's context; a bad payload or ranks out of step are
-    published (``known``) so that ranks outside the exchange's pairs hear it. Where gloo says a connection broke, this
-    rank's connections in ``pg`` (the exchange's group) are looked at: the error names the
-    peers whose connection broke, and the diagnosis takes that as evidence of their death.
+    Our own errors take the collective's context (on the guard channel, only where they have
+    none); anything else is translated (``translate_failure``), chained to ``error``. Where gloo
+    says a connection broke, this rank's connections in ``pg`` (the collective's group) are
+    looked at: the error names the peers whose connection broke, and the diagnosis takes that as
+    evidence of their death. ``guard_channel``: the collective is the guard channel's all-gather
+    (the guard collective, an entry check), where a mismatch is seen by every rank.
     """
+    broken: dict[int, str] = {}
     if isinstance(error, CollectiveError):
-        error.kind, error.rank, error.seq, error.frame = kind, rank, seq, frame
-        if isinstance(error, WireFormatError):
-            error.args = (f"{where()}: {error.args[0]}",)
-        if isinstance(error, (WireFormatError, CollectiveDesyncError)):
-            # Published, not diagnosed: over a host tree only this rank's peers in the exchange
-            # see the mismatch, and the others would wait for the timeout (nobody is absent).
-            return known(error, seq=seq)
-        err = fail(error, seq=seq)
+        err = error
+        if not guard_channel:
+            err.kind, err.rank, err.seq, err.frame = kind, rank, seq, frame
+            if isinstance(err, WireFormatError):
+                err.args = (f"{where()}: {err.args[0]}",)
+        elif err.kind is None:  # raised by a transport wait that knows no context
+            err.kind, err.rank, err.seq = kind, rank, seq
     else:
         broken = groups.broken_peers(pg) if pg is not None and is_connection_failure(error) else {}
-        translated = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame, broken=broken)
-        translated.__cause__ = error
-        err = fail(translated, seq=seq, broken=broken)
+        err = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame, broken=broken)
+        err.__cause__ = error
+    counters.errors += 1
+    if isinstance(err, SEEN_ALIKE_ON_GUARD_CHANNEL if guard_channel else SEEN_ALIKE):
+        if not guard_channel:
+            # Published, not diagnosed: over a host tree only this rank's peers in the exchange
+            # see the mismatch, and the others would wait for the timeout (nobody is absent).
+            _publish(err, seq)
+    else:
+        err = _published_and_diagnosed(err, seq=seq, broken=broken)
     health.poison(err)
     return err
 
 
-def fail(error: CollectiveError, *, seq: int | None, broken: dict[int, str] | None = None) -> CollectiveError:
+def _published_and_diagnosed(
+    error: CollectiveError, *, seq: int | None, broken: dict[int, str] | None = None
+) -> CollectiveError:
     """Publish, diagnose; returns the error to raise (maybe re-typed to name the culprits).
 
     Gloo's own ``abort`` does nothing, so a blocked gloo operation cannot be
@@ -146,6 +178,13 @@ def known(error: CollectiveError, *, seq: int | None) -> CollectiveError:
     compiling rank gone): published like ``fail``'s, so every peer hears it within a heartbeat
     (a compiling rank at its next exchange), and this rank is poisoned; never diagnosed or
     re-typed, since a peer that is busy compiling is not out of step. Returns ``error``."""
+    _publish(error, seq)
+    health.poison(error)
+    return error
+
+
+def _publish(error: CollectiveError, seq: int | None) -> None:
+    """The failure word for same-host peers, the store report for every other (no diagnosis)."""
     side = groups.side
     channel = groups.built_guard_channel()
     if channel is not None and side is not None:
@@ -155,8 +194,6 @@ def known(error: CollectiveError, *, seq: int | None) -> CollectiveError:
             side.report_failure(error.kind or "?", seq, str(error), ranks=error.ranks)
         except Exception as e:  # noqa: BLE001 - StoreUnresponsive or a store error
             log.warning("rank %d could not report its failure on the c10d store (%s)", side.rank, e)
-    health.poison(error)
-    return error
 
 
 def as_reported(error: CollectiveError, peer: int, seq: int | None = None) -> CollectiveError:

@@ -6,8 +6,9 @@ already has compiled code. It returns True to run the cached code and False
 to force a compile; if any rank missed, every rank gets False.
 
 It must never raise: an exception inside the hook aborts the process from C++.
-On failure it parks a ``CollectiveError`` in ``health`` and returns False; the
-compile that follows raises the parked error from the user's call site.
+On failure it parks a ``CollectiveError`` in the latch (``health.latch``) and
+returns False; the compile that follows raises the parked error from the
+user's call site.
 
 Process models:
 
@@ -57,12 +58,11 @@ from ..errors import (
     CollectiveDesyncError,
     CollectiveError,
     ConcurrentThreadsError,
-    SetupMismatchError,
     describe,
 )
 from ..instrument import timing
 from ..stats import counters
-from ..transport import GuardChannel, groups, is_connection_failure, translate_failure
+from ..transport import GuardChannel, groups
 from . import failure
 
 log = logging.getLogger("compiler_collectives.guard")
@@ -276,25 +276,16 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
 def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
     """An entry check's transport failure, through the same failure procedure as the hook's."""
     rank = dist.get_rank() if dist.is_initialized() else None
-    broken = {} if isinstance(error, CollectiveError) else _broken_guard_peers(error)
-    err = (
-        error
-        if isinstance(error, CollectiveError)
-        else translate_failure(
-            error,
-            kind="entry",
-            describe=lambda: describe("entry", rank, seq, frame),
-            rank=rank,
-            seq=seq,
-            frame=frame,
-            broken=broken,
-        )
+    return failure.fail(
+        error,
+        kind="entry",
+        rank=rank,
+        seq=seq,
+        frame=frame,
+        where=lambda: describe("entry", rank, seq, frame),
+        pg=_guard_pg(),
+        guard_channel=True,
     )
-    if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):
-        err = failure.fail(err, seq=seq, broken=broken)
-    counters.errors += 1
-    health.poison(err)
-    return err
 
 
 def _with_peers() -> bool:
@@ -327,11 +318,11 @@ def hook(guard_eval_result: bool) -> bool:
     try:
         # First: a new default group (its destroy unseen) ends the old one's failure and channel.
         groups.notice()
-        if health.first_failure is not None:
+        if health.latch.first_failure is not None:
             try:
                 health.check("guard")
             except CollectiveError as e:
-                health.park(e)
+                health.latch.park(e)
             return False
         channel = _state.channel
         if channel is None:
@@ -449,7 +440,7 @@ def _claim_or_park() -> bool:
         return True
     me = threading.current_thread()
     rank = dist.get_rank() if dist.is_initialized() else None
-    health.park(
+    health.latch.park(
         ConcurrentThreadsError(
             f"guard collective on rank {rank}: thread {me.name!r} (id {me.ident}) called compiled code "
             f"while thread {owner.name!r} (id {owner.ident}) is the one running compiled code on this "
@@ -639,40 +630,27 @@ def _desync(channel: GuardChannel, seq: int, site: int, everyone: list[tuple[int
     )
 
 
-def _broken_guard_peers(error: BaseException) -> dict[int, str]:
-    """After gloo's ``error`` in a guard collective: the peers whose connection in the guard
-    group broke (they are named), if it says a connection broke."""
+def _guard_pg() -> Any:
+    """The guard channel's group, if built: where gloo's error may name broken connections."""
     channel = groups.built_guard_channel()
-    if channel is None or not is_connection_failure(error):
-        return {}
-    return groups.broken_peers(channel.pg)
+    return None if channel is None else channel.pg
 
 
 def _park_failure(error: BaseException) -> None:
+    """The hook's collective failed: through the failure procedure, parked for this thread's compile."""
     rank = dist.get_rank() if dist.is_initialized() else None
     seq = _state.seq
-    if isinstance(error, CollectiveError):
-        err = error
-        if err.kind is None:  # raised by a transport wait that knows no context: the hook does
-            err.kind, err.rank, err.seq = "guard", rank, seq
-        broken: dict[int, str] = {}
-    else:
-        broken = _broken_guard_peers(error)
-        err = translate_failure(
-            error,
-            kind="guard",
-            describe=lambda: describe("guard", rank, seq, None),
-            rank=rank,
-            seq=seq,
-            frame=None,
-            broken=broken,
-        )
-        err.__cause__ = error
-    if not isinstance(err, (CollectiveDesyncError, SetupMismatchError)):  # seen by every rank alike
-        err = failure.fail(err, seq=seq, broken=broken)
-    counters.errors += 1
-    health.poison(err)
-    health.park(err)
+    err = failure.fail(
+        error,
+        kind="guard",
+        rank=rank,
+        seq=seq,
+        frame=None,
+        where=lambda: describe("guard", rank, seq, None),
+        pg=_guard_pg(),
+        guard_channel=True,
+    )
+    health.latch.park(err)
 
 
 def _park_interrupt(interrupt: BaseException) -> None:
@@ -693,7 +671,7 @@ def _park_interrupt(interrupt: BaseException) -> None:
     )
     note.__cause__ = interrupt
     health.poison(note)
-    health.park(interrupt)
+    health.latch.park(interrupt)
 
 
 def group() -> Any:
@@ -723,5 +701,5 @@ def _park_left(error: BaseException) -> None:
     )
     note.__cause__ = error
     health.poison(note)
-    health.park(error)
+    health.latch.park(error)
     groups.leave(what, seq)

@@ -20,26 +20,25 @@ of the eager backend). Their rows, reads included, are checked then; on a
 torch without them the audit covers fewer levels and logs so once. The same
 holds for ``_resolve_process_group`` ("audit-groups"), which names a
 functional collective's group by its ranks (``group_text``).
+
+Every seam here that torch calls leaves our code through ``compile_scope.boundary``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import config
-from ..agreements import audit, compiler, entry
+from ..agreements import audit, compile_scope, compiler, entry
 from . import bound, guard_seam, once_seam, table
 from .compiler_seam import frame_of
 
 log = logging.getLogger("compiler_collectives.dynamo")
-
-_post_grad = threading.local()  # depth: post-grad passes recurse into subgraphs through our wrapper
 
 
 def missing_backend_seams() -> list[str]:
@@ -59,6 +58,7 @@ def _applies(output_graph: Any) -> bool:
     return torch.distributed.get_world_size() > 1
 
 
+@compile_scope.boundary
 def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     original = bound.originals["call_user_compiler"]
     if not _applies(self):
@@ -146,6 +146,7 @@ def ensure_backend_seams() -> None:
             _bind(level)
 
 
+@compile_scope.boundary
 def aot_module_simplified(mod: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
     original = bound.originals["aot_module_simplified"]
     if rest:
@@ -170,6 +171,7 @@ def _audited_aot_compiler(compiler_fn: Any, scope: Any, stage: str) -> Any:
     serializable = bound.originals["SerializableAOTDispatchCompiler"]
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @compile_scope.boundary  # AOTAutograd calls it, inside the backend
         def audited_compiler(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
             return audit.aot_compile(scope, stage, gm, lambda: fn(gm, example_inputs, *args, **kwargs))
 
@@ -181,18 +183,23 @@ def _audited_aot_compiler(compiler_fn: Any, scope: Any, stage: str) -> Any:
     return wrap(compiler_fn)
 
 
+@compile_scope.boundary
 def post_grad_passes(gm: Any, *args: Any, **kwargs: Any) -> Any:
-    depth = getattr(_post_grad, "depth", 0)
-    _post_grad.depth = depth + 1
+    scope = compile_scope.current()
+    if scope is None:  # outside a frame compile (a backward lowered lazily): no audit record
+        return bound.originals["recursive_post_grad_passes"](gm, *args, **kwargs)
+    depth = scope.post_grad_depth
+    scope.post_grad_depth = depth + 1
     try:
         result = bound.originals["recursive_post_grad_passes"](gm, *args, **kwargs)
     finally:
-        _post_grad.depth = depth
+        scope.post_grad_depth = depth
     if depth == 0:  # subgraphs are walked as part of their parent
         audit.inductor_graph(gm)
     return result
 
 
+@compile_scope.boundary
 def group_text(group_name: Any) -> str:
     """A functional collective's group as its member ranks (names are per-process bookkeeping)."""
     if "audit-groups" not in bound.levels:

@@ -9,13 +9,16 @@
   restarted trace applies every rank's observations in rank order.
 * ``run_compiler_collective``: the end-of-trace exchange and the restart
   decision (``agreements.compiler``).
-* ``_compile``: raises errors the guard hook parked on this thread, refuses a
-  thread other than the one that owns this rank's collectives (before any
-  exchange: ``guard.claim_for_compile``), unwraps our errors from Dynamo's
-  ``InternalTorchDynamoError``, raises the one compile once kept
-  (``once_seam.take_raised``) in place of torch's ``BackendCompilerFailed``, and
-  tells entry agreement which cache entries each frame's compiles add (bounded
-  by Dynamo's ``accumulated_recompile_limit``).
+* ``_compile``: raises the error the guard hook parked on this thread (the
+  latch), refuses a thread other than the one that owns this rank's
+  collectives (before any exchange: ``guard.claim_for_compile``), opens the
+  compile's scope (``agreements.compile_scope``) and raises our error latched
+  there in place of whatever torch wrapped it in, and tells entry agreement
+  which cache entries each frame's compiles add (bounded by Dynamo's
+  ``accumulated_recompile_limit``).
+
+Every seam here that torch calls leaves our code through
+``compile_scope.boundary``.
 * ``torch._dynamo.reset`` (what ``torch.compiler.reset()`` calls): Dynamo's
   caches go, and entry agreement's registry of them with them.
 """
@@ -26,23 +29,19 @@ import copy
 import functools
 import logging
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import config, health
-from ..agreements import compiler, entry, guard, lifecycle
-from ..errors import CollectiveError
+from ..agreements import compile_scope, compiler, entry, guard, lifecycle
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
-from . import bound, guard_seam, once_seam, tooling
+from . import bound, guard_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
 
 log = logging.getLogger("compiler_collectives.dynamo")
-
-_pending = threading.local()  # the frame _compile is about to compile
 
 
 def compiler_collectives_flag() -> bool:
@@ -57,12 +56,14 @@ def frame_of(code: Any) -> FrameId:
     return FrameId(code.co_name, code.co_filename, code.co_firstlineno)
 
 
+@compile_scope.boundary
 def get_compile_pg() -> Any:
     if compiler_collectives_flag() and compiler.distributed():
         return compiler.group_for_compile()
     return None
 
 
+@compile_scope.boundary
 def process_automatic_dynamic(tx: Any, name: str, entry: Any, *, is_unspecialized_nn_module: bool = False) -> Any:
     st = tx.distributed_state
     if not isinstance(st, DistributedState):
@@ -137,13 +138,14 @@ def predicted_entry(value: Any) -> SizeEntry | None:
     return SizeEntry(scalar=DYNAMIC, size=size, stride=tuple(stride))
 
 
+@compile_scope.boundary
 def new_distributed_state(compile_pg: Any, local_state: LocalState) -> DistributedState:
     """Dynamo's constructor call for the per-compile box; also runs the input exchange."""
     ds = DistributedState(compile_pg, local_state)
-    boxes = getattr(_pending, "boxes", None)
-    if boxes is not None:
-        boxes.append(ds)  # ``_compile`` ends it
-    pending = getattr(_pending, "frame", None)
+    scope = compile_scope.current()
+    if scope is not None:
+        scope.boxes.append(ds)  # ``_compile`` ends it
+    pending = None if scope is None else scope.pending
     settings = config.settings
     if (
         pending is None
@@ -205,6 +207,7 @@ def _apply_without_restart(ds: DistributedState) -> None:
                 update(tx, name, entry_to_torch(observed))
 
 
+@compile_scope.boundary
 def run_compiler_collective(self: Any) -> None:
     tx = self.root_tx
     ds = tx.distributed_state
@@ -232,7 +235,7 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
-        health.raise_parked()
+        health.latch.raise_parked()
         guard.at_compile(sys._getframe(1))
         code = args[0] if args else kwargs.get("code")
         if compiler_collectives_flag() or guard_seam.hook_active():
@@ -240,51 +243,35 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             # guard collective and the entry check count on: only the owning thread may.
             guard.claim_for_compile(str(frame_of(code)) if code is not None else "a frame")
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
-        previous = getattr(_pending, "frame", None)
-        _pending.frame = (code, frame_locals) if isinstance(frame_locals, dict) else None
-        # The DistributedState boxes of this compile: ended with it, so that nothing of the
-        # compile that Dynamo leaves in reference cycles holds our compile group.
-        previous_boxes = getattr(_pending, "boxes", None)
-        boxes: list[DistributedState] = []
-        _pending.boxes = boxes
         # Entry agreement: which cache entries this frame's compiles add, in order.
         building = entry.compile_started(code)
         kept = False
         result = None
-        try:
-            result = original(*args, **kwargs)
-            kept = getattr(result, "guarded_code", None) is not None
-            return result
-        except bound.originals["InternalTorchDynamoError"] as e:
-            # The one place our error is dug out of torch's: Dynamo rewraps whatever a trace
-            # raises (ours from the compiler collective, the audit, any seam the trace calls)
-            # "from None", the original left only as the context.
-            inner = e.__context__
-            if isinstance(inner, CollectiveError):
-                raise inner from inner.__cause__
-            raise
-        except bound.originals["BackendCompilerFailed"]:
-            # Ours raised inside the backend (compile once's wait, say), kept where it left our
-            # code: the user gets our type, not torch's wrapper.
-            ours = once_seam.take_raised()
-            if ours is not None:
-                raise ours from ours.__cause__
-            raise
-        finally:
-            once_seam.take_raised()  # kept for this compile only
-            _pending.frame = previous
-            _pending.boxes = previous_boxes
-            for box in boxes:
-                box.end()
-            if code is not None:
-                entry.compile_finished(
-                    code,
-                    frame_of(code),
-                    building,
-                    kept,
-                    limit=int(bound.current("accumulated_recompile_limit")),
-                    resumes=resume_calls(result) if kept else (),
-                )
+        # The compile's scope: the frame for the input exchange, the DistributedState boxes (ended
+        # with it, so that nothing of the compile that Dynamo leaves in reference cycles holds our
+        # compile group), and our error on its way out.
+        with compile_scope.opened((code, frame_locals) if isinstance(frame_locals, dict) else None) as scope:
+            try:
+                result = original(*args, **kwargs)
+                kept = getattr(result, "guarded_code", None) is not None
+                return result
+            except Exception as e:
+                # Ours left our code through a seam's boundary, into whatever torch wraps it in
+                # (InternalTorchDynamoError, BackendCompilerFailed): the user gets ours.
+                scope.raise_latched(e)
+                raise
+            finally:
+                for box in scope.boxes:
+                    box.end()
+                if code is not None:
+                    entry.compile_finished(
+                        code,
+                        frame_of(code),
+                        building,
+                        kept,
+                        limit=int(bound.current("accumulated_recompile_limit")),
+                        resumes=resume_calls(result) if kept else (),
+                    )
 
     _compile.__compiler_collectives_wrapper__ = True  # type: ignore[attr-defined]  # marks our wrapper for install
     return _compile

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..agreements import compiler, guard
+from ..agreements import compile_scope, compiler, guard
 from . import bound, table
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -28,6 +28,7 @@ log = logging.getLogger("compiler_collectives.dynamo")
 _slot: Any = None  # what we last wrote to the C++ guard-complete hook slot
 
 
+@compile_scope.boundary
 def get_guard_pg() -> Any:
     if compiler.distributed():
         return guard.group()

@@ -7,8 +7,8 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
   lookup (``AOTAutogradCache.try_load``); right after, and before the lookup reads the cache,
   the ranks exchange keys (``agreements.once.offer``), and a loading rank waits for the rank
   that compiles and installs its artifact, so the lookup that follows finds it. Our errors
-  raised there are kept on the ticket and re-raised after the lookup (which would otherwise
-  take any exception for a cache bypass).
+  raised there leave through the compile scope's boundary, latched, and are raised after the
+  lookup (which would otherwise take any exception for a cache bypass).
 * ``AOTAutogradCache.try_load`` (replaced): marks the lookup, and after it has a loading rank
   report whether it hit.
 * ``FxGraphCache._lookup_graph`` and ``codecache.write`` (replaced, pass-through): the FX graph
@@ -22,8 +22,9 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
 The AOTAutograd compile itself is wrapped here (``aot_compile``, called by the aot seam
 ``audit_seam.aot_module_simplified``): the backward lowered with the forward, the cache key
 computed with the user's own lowering setting, and compile once's ticket around it
-(``around_aot``). Our error that leaves it is kept (``take_raised``): the seam around Dynamo's
-compile raises it in place of the ``BackendCompilerFailed`` torch wraps it in.
+(``around_aot``). Every seam here leaves our code through ``compile_scope.boundary``: our error
+is latched in the compile's scope, and the seam around Dynamo's compile raises it in place of
+the ``BackendCompilerFailed`` torch wraps it in.
 
 What compile once costs shows in Dynamo's compile timings as three ``dynamo_timed`` events
 (each a chromium event in ``TORCH_TRACE``, tlparse's trace view, and a key of
@@ -47,14 +48,13 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
 from .. import config
-from ..agreements import audit, compiler, once
+from ..agreements import audit, compile_scope, compiler, once
 from ..errors import CollectiveError, CompileOnceError
 from ..observations import FrameId
 from . import bound, table
@@ -74,10 +74,6 @@ SWITCHES = (
     ("inductor_config", "distributed_max_autotune_gemm"),
     ("inductor_config_comms", "runtime_estimations_align_across_all_distributed_ranks"),
 )
-
-# frame: FrameId | None (the backend call's); lookup: bool; user_lowering; raised: our error that
-# left the last AOTAutograd compile under compile once on this thread (``take_raised``)
-_state = threading.local()
 
 
 class _Cache:
@@ -100,21 +96,28 @@ CACHE = _Cache()
 
 
 def set_frame(frame: FrameId | None) -> None:
-    """The frame whose graph the backend compiles on this thread now (for messages)."""
-    _state.frame = frame
+    """The frame whose graph the backend compiles in this compile now (for messages)."""
+    scope = compile_scope.current()
+    if scope is not None:
+        scope.frame = frame
 
 
 @contextlib.contextmanager
 def backward_lowered_with_forward() -> Iterator[None]:
     """AOTAutograd lowers the backward with the forward inside (the audit and compile once need
     it), while the cache key stays the one the user's own setting gives (``cache_key``)."""
-    previous = getattr(_state, "user_lowering", None)
-    _state.user_lowering = bool(bound.current("force_non_lazy_backward_lowering"))
+    scope = compile_scope.current()
+    if scope is None:  # outside a frame compile: no cache key of ours to keep
+        with bound.config_patch("force_non_lazy_backward_lowering", True):
+            yield
+        return
+    previous = scope.user_lowering
+    scope.user_lowering = bool(bound.current("force_non_lazy_backward_lowering"))
     try:
         with bound.config_patch("force_non_lazy_backward_lowering", True):
             yield
     finally:
-        _state.user_lowering = previous
+        scope.user_lowering = previous
 
 
 def _key_as_the_user_set_it(original: Callable[..., T], args: Any, kwargs: Any) -> T:
@@ -126,7 +129,8 @@ def _key_as_the_user_set_it(original: Callable[..., T], args: Any, kwargs: Any) 
     entry is the same either way: it is saved once the backward is compiled, lazily or not, and
     holds both compiles.
     """
-    user = getattr(_state, "user_lowering", None)
+    scope = compile_scope.current()
+    user = None if scope is None else scope.user_lowering
     aot_config = args[2] if len(args) > 2 else kwargs.get("config")
     if user is None or user or not isinstance(aot_config, bound.originals["AOTConfig"]):
         return original(*args, **kwargs)
@@ -201,8 +205,11 @@ def graph_digest(mod: Any, args: Any) -> str:
 
 def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
     """One AOTAutograd compile under compile once (called by the aot seam), timed as ``EVENT``."""
-    frame = getattr(_state, "frame", None) or FrameId("<unknown>", "<unknown>", 0)
+    scope = compile_scope.current()
+    frame = (None if scope is None else scope.frame) or FrameId("<unknown>", "<unknown>", 0)
     ticket = once.begin(frame, CACHE, "aot", graph_digest(mod, args))
+    # Ours that leaves here goes into the backend's code (Dynamo wraps it in BackendCompilerFailed):
+    # the aot seam that called this is a boundary, so the seam around Dynamo's compile raises it.
     with _timed(EVENT):
         try:
             try:
@@ -219,25 +226,10 @@ def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
                 )
             else:
                 _finish(ticket, None)
-        except CollectiveError as e:
-            # Ours leaves our code here, into the backend's: Dynamo wraps whatever a backend raises
-            # (BackendCompilerFailed), so it is kept here for the seam around Dynamo's compile.
-            _state.raised = e
-            raise
         finally:
             # The role is known only after the key exchange, inside the compile: added at the end.
             _describe(EVENT, ticket)
     return result
-
-
-def take_raised() -> CollectiveError | None:
-    """Our error that left the last AOTAutograd compile under compile once on this thread (kept
-    by ``around_aot``), then forgotten. Dynamo wraps whatever a backend raises in its
-    ``BackendCompilerFailed``: the seam around Dynamo's compile raises this one in its place, so
-    the user gets our type without anyone digging it out of torch's exception."""
-    error: CollectiveError | None = getattr(_state, "raised", None)
-    _state.raised = None
-    return error
 
 
 @contextlib.contextmanager
@@ -296,22 +288,28 @@ def _finish(ticket: once.Ticket, error: BaseException | None, failure_text: str 
             _describe(EVENT_FINISH, ticket, waited_s=round(ticket.waited_s, 6))
 
 
+@compile_scope.boundary
 def try_load(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["AOTAutogradCache.try_load"]
     ticket = once.current()
-    if ticket is None or ticket.plan is not None:
+    scope = compile_scope.current()
+    if ticket is None or ticket.plan is not None or scope is None:
         return original(*args, **kwargs)
-    _state.lookup, ticket.error = True, None
+    # Our error that leaves the key seam below is latched in this compile's scope: AOTAutograd's
+    # lookup takes any exception for a cache bypass, so it is raised here, after the lookup.
+    scope.lookup, latched_before = True, scope.error
     try:
         result = original(*args, **kwargs)
-    except BaseException:
+    except BaseException as e:
         # Strict cache modes re-raise what the lookup hit (our refusal's bypass, say): ours first.
-        _raise_kept(ticket, from_none=True)
+        if scope.error is not latched_before:
+            scope.raise_latched(e)
         _report_failed_load(ticket)
         raise
     finally:
-        _state.lookup = False
-    _raise_kept(ticket)
+        scope.lookup = False
+    if scope.error is not latched_before:
+        scope.raise_latched()
     if ticket.plan is None:
         # The lookup ended before computing a key: take the exchange anyway, as not cacheable.
         once.offer(ticket, None, "AOTAutograd's lookup computed no key", switches_on())
@@ -321,10 +319,12 @@ def try_load(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@compile_scope.boundary
 def cache_key(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["autograd_cache_key"]
     ticket = once.current()
-    if ticket is None or ticket.plan is not None or not getattr(_state, "lookup", False):
+    scope = compile_scope.current()
+    if ticket is None or ticket.plan is not None or scope is None or not scope.lookup:
         return _key_as_the_user_set_it(original, args, kwargs)
     switches = switches_on()
     try:
@@ -333,34 +333,23 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
         try:
             once.offer(ticket, None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches)
         except CollectiveError as ours:
-            ticket.error = ours
+            compile_scope.leave(ours)  # raised after the lookup (try_load), which takes e for a bypass
         raise
     try:
         plan = once.offer(ticket, key_and_lines[0], None, switches)
-        if plan.role == once.LOAD and not _fetch(ticket):
-            raise bound.originals["BypassAOTAutogradCache"](
-                "compiler_collectives compile once: this rank refused the artifact another rank compiled; "
-                "it compiles the graph itself"
-            )
-    except bound.originals["BypassAOTAutogradCache"]:
-        raise
+        refused = plan.role == once.LOAD and not _fetch(ticket)
     except Exception as e:  # noqa: BLE001 - named and re-raised past AOTAutograd's catch-all
-        # AOTAutograd's lookup takes any exception for a bypass: ours goes past it (try_load).
+        # AOTAutograd's lookup takes any exception for a bypass: ours is latched, and raised after
+        # the lookup (try_load).
         named = e if isinstance(e, CollectiveError) else _unexpected(e, ticket)
-        ticket.error = named
+        compile_scope.leave(named)
         raise bound.originals["BypassAOTAutogradCache"](str(named)) from named
+    if refused:
+        raise bound.originals["BypassAOTAutogradCache"](
+            "compiler_collectives compile once: this rank refused the artifact another rank compiled; "
+            "it compiles the graph itself"
+        )
     return key_and_lines
-
-
-def _raise_kept(ticket: once.Ticket, from_none: bool = False) -> None:
-    """Raise our error kept on ``ticket`` during AOTAutograd's lookup, if any: the one place it
-    leaves the lookup (which took it for a cache bypass)."""
-    error, ticket.error = ticket.error, None
-    if error is None:
-        return
-    if from_none:
-        raise error from None
-    raise error
 
 
 def _unexpected(error: Exception, ticket: once.Ticket) -> CollectiveError:
@@ -373,6 +362,7 @@ def _unexpected(error: Exception, ticket: once.Ticket) -> CollectiveError:
     )
 
 
+@compile_scope.boundary
 def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
     """Inductor's compile of one FX graph: shared at the FX graph cache (the fallback level) when
     its AOTAutograd compile could not be shared by any rank."""
@@ -393,6 +383,7 @@ def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@compile_scope.boundary
 def prepare_key(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["FxGraphCache.prepare_key"]
     ticket = once.current()
@@ -414,6 +405,7 @@ def _report_failed_load(ticket: once.Ticket) -> None:
         once.loaded(ticket, None if ticket.outcome == "refused" else False)
 
 
+@compile_scope.boundary
 def load_with_key(*args: Any, **kwargs: Any) -> Any:
     try:
         result = bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
@@ -429,6 +421,7 @@ def load_with_key(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@compile_scope.boundary
 def lookup_entry(*args: Any, **kwargs: Any) -> Any:
     """AOTAutograd's lookup of one key's entries: which one hit (its pickle's digest is the
     entry file's), so a loading rank knows whether it runs the entry it was sent."""
@@ -438,12 +431,14 @@ def lookup_entry(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@compile_scope.boundary
 def lookup_graph(key: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(key, str):
         once.note_fx_key(key)
     return bound.originals["FxGraphCache._lookup_graph"](key, *args, **kwargs)
 
 
+@compile_scope.boundary
 def write_source(*args: Any, **kwargs: Any) -> Any:
     result = bound.originals["codecache.write"](*args, **kwargs)
     if once.current() is not None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str):

@@ -336,8 +336,6 @@ SEAMS: tuple[Seam, ...] = (
     Seam("get_code_state", PGO, "get_code_state"),
     Seam("CodeId.make", PGO, "CodeId.make", reads=(Read("takes (code, closure)", _positional("code", "closure")),)),
     Seam("CompileCollectiveRestartAnalysis", "torch._dynamo.exc", "CompileCollectiveRestartAnalysis"),
-    Seam("InternalTorchDynamoError", "torch._dynamo.exc", "InternalTorchDynamoError"),
-    Seam("BackendCompilerFailed", "torch._dynamo.exc", "BackendCompilerFailed"),
     Seam(
         "dynamo_timed",
         "torch._dynamo.utils",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..agreements import guard, once, reasons
+from ..agreements import compile_scope, guard, once, reasons
 from ..instrument import artifacts
 from ..observations import DistributedState, FrameId
 from . import bound
@@ -125,6 +125,7 @@ def guard_collective(shared: reasons.Shared, frame: str | None) -> dict[str, Any
     }
 
 
+@compile_scope.boundary
 def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_logging: bool = False) -> list[str]:
     """Dynamo's recompile reasons; after an agreed guard miss, every rank's, on every rank."""
     original = bound.originals["get_and_maybe_log_recompilation_reasons"]

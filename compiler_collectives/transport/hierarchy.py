@@ -146,9 +146,9 @@ class LeaderExchange:
     def min2(self, a: int, b: int) -> tuple[int, int]:
         self.waiting = True
         # After ``waiting`` is set: a failure heard from now on interrupts the wait below.
-        if health.first_failure is not None:
+        if health.latch.first_failure is not None:
             self.waiting = False
-            raise _stopped(health.first_failure)
+            raise _stopped(health.latch.first_failure)
         send, recv = self._send_view, self._recv_view
         send_list, recv_list = [self._send], [self._recv]
         pg = self.pg
@@ -199,13 +199,13 @@ def _failed(error: RuntimeError) -> BaseException:
     """What ``min2`` raises after gloo's ``error``: a failure this rank heard of, where it heard
     of one (now, or within about a heartbeat where a connection closed: a peer leader that heard of
     it first closed its connections); else gloo's own (the guard hook translates it)."""
-    heard = health.first_failure
+    heard = health.latch.first_failure
     interval = config.settings.heartbeat_s
     if heard is None and interval > 0 and is_connection_failure(error):
         deadline = time.monotonic() + REPORT_WAIT_HEARTBEATS * interval + 1.0
         while heard is None and time.monotonic() < deadline:
             time.sleep(0.02)
-            heard = health.first_failure
+            heard = health.latch.first_failure
     return _stopped(heard) if heard is not None else error
 
 

@@ -131,9 +131,6 @@ class Ticket:
     # From the load report: the ranks that did not load (a miss or a refusal) and compile the
     # graph themselves; every other rank waits for them before it leaves the graph's compile.
     local: tuple[int, ...] = ()
-    # Our error raised inside AOTAutograd's lookup, which takes any exception for a cache bypass:
-    # the seam keeps it here and raises it once the lookup returns.
-    error: CollectiveError | None = None
     # This rank's own compile of the graph raised (``finish``): its text.
     failure: str | None = None
     # The graph's record (``records()``'s item), once made: made once, and counted once (``tally``).
@@ -816,11 +813,9 @@ def _transfer(ticket: Ticket) -> transfer.Graph:
     """The graph's transfer (``transfer.Graph``); a failed piece is published and counted here."""
     where = _where(ticket, "artifact")
 
-    def failed(error: CollectiveError) -> CollectiveError:
-        return _failed(
-            failure_procedure.exchange_failed(
-                error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
-            )
+    def failed(error: CollectiveError) -> CollectiveError:  # counted by the failure procedure
+        return failure_procedure.fail(
+            error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
         )
 
     link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed)

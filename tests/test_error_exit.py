@@ -1,0 +1,304 @@
+"""Our error leaves our code one way: through the compile scope's boundary, raised by the latch.
+
+Inside a compile torch wraps whatever our code raises (``InternalTorchDynamoError``,
+``BackendCompilerFailed``, AOTAutograd's cache bypass). Every seam torch calls is a
+``compile_scope.boundary``, which latches our error in the compile's scope; the compile entry
+wrapper (and compile once's lookup seam) raise the latched error in place of torch's wrapper;
+the guard hook parks its error on ``health.latch`` for its thread's next compile. The code rules
+below keep every other route closed, each shown failing on a mutation (as
+``test_layering.py`` does):
+
+* nothing catches one of torch's wrappers (``except BackendCompilerFailed``): only the latched
+  error replaces them;
+* nothing digs into an exception's chain to raise what it finds (a ``raise`` of ``__context__``
+  or ``__cause__``, or of a name taken from one), and ``__context__`` is read only to describe
+  an error in words (``audit.failure_text``);
+* no error waits in a thread-local: ``threading.local()`` only in the latch, and in the three
+  modules whose thread-locals hold no error (named below, with what they hold);
+* no seam keeps an error on an object of its own (a ticket, a thread-local) in an ``except``
+  clause: it latches it (``compile_scope.leave``);
+* one context variable: the compile scope's;
+* every seam of the seam table (a replacement torch calls inside a compile) is a boundary.
+
+The behaviour itself (our error reaching the user's call as itself, by each route) is tested
+where each agreement is: the guard hook's parked error in ``test_failures.py``,
+``test_guard_collective.py`` and ``test_threads.py``; a trace's (``InternalTorchDynamoError``) in
+``test_compiler_collective.py`` and ``test_audit.py``; a backend's (``BackendCompilerFailed``) and
+the cache lookup's (a bypass) in ``test_compile_once.py`` and ``test_compile_once_caches.py``.
+The scope's own rules are below.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+
+import pytest
+
+from compiler_collectives.agreements import compile_scope
+from compiler_collectives.errors import CollectiveDesyncError, CompileOnceError
+from compiler_collectives.health.latch import Latch
+
+from .test_layering import TOP, TREE, Tree, mutated
+
+WRAPPERS = ("InternalTorchDynamoError", "BackendCompilerFailed", "BypassAOTAutogradCache")
+# Thread-locals that hold no error: what each holds.
+THREAD_LOCALS_WITHOUT_ERRORS = {
+    f"{TOP}.health.latch": "each thread's parked error: the latch itself",
+    f"{TOP}.agreements.guard": "the owning thread's mark, ending its ownership when the thread ends",
+    f"{TOP}.agreements.audit": "the graph audited on this thread (its record and stage)",
+    f"{TOP}.agreements.once.protocol": "the graph compile once brackets on this thread (its ticket)",
+}
+# Reads of ``__context__`` that only put an error in words.
+CONTEXT_READERS = {(f"{TOP}.agreements.audit", "failure_text")}
+# Seam-table replacements that are no boundary, and why.
+NOT_BOUNDARIES = {
+    "compiler_seam:wrap_compile": "the compile entry wrapper itself: it raises the latched error",
+    "compiler_seam:wrap_reset": "torch._dynamo.reset(), outside any compile",
+    "compiler_seam:LocalState": "a class: Dynamo builds it, nothing of ours runs",
+    "guard_seam:guard_hook": "the guard hook: never raises (C++ would abort), it parks on the latch",
+    "guard_seam:set_guard_complete_hook": "called by our install only",
+    "c10d_seam:wrap_destroy": "destroy_process_group(), outside any compile",
+}
+
+
+@functools.cache
+def _parse(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
+def _functions(tree: ast.Module) -> dict[ast.AST, str]:
+    """Every node -> the name of the outermost function it lies in ("" at module level)."""
+    out: dict[ast.AST, str] = {}
+    for top in tree.body:
+        name = top.name if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else ""
+        for node in ast.walk(top):
+            out[node] = name
+    return out
+
+
+def _names_wrapper(node: ast.AST | None) -> bool:
+    """Whether an ``except`` clause's type names one of torch's wrappers (by name, attribute or
+    the seam table's string key)."""
+    if node is None:
+        return False
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in WRAPPERS:
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr in WRAPPERS:
+            return True
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value in WRAPPERS:
+            return True
+    return False
+
+
+def _chain_read(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in ("__context__", "__cause__")
+
+
+def check_error_exit(tree: Tree) -> list[str]:
+    """Offences against the one way out (see the module docstring)."""
+    offences: list[str] = []
+    for module, source in tree.items():
+        if module.startswith(TOP):
+            offences += _module_offences(module, source.shown, source.text)
+    return offences
+
+
+@functools.cache
+def _module_offences(module: str, shown: str, text: str) -> tuple[str, ...]:
+    """``check_error_exit``'s offences in one module (once per text: every mutation test checks
+    the whole tree again)."""
+    offences = []
+    parsed = _parse(text)
+    inside = _functions(parsed)
+    dug: set[tuple[str, str]] = set()  # (function, name) bound from an exception's chain
+    for node in ast.walk(parsed):
+        if isinstance(node, ast.Assign) and any(_chain_read(s) for s in ast.walk(node.value)):
+            dug |= {(inside[node], t.id) for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(parsed):
+        where = f"{shown}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ExceptHandler) and _names_wrapper(node.type):
+            offences.append(f"{where}: catches torch's wrapper ({ast.unparse(node.type)})")
+        if isinstance(node, ast.ExceptHandler) and module.startswith(f"{TOP}.dynamo."):
+            for sub in ast.walk(node):
+                if (
+                    isinstance(sub, ast.Assign)
+                    and isinstance(sub.value, ast.Name)
+                    and any(isinstance(t, ast.Attribute) for t in sub.targets)
+                ):
+                    offences.append(f"{shown}:{sub.lineno}: a seam keeps an error on an object (not the scope's latch)")
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc
+            if _chain_read(exc) or (isinstance(exc, ast.Name) and (inside[node], exc.id) in dug):
+                offences.append(f"{where}: raises what it dug out of an exception's chain")
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__context__"
+            and (module, inside[node]) not in CONTEXT_READERS
+        ):
+            offences.append(f"{where}: reads an exception's __context__")
+        if isinstance(node, ast.Call):
+            called = node.func
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+            if name == "local" and module not in THREAD_LOCALS_WITHOUT_ERRORS:
+                offences.append(f"{where}: a threading.local() outside the latch")
+            if name == "ContextVar" and module != f"{TOP}.agreements.compile_scope":
+                offences.append(f"{where}: a context variable other than the compile scope's")
+    return tuple(offences)
+
+
+def check_seams_are_boundaries(tree: Tree) -> list[str]:
+    """Every replacement the seam table names is decorated ``compile_scope.boundary``."""
+    table = tree[f"{TOP}.dynamo.table"].text
+    offences = []
+    for named in sorted(set(re.findall(r'replace="([a-z_0-9]+:[A-Za-z_0-9]+)"', table))):
+        if named in NOT_BOUNDARIES:
+            continue
+        module, name = named.split(":")
+        source = tree[f"{TOP}.dynamo.{module}"]
+        parsed = _parse(source.text)
+        found = [n for n in parsed.body if isinstance(n, ast.FunctionDef) and n.name == name]
+        if not found:
+            # A name bound to another function (``guard_hook = guard.hook``) is no boundary.
+            offences.append(f"{source.shown}: seam {named} is not a function decorated compile_scope.boundary")
+            continue
+        if not any(ast.unparse(d) == "compile_scope.boundary" for d in found[0].decorator_list):
+            offences.append(f"{source.shown}:{found[0].lineno}: seam {named} is not a compile_scope.boundary")
+    return offences
+
+
+# ------------------------------------------------------------------ the code rules
+
+
+def test_only_the_latch_and_the_scope_raise_our_error_out_of_torch_s_wrappers():
+    assert check_error_exit(TREE) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        # the old routes, one each
+        (
+            f"{TOP}.dynamo.compiler_seam",
+            """
+            def dig(original):
+                try:
+                    return original()
+                except bound.originals["InternalTorchDynamoError"] as e:
+                    inner = e.__context__
+                    raise inner from None
+            """,
+        ),
+        (
+            f"{TOP}.dynamo.once_seam",
+            """
+            import threading
+            _kept = threading.local()
+            """,
+        ),
+        (
+            f"{TOP}.dynamo.once_seam",
+            """
+            def unwrap(original):
+                try:
+                    return original()
+                except BackendCompilerFailed as e:
+                    raise e.__cause__
+            """,
+        ),
+        (f"{TOP}.agreements.exchange", "def f(e):\n    return e.__context__\n"),
+        (
+            f"{TOP}.dynamo.once_seam",
+            """
+            def keep(ticket, original):
+                try:
+                    return original()
+                except CollectiveError as ours:
+                    ticket.error = ours
+                    raise
+            """,
+        ),
+        (f"{TOP}.agreements.scope", "import contextvars\n_v = contextvars.ContextVar('x')\n"),
+    ],
+)
+def test_the_error_exit_check_flags_another_way_out(module, snippet):
+    assert check_error_exit(mutated(module, snippet)) != []
+
+
+def test_every_seam_torch_calls_is_a_boundary():
+    assert check_seams_are_boundaries(TREE) == []
+
+
+def test_the_boundary_check_flags_a_seam_without_one():
+    tree = dict(TREE)
+    source = tree[f"{TOP}.dynamo.once_seam"]
+    text = source.text.replace("@compile_scope.boundary\ndef try_load(", "def try_load(")
+    assert text != source.text
+    tree[f"{TOP}.dynamo.once_seam"] = type(source)(source.shown + " (mutated)", text, source.is_package)
+    assert check_seams_are_boundaries(tree) != []
+
+
+# ------------------------------------------------------------------ the scope and the latch
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def test_a_boundary_latches_our_error_and_the_scope_raises_it_in_place_of_torch_s_wrapper():
+    ours = CollectiveDesyncError("ranks out of step", kind="compiler")
+    leaving = compile_scope.boundary(_raise)
+    with pytest.raises(CollectiveDesyncError) as raised, compile_scope.opened() as scope:
+        try:
+            try:
+                leaving(ours)
+            except CollectiveDesyncError:
+                raise RuntimeError("torch's wrapper") from None  # as Dynamo rewraps
+        except Exception as wrapper:
+            scope.raise_latched(wrapper)
+            raise
+    assert raised.value is ours
+
+
+def test_a_nested_compile_s_error_goes_on_into_the_enclosing_scope():
+    ours = CompileOnceError("the compiling rank is gone", kind="compile_once")
+    with compile_scope.opened() as outer:
+        with pytest.raises(CompileOnceError), compile_scope.opened() as inner:
+            assert compile_scope.current() is inner
+            compile_scope.boundary(_raise)(ours)
+        assert compile_scope.current() is outer
+        assert outer.error is ours
+    assert compile_scope.current() is None
+
+
+def test_a_keyboard_interrupt_is_not_replaced_by_a_latched_error():
+    with compile_scope.opened() as scope:
+        scope.latch(CollectiveDesyncError("x"))
+        scope.raise_latched(KeyboardInterrupt())  # returns: the interrupt stays itself
+
+
+def test_outside_a_compile_nothing_is_latched():
+    ours = CollectiveDesyncError("x")
+    with pytest.raises(CollectiveDesyncError):
+        compile_scope.boundary(_raise)(ours)
+    assert compile_scope.current() is None
+
+
+def test_a_parked_error_is_raised_once_by_its_own_thread_and_cleared_for_every_thread():
+    import threading
+
+    latch = Latch()
+    latch.park(KeyboardInterrupt())
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(latch.raise_parked()))
+    other.start()
+    other.join()
+    assert seen == [None]  # another thread never sees it
+    with pytest.raises(KeyboardInterrupt):
+        latch.raise_parked()
+    latch.raise_parked()  # raised once
+    latch.park(CollectiveDesyncError("x"))
+    latch.clear()
+    latch.raise_parked()  # clear() dropped it
