@@ -20,8 +20,9 @@ import torch
 
 from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
+from ..ledger import ledger
 from ..observations import FrameId
-from ..stats import counters
+from ..records import Failure
 from ..transport import all_gather_bytes, groups
 from . import failure
 
@@ -89,7 +90,7 @@ def gather(
         if check is not None:
             check(envelopes, rank)
     except RuntimeError as e:  # ours (CollectiveError is one) or gloo's
-        counters.errors += 1
+        ledger.add(Failure(kind))
         err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise
@@ -111,7 +112,7 @@ def framed(
     try:
         return op()
     except RuntimeError as e:
-        counters.errors += 1
+        ledger.add(Failure(kind))
         err = failure.exchange_failed(e, kind=kind, rank=rank, seq=seq, frame=frame, where=where, pg=pg)
         if err is e:
             raise

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from .. import config, process_state
 from ..errors import StoreFailureError, StoreUnresponsive
-from ..stats import counters
+from ..ledger import ledger
 from .liveness import COMPILE_WAIT, DIAGNOSIS, WARN_EVERY_S, Liveness, PeerWatch, Probe, WaitPolicy, stale_after
 
 log = logging.getLogger("compiler_collectives.watchdog")
@@ -104,8 +104,7 @@ _counted = threading.Lock()
 @process_state.kept(names=("_counted",), why="a lock around the store-request counter, for the process's life")
 def count_requests(n: int = 1) -> None:
     """Count ``n`` requests to the c10d store (``stats()["store_requests"]``); from any thread."""
-    with _counted:
-        counters.store_requests += n
+    ledger.store_requests(n)
 
 
 T = TypeVar("T")
