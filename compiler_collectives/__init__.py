@@ -40,8 +40,8 @@ from .errors import (
     UnsupportedTorchError,
     WireFormatError,
 )
+from .ledger import ledger as _ledger
 from .observations import DistributedState, LocalState, SizeEntry, register_field
-from .stats import counters as _counters
 from .version import __version__
 
 
@@ -206,7 +206,7 @@ def stats() -> dict[str, Any]:
     from .instrument import timing
     from .transport import groups
 
-    out = _counters.snapshot()
+    out = _ledger.counters()
     # Compile once, per graph: compiled, served, loaded or compiled locally, and why.
     out["compile_once"] = once_records()
     # Which mechanism the guard collective runs on ("shm", "shm+leaders", "gloo"),

@@ -1,26 +1,24 @@
-"""Compile once's counters from its records, without processes: each graph's record adds one to the
-counter of how the graph ended on this rank (``once.tally``), and a way to end that nobody counts
-is an error, never a silent zero. The last tests take a graph through the protocol's own
-``finish`` where it needs no exchange, and read ``stats()``'s counters and the records."""
+"""Compile once's counters from its records, without processes: a graph taken through the
+protocol's own ``finish`` (where it needs no exchange) is one record of ``stats()["compile_once"]``
+and counts once in the counter of how it ended, or in none when its compile raised; every way the
+protocol can end a graph is one the ledger counts, and one it cannot count is an error, never a
+silent zero. (The multi-process tests, ``test_compile_once*.py``, read the same counters for
+graphs that were compiled, served, loaded, missed and refused.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+import compiler_collectives as cc
 from compiler_collectives.agreements import once
 from compiler_collectives.agreements.once import tally
+from compiler_collectives.ledger import ONCE_ENDED, Ledger
 from compiler_collectives.observations import FrameId
-from compiler_collectives.stats import counters
+from compiler_collectives.records import OnceGraph
 
-COUNTED = {
-    "compiled": "once_compiled",
-    "served": "once_served",
-    "local": "once_local",
-    "loaded": "once_loaded",
-    "miss": "once_load_misses",
-    "refused": "once_refused",
-}
-OUTCOME_COUNTERS = sorted(COUNTED.values())
+OUTCOME_COUNTERS = ("once_compiled", "once_served", "once_local", "once_loaded", "once_load_misses", "once_refused")
 
 
 class NoCache:
@@ -36,23 +34,9 @@ class NoCache:
         raise AssertionError("not reached")
 
 
-def outcome_counts() -> dict[str, int]:
-    return {name: getattr(counters, name) for name in OUTCOME_COUNTERS}
-
-
-@pytest.mark.parametrize("ended", sorted(COUNTED))
-def test_each_way_a_graph_ends_adds_one_to_its_own_counter(ended: str) -> None:
-    assert tally.counts({"ended": ended}) == {COUNTED[ended]: 1}
-
-
-@pytest.mark.parametrize("ended", ["raised", "source raised"])
-def test_a_graph_whose_compile_raised_counts_in_no_outcome_counter(ended: str) -> None:
-    assert tally.counts({"ended": ended}) == {}
-
-
-def test_a_way_to_end_the_table_lacks_raises_instead_of_counting_nothing() -> None:
-    with pytest.raises(KeyError):
-        tally.counts({"ended": "half loaded"})
+def changed_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The counters of ``stats()`` that moved, and by how much (the records are left out)."""
+    return {k: after[k] - before[k] for k in OUTCOME_COUNTERS + ("once_peer_local_compiles",) if after[k] != before[k]}
 
 
 @pytest.mark.parametrize(
@@ -60,45 +44,60 @@ def test_a_way_to_end_the_table_lacks_raises_instead_of_counting_nothing() -> No
     [(role, "none", raised) for role in (once.COMPILE, once.SERVE, once.LOCAL) for raised in (False, True)]
     + [(once.LOAD, load, False) for load in ("hit", "miss", "refused", "none")],
 )
-def test_every_role_and_load_ends_in_a_way_the_table_has(role: str, load: str, raised: bool) -> None:
-    assert tally.ended(role, load, raised) in tally.COUNTED
+def test_every_role_and_load_ends_in_a_way_the_ledger_counts(role: str, load: str, raised: bool) -> None:
+    Ledger().add(OnceGraph(tally.ended(role, load, raised), 0, {}))  # raises on a way the ledger lacks
 
 
-def test_adding_a_record_bumps_its_counter_and_no_other() -> None:
-    before = outcome_counts()
-    tally.add({"ended": "refused"})
-    after = outcome_counts()
-    assert {k: after[k] - before[k] for k in after} == {k: int(k == "once_refused") for k in after}
+def test_a_way_to_end_the_ledger_lacks_raises_instead_of_counting_nothing() -> None:
+    assert "half loaded" not in ONCE_ENDED
+    with pytest.raises(KeyError):
+        Ledger().add(OnceGraph("half loaded", 0, {}))
 
 
-def test_the_other_ranks_a_load_report_named_count_as_peers_that_compiled_it_themselves() -> None:
-    assert tally.counts({"ended": "loaded", "peers_local": [3, 5]}) == {
-        "once_loaded": 1,
-        "once_peer_local_compiles": 2,
-    }
-
-
-def test_a_compile_that_never_looked_its_graph_up_is_recorded_and_counted_as_local() -> None:
-    once.clear_records()
-    before = outcome_counts()
+def test_a_compile_that_never_looked_its_graph_up_is_one_record_and_counts_once_as_local() -> None:
+    cc.reset_stats()
+    before = cc.stats()
     ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
     ticket.rank = 0  # no group here: the graph's trace artifact names this rank
     once.finish(ticket, None)
-    (record,) = once.records()
+    after = cc.stats()
+    (record,) = after["compile_once"]
     assert record["state"] == "compiled locally" and record["ended"] == "local"
-    after = outcome_counts()
-    assert {k: after[k] - before[k] for k in after} == {k: int(k == "once_local") for k in after}
+    assert changed_counters(before, after) == {"once_local": 1}
 
 
-def test_a_graph_whose_own_compile_raised_is_recorded_as_raised_and_counted_nowhere() -> None:
-    once.clear_records()
-    before = outcome_counts()
+def test_a_graph_whose_own_compile_raised_is_recorded_as_raised_and_counts_in_no_outcome() -> None:
+    cc.reset_stats()
+    before = cc.stats()
     ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
     # Planned to compile alone, with no rank serving: its end takes no exchange.
     ticket.plan = once.Plan(once.LOCAL, None, "keys differ", False)
     ticket.plans = {0: ticket.plan}
     ticket.step, ticket.rank = once.Step.PLANNED, 0
     once.finish(ticket, ValueError("the backend failed"))
-    (record,) = once.records()
+    after = cc.stats()
+    (record,) = after["compile_once"]
     assert record["ended"] == "raised"
-    assert outcome_counts() == before
+    assert changed_counters(before, after) == {}
+
+
+def test_each_graph_is_one_record_and_reset_stats_forgets_them_with_their_counts() -> None:
+    cc.reset_stats()
+    for line in (1, 2, 3):
+        ticket = once.begin(FrameId("f", "a.py", line), NoCache())
+        ticket.rank = 0
+        once.finish(ticket, None)
+    stats = cc.stats()
+    assert [r["frame"] for r in stats["compile_once"]] == [str(FrameId("f", "a.py", n)) for n in (1, 2, 3)]
+    assert stats["once_local"] == 3
+    cc.reset_stats()
+    assert cc.stats()["compile_once"] == [] and cc.stats()["once_local"] == 0
+
+
+def test_a_record_read_from_stats_is_a_copy_the_reader_cannot_change_the_ledger_through() -> None:
+    cc.reset_stats()
+    ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
+    ticket.rank = 0
+    once.finish(ticket, None)
+    cc.stats()["compile_once"][0]["state"] = "loaded"
+    assert cc.stats()["compile_once"][0]["state"] == "compiled locally"

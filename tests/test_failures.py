@@ -613,7 +613,6 @@ def random_agreement(rank: int, world: int, iterations: int) -> dict:
     import random
 
     import compiler_collectives as cc
-    from compiler_collectives.stats import counters
 
     torch._dynamo.config.recompile_limit = 6
     cc.enable(guards=True)
@@ -623,10 +622,16 @@ def random_agreement(rank: int, world: int, iterations: int) -> dict:
     for _ in range(iterations):
         dtype = rng.choice([torch.float32, torch.float32, torch.float32, torch.float64])
         shape = [rng.choice([2, 3, 5])] * rng.choice([1, 1, 1, 2])
-        before = (counters.compiler_collectives, counters.guard_agreed_misses)
+        before = cc.stats()
         f(torch.ones(shape, dtype=dtype))
-        decisions.append((counters.compiler_collectives - before[0], counters.guard_agreed_misses - before[1]))
-    return _with_transport({"decisions": decisions, "compiles": counters.compiler_collectives})
+        after = cc.stats()
+        decisions.append(
+            (
+                after["compiler_collectives"] - before["compiler_collectives"],
+                after["guard_agreed_misses"] - before["guard_agreed_misses"],
+            )
+        )
+    return _with_transport({"decisions": decisions, "compiles": cc.stats()["compiler_collectives"]})
 
 
 @pytest.mark.timeout(300)

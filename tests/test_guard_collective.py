@@ -206,7 +206,6 @@ def guard_switch_read_while_calling(rank: int, world: int, calls: int) -> dict:
     import threading
 
     import compiler_collectives as cc
-    from compiler_collectives.stats import counters
 
     cc.enable(guards=True)
     f = torch.compile(_step, backend="eager")
@@ -220,7 +219,7 @@ def guard_switch_read_while_calling(rank: int, world: int, calls: int) -> dict:
 
     sys.setswitchinterval(1e-5)  # switch threads as often as the interpreter allows
     thread = threading.Thread(target=reader)
-    before = counters.guard_collectives
+    before = cc.stats()["guard_collectives"]
     thread.start()
     try:
         for _ in range(calls):
@@ -228,7 +227,7 @@ def guard_switch_read_while_calling(rank: int, world: int, calls: int) -> dict:
     finally:
         stop.set()
         thread.join()
-    return {"guard_collectives": counters.guard_collectives - before, "reads": len(reads), "all_on": all(reads)}
+    return {"guard_collectives": cc.stats()["guard_collectives"] - before, "reads": len(reads), "all_on": all(reads)}
 
 
 def test_reading_the_guard_switch_from_another_thread_never_makes_a_call_skip_the_collective():

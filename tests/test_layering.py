@@ -245,7 +245,7 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
 
 # ---------------------------------------------------------------- the layers
 
-BASE = ("config", "errors", "observations", "process_state", "stats", "version")
+BASE = ("config", "errors", "ledger", "observations", "process_state", "records", "version")
 RANKS = {
     # the root package's __init__ (the public API) and __main__: above everything
     "package": 8,

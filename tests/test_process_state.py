@@ -175,8 +175,8 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
         assert f"{moment.value} clears:" in listed
     # The guard's state goes with every moment of a generation (the fork's own function).
     assert "compiler_collectives.agreements.guard: _state" in listed
-    # What compile once added: its sequence, records, thread's ticket and record hook.
-    for name in ("_seq", "_records", "_local", "_on_record"):
+    # What compile once added: its sequence, thread's ticket and record hook (its records are the ledger's).
+    for name in ("_seq", "_local", "_on_record"):
         assert name in process_state.declared(f"{TOP}.agreements.once.protocol")
     before = process_state.generation()
     process_state.run(process_state.STATS)

@@ -34,7 +34,6 @@ Plain Python over ``torch.distributed``; the graph walk is ``fingerprint.py``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -57,8 +56,19 @@ from ..errors import (
     program_divergence,
     ranks_text,
 )
+from ..ledger import ledger
 from ..observations import FrameId
-from ..stats import counters
+from ..records import (
+    AuditDifference,
+    AuditExchange,
+    AuditRecompile,
+    AuditRecompileWait,
+    Divergence,
+    Failure,
+    Fingerprinted,
+    ImportedGraphs,
+    LazyBackward,
+)
 from ..transport import groups
 from . import compile_wait, wire
 from . import exchange as exchange_frame
@@ -81,7 +91,6 @@ _LEVEL_NAMES = {
 
 _seq = 0
 _local = threading.local()  # record: GraphAudit | None, stage: str | None
-_reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 _artifact_sink: Callable[[str, Callable[[], str]], None] | None = None
 
 
@@ -105,12 +114,7 @@ def reset_sequence() -> None:
 
 def reports() -> list[dict[str, Any]]:
     """The latest report-only differences on this rank (at most 64), oldest first."""
-    return list(_reports)
-
-
-@process_state.clears(process_state.STATS, names=("_reports",), what="the audit's report-only differences")
-def clear_reports() -> None:
-    _reports.clear()
+    return [dict(x.report) for x in ledger.kept(AuditDifference)]
 
 
 # ------------------------------------------------------------------ records
@@ -143,7 +147,7 @@ class GraphAudit:
         started = time.perf_counter()
         try:
             self.graphs.append(fingerprint(gm, level))
-            counters.audit_graphs += 1
+            ledger.add(Fingerprinted(level))
         except Exception as e:  # noqa: BLE001 - never fail a compile over the audit itself
             # Dropping the level keeps the comparison honest: a level this rank
             # cannot describe is left out of the exchange, so it is compared nowhere.
@@ -240,7 +244,7 @@ def aot_compile(scope: AotScope, stage: str, gm: torch.fx.GraphModule, compile: 
     # Outside the forward's compile: a backward lowered lazily at its first run,
     # on the ranks that run it first only. No exchange can pair up here.
     if stage == "backward" and scope.training and not scope.backward_compiled:
-        counters.audit_lazy_backwards += 1
+        ledger.add(LazyBackward(str(scope.frame)))
         log.debug("program audit: a backward graph of %s is compiled lazily; it is not audited", scope.frame)
     return compile()
 
@@ -251,7 +255,7 @@ def import_graphs(graphs: Sequence[GraphFingerprint]) -> None:
     record = current()
     if record is not None:
         record.graphs.extend(graphs)
-        counters.audit_imported_graphs += len(graphs)
+        ledger.add(ImportedGraphs(len(graphs)))
 
 
 def inductor_graph(gm: torch.fx.GraphModule) -> None:
@@ -321,7 +325,7 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         if me in keys:
             again = GraphAudit(record.frame, record.phase, record.graph_break)
             again.graphs, again.broken = record.graphs[: before[0]], set(before[1])
-            counters.audit_cache_recompiles += 1
+            ledger.add(AuditRecompile(str(record.frame)))
             # torch's config modules gain patch() at run time, outside what their types declare.
             with torch.compiler.config.patch(force_disable_caches=True):  # type: ignore[attr-defined]
                 told = functools.partial(
@@ -357,7 +361,7 @@ def _wait_for_recompiles(record: GraphAudit, keys: dict[int, str], me: int) -> N
         on_timeout=CompileTimeoutError,
         advice="Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long.",
     )
-    counters.audit_recompile_wait_s += time.perf_counter() - started
+    ledger.add(AuditRecompileWait(time.perf_counter() - started))
 
 
 # ------------------------------------------------------------------ the exchange
@@ -379,9 +383,10 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     seq = _seq
     started = time.perf_counter()
     summary = wire.AuditSummary(record.phase, failure, record.levels(), record.graph_break)
+    exchanged, not_compared = False, 0
     try:
         envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
-        counters.audit_exchanges += 1
+        exchanged = True
         # Every body is a summary: the exchange's check refused any other kind of body.
         summaries: list[wire.AuditSummary] = [e.body for e in envelopes]  # type: ignore[misc]
         failed = [e.rank for e, s in zip(envelopes, summaries) if s.failure is not None]
@@ -392,8 +397,8 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         breaks = [_break_site(s.graph_break) for s in summaries]
         if len(set(breaks)) > 1:
             err = _paths_differ(record, [s.graph_break for s in summaries], members, rank, seq)
-            counters.audit_divergences += 1
-            counters.errors += 1
+            ledger.add(Divergence("audit"))
+            ledger.add(Failure("audit"))
             health.poison(err)
             raise err
         by_rank = [{lv.level: lv for lv in s.levels} for s in summaries]
@@ -406,8 +411,8 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
             )
             lists = [e.body.collectives for e in details]  # type: ignore[union-attr]  # details bodies, checked
             err = _divergence(record, level, lists, rank, seq, members)
-            counters.audit_divergences += 1
-            counters.errors += 1
+            ledger.add(Divergence("audit"))
+            ledger.add(Failure("audit"))
             health.poison(err)
             raise err
         produced = set().union(*by_rank)
@@ -427,7 +432,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         if report_only:
             _report(record, report_only, by_rank, seq)
         skipped = sorted(produced - set(common))
-        counters.audit_levels_not_compared += len(skipped)
+        not_compared = len(skipped)
         if skipped:
             log.debug(
                 "audit #%d of %s: level(s) %s not produced on every rank (a cache hit?), not compared",
@@ -439,8 +444,7 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
         return []
     finally:
         elapsed = time.perf_counter() - started
-        counters.audit_time_s += elapsed + record.spent_s
-        counters.audit_fingerprint_s += record.spent_s
+        ledger.add(AuditExchange(str(record.frame), record.phase, exchanged, not_compared, elapsed, record.spent_s))
         log.debug(
             "audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
             seq,
@@ -609,7 +613,7 @@ def _fail_partial(
         frame=str(record.frame),
         ranks=tuple(failed),
     )
-    counters.errors += 1
+    ledger.add(Failure("audit"))
     health.poison(err)
     if not this_rank_failed:
         raise err
@@ -617,14 +621,13 @@ def _fail_partial(
 
 
 def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.AuditLevel]], seq: int) -> None:
-    counters.audit_report_only_differences += 1
     entry: dict[str, Any] = {
         "seq": seq,
         "frame": str(record.frame),
         "phase": record.phase,
         "levels": {lv: [d[lv].graph_digest.hex() for d in by_rank] for lv in levels},
     }
-    _reports.append(entry)
+    ledger.add(AuditDifference(entry))
     log.info(
         "audit #%d of %s (%s graph): the graphs differ across ranks outside their collectives at "
         "level(s) %s (per-rank digests %s); the collectives agree, so this is reported only. "

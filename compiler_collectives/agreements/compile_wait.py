@@ -41,7 +41,8 @@ from collections.abc import Mapping
 
 from .. import config, health
 from ..errors import CollectiveError, PeerFailureError, StoreFailureError, StoreUnresponsive, ranks_text
-from ..stats import counters
+from ..ledger import ledger
+from ..records import Failure
 from ..store.calls import store_error_text
 from ..transport import groups
 from . import failure as failure_procedure
@@ -141,7 +142,7 @@ def wait_for_posts(
                             f"{notices.store} failed while this rank read rank {r}'s records ({store_error_text(e)})"
                         ) from e
                     why_not = f"rank {r} is gone"
-                    counters.errors += 1
+                    ledger.add(Failure(kind))
                     error: CollectiveError = PeerFailureError(
                         f"{what} on rank {me}: rank {r} was to {doing} and is gone: {gone}. Check rank {r}'s "
                         "log and exit status (killed by the OOM killer?).",
@@ -157,7 +158,7 @@ def wait_for_posts(
                     raise failure_procedure.known(error, seq=seq)
             if now >= deadline:
                 why_not = "its compile timeout passed"
-                counters.errors += 1
+                ledger.add(Failure(kind))
                 raise failure_procedure.known(
                     on_timeout(
                         f"{what} on rank {me}: waited {now - started:.0f}s for {ranks_text(pending)} to {doing}, "
@@ -217,6 +218,6 @@ def post(name: str, value: bytes, *, me: int, what: str, telling: str, kind: str
 
 def _store_failure(text: str, *, kind: str, rank: int, seq: int | None, frame: str) -> CollectiveError:
     """``StoreFailureError`` saying ``text`` and what to check, counted and published (``known``)."""
-    counters.errors += 1
+    ledger.add(Failure(kind))
     error = StoreFailureError(f"{text}. {STORE_ADVICE}", kind=kind, rank=rank, seq=seq, frame=frame)
     return failure_procedure.known(error, seq=seq)

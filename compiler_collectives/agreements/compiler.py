@@ -18,8 +18,9 @@ from typing import Any
 from .. import config, health, process_state
 from ..errors import describe
 from ..instrument import timing
+from ..ledger import ledger
 from ..observations import DistributedState, FrameId, LocalState
-from ..stats import counters
+from ..records import CompilerExchange
 from ..transport import groups
 from . import exchange as exchange_frame
 from . import guard, wire
@@ -117,18 +118,21 @@ def exchange(
 
     states = [e.state for e in envelopes]
     restart, why = restart_decision(states, ds.early_states, ranks=members) if state is None else (False, "")
-    if state is None:
-        counters.compiler_collectives += 1
-    else:
-        counters.compiler_input_exchanges += 1
-    counters.compiler_rounds += rounds
-    counters.compiler_bytes_sent += len(payload)
     bytes_in = sum(len(p) for p in payloads)
-    counters.compiler_bytes_received += bytes_in
-    counters.compiler_time_s += elapsed
     times = [e.sent_at for e in envelopes]
-    counters.last_arrival_spread_s = max(times) - min(times)
-    counters.last_late_rank = members[max(range(world), key=lambda r: times[r])]
+    spread = max(times) - min(times)
+    late_rank = members[max(range(world), key=lambda r: times[r])]
+    ledger.add(
+        CompilerExchange(
+            phase="trace" if state is None else "inputs",
+            rounds=rounds,
+            bytes_sent=len(payload),
+            bytes_received=bytes_in,
+            elapsed_s=elapsed,
+            arrival_spread_s=spread,
+            late_rank=late_rank,
+        )
+    )
     recorder = timing.recorder if timing.recorder is not None else timing.ensure(rank, world)
     if recorder is not None:
         recorder.compiler(
@@ -142,8 +146,8 @@ def exchange(
             rounds=rounds,
             phase="trace" if state is None else "inputs",
             restart=restart if state is None else None,
-            arrival_spread_s=counters.last_arrival_spread_s,
-            last_rank=counters.last_late_rank,
+            arrival_spread_s=spread,
+            last_rank=late_rank,
         )
     log.debug(
         "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
@@ -152,8 +156,8 @@ def exchange(
         bytes_in,
         rounds,
         elapsed * 1e3,
-        counters.last_arrival_spread_s * 1e3,
-        counters.last_late_rank,
+        spread * 1e3,
+        late_rank,
     )
     return Exchange(
         envelopes,

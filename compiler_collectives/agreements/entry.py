@@ -56,8 +56,9 @@ from typing import Any
 
 from .. import health, process_state
 from ..errors import CollectiveError, ProgramDivergenceError, describe, program_divergence, ranks_text
+from ..ledger import ledger
 from ..observations import FrameId
-from ..stats import counters
+from ..records import Divergence, EntryCheck, Failure, MixedFrame
 from ..transport import groups
 from . import guard as guard_collective
 from .fingerprint import Collective
@@ -225,7 +226,7 @@ class Frame:
             self.first_key = entry.key
         elif entry.key != self.first_key and not self.mixed:
             self.mixed = True
-            counters.entry_mixed_frames += 1
+            ledger.add(MixedFrame(str(self.frame)))
             log.info(
                 "frame %s: cache entry #%d (compile %s) runs other collectives than entry #0; "
                 "every call of this frame now checks that every rank runs the same program",
@@ -388,8 +389,7 @@ def check_entry(registry: Frame, entry: Entry) -> None:
         err = guard_collective.translate_entry_failure(e, seq=seq, frame=str(registry.frame))
         raise err from e
     finally:
-        counters.entry_checks += 1
-        counters.entry_check_time_s += time.perf_counter() - started
+        ledger.add(EntryCheck(time.perf_counter() - started))
     members = groups.member_ranks(channel.pg)  # messages and fields name global ranks
     _compare(registry, entry, everyone, members, members[channel.pg.rank()], seq)
 
@@ -416,8 +416,8 @@ def _compare(
             return
         indices = {members[r]: i & index_bits for r, (_, i) in enumerate(everyone)}
         err = _divergence(registry, hit, indices, rank, seq)
-    counters.entry_divergences += 1
-    counters.errors += 1
+    ledger.add(Divergence("entry"))
+    ledger.add(Failure("entry"))
     health.poison(err)
     raise err
 

@@ -63,7 +63,8 @@ from ..errors import (
     describe,
 )
 from ..health.diagnosis import Diagnosis, diagnose_with_deadline
-from ..stats import counters
+from ..ledger import ledger
+from ..records import Failure
 from ..transport import groups, is_connection_failure, set_peer_report_handler, translate_failure
 
 log = logging.getLogger("compiler_collectives.failure")
@@ -114,7 +115,7 @@ def fail(
         broken = groups.broken_peers(pg) if pg is not None and is_connection_failure(error) else {}
         err = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame, broken=broken)
         err.__cause__ = error
-    counters.errors += 1
+    ledger.add(Failure(kind))
     if isinstance(err, SEEN_ALIKE_ON_GUARD_CHANNEL if guard_channel else SEEN_ALIKE):
         if not guard_channel:
             # Published, not diagnosed: over a host tree only this rank's peers in the exchange

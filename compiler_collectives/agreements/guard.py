@@ -61,7 +61,8 @@ from ..errors import (
     describe,
 )
 from ..instrument import timing
-from ..stats import counters
+from ..ledger import ledger
+from ..records import PathsDiverged
 from ..transport import GuardChannel, groups
 from . import failure
 
@@ -349,21 +350,17 @@ def hook(guard_eval_result: bool) -> bool:
         else:
             all_hit, in_step = channel.agree(guard_eval_result, seq, site)
         elapsed = _perf_counter() - started
-        counters.guard_time_s += elapsed
-        counters.guard_collectives += 1
         if not in_step:
+            ledger.guard_call(elapsed, False, False)
             everyone = _describe_mismatch(channel, seq, site, sys._getframe(1))
             if paths_diverged(everyone):
                 go_apart(seq - 1)
                 return guard_eval_result
             raise _desync(channel, seq, site, everyone)
-        if not guard_eval_result:
-            counters.guard_local_misses += 1
+        ledger.guard_call(elapsed, not guard_eval_result, not all_hit)
         if not all_hit:
-            counters.guard_agreed_misses += 1
             _state.agreed_miss = (seq, not guard_eval_result)
             if guard_eval_result:
-                counters.forced_recompiles += 1
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)
         if recorder is not None:
             recorder.guard(start_ns=start_ns, duration_s=elapsed, seq=seq, hit=guard_eval_result, agreed=all_hit)
@@ -548,7 +545,7 @@ def go_apart(parent_seq: int) -> None:
     """Every rank agreed that their paths through this call differ: go on alone (``paths_diverged``)."""
     _state.seq = parent_seq  # where every rank stands: the next call of the user's own code is #p+1
     _state.apart = True
-    counters.diverged_paths += 1
+    ledger.add(PathsDiverged(parent_seq))
     log.debug(
         "after guard collective #%d the ranks run different compiled frames of one call; "
         "each goes on alone until its next call from its own code",

@@ -27,12 +27,12 @@ declared it before any moment runs.
 
 from __future__ import annotations
 
-from .. import health, process_state, stats
+from .. import health, ledger, process_state
 from ..transport import groups
 from . import audit, compiler, entry, guard, once
 
 # Imported for their declarations (see the docstring), not called here.
-DECLARING = (health, stats, groups, audit, compiler, entry, guard, once)
+DECLARING = (health, ledger, groups, audit, compiler, entry, guard, once)
 
 
 def reset() -> None:

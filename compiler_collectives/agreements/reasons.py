@@ -23,7 +23,8 @@ from typing import Any
 
 from .. import health
 from ..errors import CollectiveDesyncError, describe
-from ..stats import counters
+from ..ledger import ledger
+from ..records import ReasonsExchange
 from ..transport import groups
 from . import exchange as exchange_frame
 from . import wire
@@ -114,7 +115,7 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
     )
     envelopes, payloads, rounds, elapsed = (gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
     everyone = {e.rank: e.reasons for e in envelopes if e.missed}
-    counters.guard_reason_exchanges += 1
+    ledger.add(ReasonsExchange(seq))
     shared = Shared(
         seq=seq,
         rank=rank,

@@ -36,8 +36,9 @@ import torch
 
 from .. import config, health
 from ..agreements import compile_scope, compiler, entry, guard, lifecycle
+from ..ledger import ledger
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
-from ..stats import counters
+from ..records import Restart
 from . import bound, guard_seam, tooling
 from .convert import entry_from_torch, entry_to_torch
 
@@ -222,10 +223,10 @@ def run_compiler_collective(self: Any) -> None:
     ds.all_states = result.states
     tooling.trace_exchange(result, ds)
     if result.restart:
-        counters.restarts += 1
+        ledger.add(Restart(taken=True))
         tx.speculation_log.clear()
         raise bound.originals["CompileCollectiveRestartAnalysis"]
-    counters.restarts_skipped += 1
+    ledger.add(Restart(taken=False))
     ds.restart_skipped = True
     _apply_without_restart(ds)
 

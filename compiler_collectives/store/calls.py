@@ -23,16 +23,12 @@ from typing import Any, TypeVar
 
 from .. import process_state
 from ..errors import StoreUnresponsive
-from ..stats import counters
-
-_counted = threading.Lock()
+from ..ledger import ledger
 
 
-@process_state.kept(names=("_counted",), why="a lock around the store-request counter, for the process's life")
 def count_requests(n: int = 1) -> None:
     """Count ``n`` requests to the c10d store (``stats()["store_requests"]``); from any thread."""
-    with _counted:
-        counters.store_requests += n
+    ledger.store_requests(n)
 
 
 T = TypeVar("T")

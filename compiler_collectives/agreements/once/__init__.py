@@ -59,7 +59,7 @@ Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks a
 install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
 ``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks, and a
 loader's install by its route), ``keys`` (the key record and the offers read back from it:
-pure), ``tally`` (the counters each graph's record adds to) and ``protocol`` (the ticket, its
+pure), ``tally`` (how a graph ended: the word the ledger counts it by) and ``protocol`` (the ticket, its
 ``Step``, the decisions, the exchanges and the waits, and each graph's record). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
@@ -73,7 +73,6 @@ from .protocol import (
     Ticket,
     abandon,
     begin,
-    clear_records,
     current,
     fetch,
     finish,
@@ -98,7 +97,6 @@ __all__ = [
     "Ticket",
     "abandon",
     "begin",
-    "clear_records",
     "current",
     "decide",
     "dir_identity",

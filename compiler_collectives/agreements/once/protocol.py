@@ -5,7 +5,6 @@ transfer over the job's gloo group. The flow is told in the package's docstring 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import hashlib
@@ -14,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from ... import config, health, process_state
@@ -25,8 +25,17 @@ from ...errors import (
     SetupMismatchError,
 )
 from ...instrument import timing
+from ...ledger import ledger
 from ...observations import FrameId
-from ...stats import counters
+from ...records import (
+    Failure,
+    OnceGraph,
+    OnceKeys,
+    OnceLoadReport,
+    OncePlanned,
+    OnceTreeExchange,
+    OnceWait,
+)
 from ...transport import HostTree, groups
 from .. import audit, compile_wait, phases
 from .. import exchange as exchange_frame
@@ -52,7 +61,6 @@ _local = threading.local()  # ticket: Ticket | None
 _seq = 0
 # What the last full key exchange of this generation saw that stays from graph to graph.
 _known: keys.Known | None = None
-_records: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 # The compile group's ranks by host (``transport.HostTree``), built at a generation's first graph.
 _tree: HostTree | None = None
 
@@ -208,7 +216,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     ticket.plan = ticket.plans[rank]
     ticket.step = Step.PLANNED
     ticket.fx_allowed = ticket.level == "aot" and fallback_allowed(ticket.offers)
-    counters.once_exchanges += 1
+    ledger.add(OncePlanned(ticket.seq or 0))
     ticket.exchange_s += time.perf_counter() - t0
     if ticket.plan.role == LOCAL:
         log.info(
@@ -250,9 +258,9 @@ def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
     out = _min(ticket, tree, record, phases.ONCE_KEYS, "keys")
     settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
     if settled is not None:
-        counters.once_keys_reduced += 1
+        ledger.add(OnceKeys(reduced=True))
         return settled
-    counters.once_gathers += 1
+    ledger.add(OnceKeys(reduced=False))
     offers = _gather(ticket, mine, phases.ONCE_KEYS, "keys")
     _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
     return offers  # type: ignore[return-value]
@@ -456,7 +464,7 @@ _E = TypeVar("_E", bound=CollectiveError)
 
 def _failed(error: _E) -> _E:
     """Every error compile once raises of its own passes here: the one place it is counted (``errors``)."""
-    counters.errors += 1
+    ledger.add(Failure("compile_once"))
     return error
 
 
@@ -476,7 +484,7 @@ def abandon(ticket: Ticket) -> None:
 
 def records() -> list[dict[str, Any]]:
     """Per graph, this rank's part: compiled, served, loaded, or compiled locally, and why."""
-    return list(_records)
+    return [dict(g.record) for g in ledger.kept(OnceGraph)]
 
 
 @process_state.clears(
@@ -493,11 +501,6 @@ def reset_sequence() -> None:
     _tree = None
 
 
-@process_state.clears(process_state.STATS, names=("_records",), what="compile once's record of each graph")
-def clear_records() -> None:
-    _records.clear()
-
-
 # ------------------------------------------------------------------ exchanges
 
 
@@ -507,7 +510,7 @@ def _where(ticket: Ticket, what: str) -> Callable[[], str]:
 
 def _min(ticket: Ticket, tree: HostTree, record: list[int], phase: int, what: str) -> list[int]:
     """The element-wise MIN of every rank's ``record`` over the host tree, in this graph's ``phase``."""
-    counters.once_tree_exchanges += 1
+    ledger.add(OnceTreeExchange(what))
     pg, where = ticket.pg, _where(ticket, what)
     stamp = HostTree.stamp(phase, ticket.seq or 0)
     return exchange_frame.framed(
@@ -623,7 +626,7 @@ def _wait_counted(
     said = _wait_for_posts(ticket, ranks, notice, doing)
     waited = time.monotonic() - started
     ticket.waited_s += waited
-    counters.once_wait_s += waited
+    ledger.add(OnceWait(waited))
     return said
 
 
@@ -650,7 +653,7 @@ def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     host tree to which only the serving ranks contribute (the plans say who they are), however
     many there are."""
     t0 = time.perf_counter()
-    counters.once_tree_exchanges += 1
+    ledger.add(OnceTreeExchange("result"))
     plan = ticket.plan
     source = plan is not None and plan.role in (COMPILE, SERVE)
     out = _gather(ticket, mine if source else None, phases.ONCE_RESULT, "result")
@@ -684,10 +687,10 @@ def _load_report(ticket: Ticket) -> None:
         _wait_for_local_compiles(ticket)
         _record(ticket)
         return
-    counters.once_tree_exchanges += 1
+    ledger.add(OnceTreeExchange("load report"))
     mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
     details = _gather(ticket, mine, phases.ONCE_LOADED, "load report")
-    counters.once_report_entries += len(details)
+    ledger.add(OnceLoadReport(len(details)))
     for r, body in details.items():
         assert isinstance(body, Loaded)
         plan = ticket.plans.get(r)
@@ -719,7 +722,7 @@ def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
 
 
 def _record(ticket: Ticket) -> None:
-    """The graph's record (``records()``), once per ticket; it feeds the counters (``tally``)."""
+    """The graph's record (``records()``), once per ticket, kept by the ledger (which counts it)."""
     plan = ticket.plan
     if plan is None or ticket.record is not None:
         return
@@ -751,8 +754,9 @@ def _record(ticket: Ticket) -> None:
         "posted_at": ticket.posted_at,
         "wait_ended_at": ticket.wait_ended_at,
     }
-    _records.append(ticket.record)
-    tally.add(ticket.record)
+    ledger.add(
+        OnceGraph(ticket.record["ended"], len(ticket.record["peers_local"]), MappingProxyType(dict(ticket.record)))
+    )
     if _on_record is not None:
         _on_record(ticket, ticket.record)
     if rec is not None and ticket.seq is not None:

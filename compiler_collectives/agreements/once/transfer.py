@@ -62,7 +62,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...errors import CollectiveError, PeerFailureError
-from ...stats import counters
+from ...ledger import ledger
+from ...records import ArtifactReceived, ArtifactSent, DigestMismatch
 from ...transport import byte_tensor, run_p2p, start_recv, start_send, tensor_view
 from ..wire.once import Offer, Result
 from . import artifact
@@ -252,12 +253,10 @@ def send(link: Link, bundle: bytes, result: Result, route: Route) -> None:
         copies = [start_send(link.pg, data, link.peer(r), link.control(COPY)) for r in wanting]
         return wanting, _wait_sends(copies, wanting)
 
-    counters.once_copies_sent += len(route.children)
-    counters.once_bytes_sent += len(bundle) * len(route.children)
+    ledger.add(ArtifactSent(len(route.children), len(bundle) * len(route.children)))
     wanting = _run(link, serve)
     if wanting:
-        counters.once_copies_sent += len(wanting)
-        counters.once_bytes_sent += len(bundle) * len(wanting)
+        ledger.add(ArtifactSent(len(wanting), len(bundle) * len(wanting)))
         log.warning(
             "%s: sent rank(s) %s a second copy of the artifact: the bytes they took in the tree failed "
             "their check (see their logs for who sent them altered)",
@@ -352,10 +351,9 @@ def receive(link: Link, result: Result, route: Route, source: int) -> Received:
         return (bad, culprit, copy), None
 
     bad, culprit, copy = _run(link, take)
-    counters.once_bytes_received += total
+    ledger.add(ArtifactReceived(total))
     if route.children:
-        counters.once_copies_sent += len(route.children)
-        counters.once_bytes_sent += total * len(route.children)
+        ledger.add(ArtifactSent(len(route.children), total * len(route.children)))
     if bad is None:
         return Received(bytes(tensor_view(data)), None)
     a, b = bad
@@ -370,7 +368,7 @@ def receive(link: Link, result: Result, route: Route, source: int) -> Received:
             else "(in its memory or on the link)"
         )
     )
-    counters.once_bytes_received += total
+    ledger.add(ArtifactReceived(total))
     again = _first_bad(copy, pieces, result)
     if again is not None:
         return Received(
@@ -381,8 +379,7 @@ def receive(link: Link, result: Result, route: Route, source: int) -> Received:
                 True,
             ),
         )
-    counters.once_digest_mismatches += 1
-    counters.once_refetched += 1
+    ledger.add(DigestMismatch(refetched=True))
     log.warning("%s: refused the tree's bytes (%s); took rank %d's own copy instead", link.where(), why, source)
     return Received(
         bytes(tensor_view(copy)),
@@ -510,5 +507,5 @@ def _refused(refusal: artifact.Refusal | None) -> str | None:
     if refusal is None:
         return None
     if refusal.digest:
-        counters.once_digest_mismatches += 1
+        ledger.add(DigestMismatch(refetched=False))
     return refusal.why
