@@ -386,11 +386,11 @@ def test_install_wires_every_setter_and_registry_once_however_often_it_runs():
 
 def test_reset_and_a_destroyed_default_group_keep_the_wiring():
     import compiler_collectives as cc
-    from compiler_collectives.agreements import lifecycle
+    from compiler_collectives import runtime
 
     cc.reset()
     assert _wired() == EVERYTHING_WIRED_ONCE
-    lifecycle.default_group_destroyed()
+    runtime.default_group_destroyed()
     assert _wired() == EVERYTHING_WIRED_ONCE
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import config, health
-from ..agreements import compiler, entry, guard, lifecycle
+from ..agreements import compiler, entry, guard
 from ..errors import CollectiveError
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..stats import counters
@@ -309,7 +309,7 @@ def wrap_reset(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(*args, **kwargs)
         finally:
-            lifecycle.torch_reset()
+            bound.moments.torch_reset()  # the runtime's moment, handed in at install
 
     return reset
 
