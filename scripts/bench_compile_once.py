@@ -336,7 +336,7 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------- processes, reaping
 
 
-# Starting the agents and ending them with their trees is cc_launch's,
+# Starting the agents and ending them with their trees is cc_launch's (outside the package),
 # imported inside the driver's functions: the ranks (--worker) run this file too, and import
 # nothing before their environment is set.
 ENDING_MARK = "[bench] ending the job"

@@ -219,7 +219,7 @@ def test_a_changed_torch_internal_leaves_torch_unpatched(monkeypatch):
     monkeypatch.setattr(convert_frame, "_compile", _compile)
     try:
         with pytest.raises(UnsupportedTorchError, match="Nothing was patched") as info:
-            dynamo.install()
+            cc.install()
         assert "torch._dynamo.convert_frame:_compile no longer takes (code, globals, locals" in str(info.value)
         after = _seams_now()
         for key, value in before.items():
@@ -268,7 +268,7 @@ def test_a_read_that_only_coarsens_a_feature_warns_at_install_and_install_goes_o
     monkeypatch.setattr(eval_frame._TorchDynamoContext, "__call__", functools.partial(print))
     try:
         with caplog.at_level(logging.WARNING, logger="compiler_collectives.dynamo"):
-            dynamo.install()
+            cc.install()
         assert dynamo.installed()
         assert any("names torch.compile'd functions by their caller" in r.getMessage() for r in caplog.records)
     finally:
