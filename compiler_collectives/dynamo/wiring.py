@@ -7,7 +7,6 @@ offers setters and registries, and ``wire()`` fills every one of them:
 
 * the seams themselves: ``bound.moments`` (the runtime's moments, which our
   replacements of torch's reset and destroy run);
-
 * agreements.failure: ``connect`` (transport's ``set_peer_report_handler``,
   what the heartbeat does with a peer's failure report, and health's
   ``set_explainer``, how a peer's failure report names the absent
@@ -28,13 +27,13 @@ offers setters and registries, and ``wire()`` fills every one of them:
 * agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
   (torch's operator types and ``normalize_function``).
 
-``wire()`` is idempotent (a source
-registered twice is kept once). ``unwire()`` (uninstall) drops what only
-makes sense while we are patched into torch: the audit's artifact sink and
-group resolver, and compile once's artifact. Nothing wired here is dropped
-by ``compiler_collectives.reset()``, a destroyed default group or a fork:
-each setter is declared ``process_state.wired`` (``process_state.describe()``
-lists what each moment clears), so none of them wires again.
+``wire()`` is idempotent (a source registered twice is kept once).
+``unwire()`` (uninstall) drops what only makes sense while we are patched
+into torch: the audit's artifact sink and group resolver, and compile once's
+artifact. Nothing wired here is dropped by ``compiler_collectives.reset()``,
+a destroyed default group or a fork: each setter below the seam is declared
+``process_state.wired`` (``process_state.describe()`` lists what each moment
+clears), so none of them wires again.
 """
 
 from __future__ import annotations
