@@ -1,8 +1,9 @@
 """compiler_collectives: every rank of a torch.compile job makes the same compile decisions.
 
-Importing the package installs our compiler and guard collectives into
-``torch._dynamo`` (see the ``dynamo`` subpackage, the only part that touches
-torch's internals). They stay off until switched on:
+Importing the package runs one thing, ``runtime.install()`` (the composition
+root): it reads the settings and installs our compiler and guard collectives
+into ``torch._dynamo`` (see the ``dynamo`` subpackage, the only part that
+touches torch's internals). They stay off until switched on:
 
 * compiler collectives: ``TORCH_COMPILER_COLLECTIVES=1``,
   ``torch._dynamo.config.enable_compiler_collectives = True`` or ``enable()``;
@@ -17,13 +18,12 @@ ranks that run the same program.
 from __future__ import annotations
 
 import contextlib
-import os as _os
 from collections.abc import Iterator
 from typing import Any
 
 from . import config
 from . import dynamo as _seams
-from .agreements import lifecycle as _lifecycle
+from . import runtime as _runtime
 from .errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -43,43 +43,6 @@ from .errors import (
 from .ledger import ledger as _ledger
 from .observations import DistributedState, LocalState, SizeEntry, register_field
 from .version import __version__
-
-
-def _running_doctor() -> bool:
-    # `python -m compiler_collectives doctor` (argv[0] is "-m" while the package
-    # imports) or the console script: doctor must report a broken install,
-    # not die of it.
-    import sys
-
-    argv = sys.argv
-    return len(argv) > 1 and argv[1] == "doctor" and (argv[0] == "-m" or argv[0].endswith("compiler-collectives"))
-
-
-def _warn_retired_variables() -> None:
-    import logging
-    import os
-
-    if "COMPILER_COLLECTIVES_LOG_LEVEL" in os.environ:
-        logging.getLogger("compiler_collectives").warning(
-            "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives "
-            "(INFO) or TORCH_LOGS=+compiler_collectives (DEBUG) instead"
-        )
-
-
-install_error: UnsupportedTorchError | None = None
-_warn_retired_variables()
-try:
-    _seams.install()
-except UnsupportedTorchError as _e:
-    if not _running_doctor():
-        raise
-    install_error = _e
-    from .tools import doctor as _doctor
-
-    _doctor.set_install_error(_e)
-
-# A forked child (a DataLoader worker) gets a fresh state of its own.
-_os.register_at_fork(after_in_child=_lifecycle.after_fork_in_child)
 
 __all__ = [
     "CollectiveDesyncError",
@@ -148,7 +111,7 @@ def scope(group: Any = None) -> None:
 
 def install() -> None:
     """Install our implementation into torch._dynamo (done at import; idempotent)."""
-    _seams.install()
+    _runtime.install()
 
 
 def uninstall() -> None:
@@ -158,7 +121,7 @@ def uninstall() -> None:
 
 def enable(*, compiler: bool = True, guards: bool | None = None) -> None:
     """Switch collectives on. ``guards=None`` leaves the guard collective as it is."""
-    _seams.install()
+    _runtime.install()
     if compiler:
         _seams.set_compiler_collectives_flag(True)
     if guards is not None:
@@ -219,7 +182,7 @@ def stats() -> dict[str, Any]:
 
 def reset_stats() -> None:
     """Zero the counters of ``stats()`` and drop its records (``process_state.STATS`` lists them)."""
-    _lifecycle.reset_stats()
+    _runtime.reset_stats()
 
 
 def reset() -> None:
@@ -229,6 +192,9 @@ def reset() -> None:
     call, ``docs/design.md`` "Entry agreement") lose their compiled entries
     too, and compile again at their next call.
     """
-    if _seams.installed():
-        _seams.forget_entries()
-    _lifecycle.reset()
+    _runtime.reset()
+
+
+# The one thing importing the package does (runtime.py): read the settings, patch torch, wire
+# the layers, register the fork handler. Where `doctor` runs, what patching torch raised.
+install_error: UnsupportedTorchError | None = _runtime.install().install_error

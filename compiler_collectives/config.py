@@ -1,8 +1,11 @@
 """Every setting of compiler_collectives in one place: env var, default, meaning.
 
-Each setting is read from its environment variable once, when this module is
-first imported, and can be changed from Python afterwards through ``settings``
-(a plain attribute assignment) or temporarily with ``override(...)``.
+Each setting is read from its environment variable once, by ``load()``, which
+the package's ``install()`` (``runtime.py``) runs before anything else: not
+when this module is imported, so nothing reads a setting before install and
+a rank's environment is read as it is when the package installs. Afterwards
+a setting can be changed from Python through ``set_value`` or temporarily
+with ``override(...)``.
 ``docs/configuration.md`` mirrors the table below; keep them in step.
 
 Torch's own switch for compiler collectives, ``TORCH_COMPILER_COLLECTIVES``,
@@ -393,7 +396,18 @@ def load_from_env(environ: Mapping[str, str] | None = None) -> Any:
     return Settings(**values, sources=sources)
 
 
-settings: Any = load_from_env()
+settings: Any = None
+"""The current values (a ``Settings``): None until ``load()``, which install runs first."""
+
+
+def load() -> Any:
+    """Read every setting from the environment (install runs this, once) and make it current.
+
+    Raises ``ConfigError`` as ``load_from_env`` does; the current values are then left as they were.
+    """
+    global settings
+    settings = load_from_env()
+    return settings
 
 
 def set_value(attr: str, value: Any, source: str = "api") -> None:

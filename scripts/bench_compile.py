@@ -137,7 +137,7 @@ def _rank(rank: int, world: int, store: str, reps: int, out_path: str, backends:
 def main() -> None:
     # Imported here, not at the top: spawned ranks run this file's top too, and must import
     # compiler_collectives only where their own code does.
-    from compiler_collectives.tools import launch
+    import cc_launch as launch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of every configuration")

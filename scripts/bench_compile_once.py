@@ -336,7 +336,7 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------- processes, reaping
 
 
-# Starting the agents and ending them with their trees is compiler_collectives.tools.launch's,
+# Starting the agents and ending them with their trees is cc_launch's (outside the package),
 # imported inside the driver's functions: the ranks (--worker) run this file too, and import
 # nothing before their environment is set.
 ENDING_MARK = "[bench] ending the job"
@@ -351,7 +351,7 @@ def _launch(
     timeout struck, and the seconds taken. When one agent fails, the others
     get 30 s to end on their own (a peer waiting on a dead rank would wait out
     its collective timeout) before they are ended too, with every process under them."""
-    from compiler_collectives.tools import launch
+    import cc_launch as launch
 
     started = time.monotonic()
     with open(log_path, "ab") as log, launch.Agents() as running:
@@ -462,7 +462,7 @@ def _cache_env(cache_dir: str) -> dict[str, str]:
 
 def _job(args: argparse.Namespace, case: Case, base: dict[str, str], cache: str, out: str) -> list[Any]:
     """The torchrun agents of one job of ``case`` over ``cache``: (command, env) each."""
-    from compiler_collectives.tools.launch import free_port
+    from cc_launch import free_port
 
     port = free_port()
     agents = []
@@ -503,7 +503,7 @@ def _warm_up(
     case: Case, args: argparse.Namespace, base: dict[str, str], cache: str, rundir: str, log_path: str
 ) -> tuple[float, str | None]:
     """Untimed: ready ``case``'s dirs as its row says. (seconds, None) or (seconds, why it failed)."""
-    from compiler_collectives.tools.launch import free_port
+    from cc_launch import free_port
 
     out = os.path.join(rundir, "warmup")
     os.makedirs(out, exist_ok=True)

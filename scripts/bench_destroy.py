@@ -45,8 +45,10 @@ def _accepts(port: int) -> bool:
 
 def _profiled() -> dict[str, list[float]]:
     """Wrap each clear of the moments of a destroy, and each moment, with a timer (ms per call)."""
+    import dataclasses
+
     from compiler_collectives import process_state
-    from compiler_collectives.agreements import lifecycle
+    from compiler_collectives.dynamo import bound
 
     times: dict[str, list[float]] = {}
 
@@ -65,8 +67,12 @@ def _profiled() -> dict[str, list[float]]:
         if any(m in item.moments for m in moments) and item.clear is not None:
             owner = f"{item.owner.removeprefix('compiler_collectives.')}:{getattr(item.clear, '__name__', '?')}"
             process_state._items[i] = type(item)(**{**item.__dict__, "clear": timed(owner, item.clear)})
-    lifecycle.default_group_ending = timed("(before torch's destroy)", lifecycle.default_group_ending)
-    lifecycle.default_group_destroyed = timed("(after torch's destroy)", lifecycle.default_group_destroyed)
+    # The moments the c10d seam runs around torch's destroy (the runtime's, handed in at install).
+    bound.moments = dataclasses.replace(
+        bound.moments,
+        default_group_ending=timed("(before torch's destroy)", bound.moments.default_group_ending),
+        default_group_destroyed=timed("(after torch's destroy)", bound.moments.default_group_destroyed),
+    )
     return times
 
 
@@ -121,7 +127,7 @@ def _rank(
 def _job(
     world: int, generations: int, same_port: bool, package: bool, profile: bool, timeout_s: float
 ) -> dict[str, list[float]]:
-    from compiler_collectives.tools import launch
+    import cc_launch as launch
 
     ports = [launch.free_port()] * generations if same_port else [launch.free_port() for _ in range(generations)]
     tmp = tempfile.mkdtemp(prefix="bench-destroy-")

@@ -159,7 +159,7 @@ def run(world: int, hosts: int, calls: int, blocks: int, timeout_s: float) -> tu
     """Rank 0's median per mode, plus "none-slowest": the slowest rank's "none"."""
     # Imported here, not at the top: spawned ranks run this file's top too, and must import
     # compiler_collectives only where their own code does.
-    from compiler_collectives.tools import launch
+    import cc_launch as launch
 
     tmp = tempfile.mkdtemp(prefix="cc-bench-guard-")
     out_path = os.path.join(tmp, "result.json")

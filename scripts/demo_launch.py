@@ -1,7 +1,7 @@
 """Starting and reaping the ranks: each run in fresh rank processes, or this rank's part under torchrun.
 
 A run is one way of training (``RUNS``); ``launch_run`` starts its ranks as
-processes (``compiler_collectives.tools.launch`` starts and reaps them),
+processes (``cc_launch`` starts and reaps them),
 relays their progress, bounds them by the demo's timeout, asks a stuck rank
 where it waits before it is killed, and gathers what each rank came to in a
 ``RunOutcome``. Under torchrun there is no parent to do that:
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from demo_training import DemoConfig, train
 
+import cc_launch as launch
 import compiler_collectives
-from compiler_collectives.tools import launch
 
 # --------------------------------------------------------------------- runs
 

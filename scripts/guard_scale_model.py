@@ -128,7 +128,7 @@ def _two_hosts_rank(rank: int, store: str, out: str) -> None:
 def measure(timeout_s: float) -> dict[str, float]:
     # Imported here, not at the top: spawned ranks run this file's top too, and must import
     # compiler_collectives only where their own code does.
-    from compiler_collectives.tools import launch
+    import cc_launch as launch
 
     figures: dict[str, float] = {}
     for target in (_rank, _two_hosts_rank):

@@ -107,7 +107,7 @@ def run_agents(
     import sys
     import time
 
-    from compiler_collectives.tools.launch import Agents
+    from cc_launch import Agents
     from tests.harness import free_port
 
     path = tmp_path / "agents_job.py"

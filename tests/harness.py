@@ -18,10 +18,11 @@ also with ``check=False``: a rank killed by a signal (SIGABRT from
 ``std::terminate``, SIGSEGV) fails the test unless the test names that
 signal for that rank in ``expect_signals``.
 
-Starting and reaping the processes is ``compiler_collectives.tools.launch``'s
-(shared with the demo and the benchmarks). This module imports it inside its
-functions only: the forkserver preloads this module, and a package imported
-there would read its settings before a rank's ``env`` is in place.
+Starting and reaping the processes is ``cc_launch``'s (shared with the demo
+and the benchmarks): a top-level module of the standard library only, outside
+the package, so this module, which the forkserver preloads, imports it at its
+top without importing compiler_collectives there (whose install would read
+its settings before a rank's ``env`` is in place).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import cc_launch as launch
 
 EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
 # What the forkserver imports once for every rank; compile_fx: 1.5 CPU-s a rank
@@ -169,8 +172,6 @@ def run_ranks(
     ``rank_env`` adds variables for some ranks only (a setting that differs
     on one node), on top of ``env``.
     """
-    from compiler_collectives.tools import launch
-
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
     env.setdefault("HARNESS_JOB_DIR", tmp)  # for release() / stay_until()
@@ -300,8 +301,6 @@ def stay_until(count: int, max_s: float, name: str = "released") -> bool:
 
 
 def free_port() -> int:
-    from compiler_collectives.tools import launch
-
     return launch.free_port()
 
 

@@ -219,7 +219,7 @@ def test_a_changed_torch_internal_leaves_torch_unpatched(monkeypatch):
     monkeypatch.setattr(convert_frame, "_compile", _compile)
     try:
         with pytest.raises(UnsupportedTorchError, match="Nothing was patched") as info:
-            dynamo.install()
+            cc.install()
         assert "torch._dynamo.convert_frame:_compile no longer takes (code, globals, locals" in str(info.value)
         after = _seams_now()
         for key, value in before.items():
@@ -268,7 +268,7 @@ def test_a_read_that_only_coarsens_a_feature_warns_at_install_and_install_goes_o
     monkeypatch.setattr(eval_frame._TorchDynamoContext, "__call__", functools.partial(print))
     try:
         with caplog.at_level(logging.WARNING, logger="compiler_collectives.dynamo"):
-            dynamo.install()
+            cc.install()
         assert dynamo.installed()
         assert any("names torch.compile'd functions by their caller" in r.getMessage() for r in caplog.records)
     finally:
@@ -386,11 +386,11 @@ def test_install_wires_every_setter_and_registry_once_however_often_it_runs():
 
 def test_reset_and_a_destroyed_default_group_keep_the_wiring():
     import compiler_collectives as cc
-    from compiler_collectives.agreements import lifecycle
+    from compiler_collectives import runtime
 
     cc.reset()
     assert _wired() == EVERYTHING_WIRED_ONCE
-    lifecycle.default_group_destroyed()
+    runtime.default_group_destroyed()
     assert _wired() == EVERYTHING_WIRED_ONCE
 
 

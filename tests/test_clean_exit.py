@@ -42,7 +42,7 @@ RUNS = 4
 
 @pytest.mark.timeout(240)
 def test_a_job_with_a_busy_heartbeat_that_skips_destroy_exits_zero_on_every_rank_every_time(tmp_path):
-    from compiler_collectives.tools.launch import Agents
+    from cc_launch import Agents
 
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))

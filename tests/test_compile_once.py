@@ -482,7 +482,7 @@ def test_four_torchrun_agents_with_a_cache_dir_each_compile_once_and_each_dir_re
         env.pop(key, None)
     # Imported here: the ranks of this file's other tests import it, and compiler_collectives
     # only where their own code does.
-    from compiler_collectives.tools.launch import Agents
+    from cc_launch import Agents
 
     with Agents() as agents:  # what is still running at the end is killed, ranks included
         for node in range(AGENTS):

@@ -620,7 +620,7 @@ def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_seco
         RESULT_DIR=str(tmp_path),
         COMPILER_COLLECTIVES_TIMEOUT="60",
     )
-    from compiler_collectives.tools.launch import Agents
+    from cc_launch import Agents
 
     with Agents() as started:  # an agent still running at the end is killed with its ranks
         agents = [

@@ -1,12 +1,13 @@
-"""compiler_collectives.tools.launch: every process a job starts ends with the job, and what ended it is named.
+"""cc_launch: every process a job starts ends with the job, and what ended it is named.
 
 Real processes, short deadlines. The ranks here run this file's functions and
 nothing of torch: they are forked ("fork" starts them in milliseconds; spawn
-or a forkserver would import this file, so compiler_collectives, in each).
+or a forkserver would import this file, and torch with ``tests.fixtures``, in each).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import time
 
 import pytest
 
-from compiler_collectives.tools import launch
+import cc_launch as launch
 from tests.fixtures import gone
 
 # Multi-process tests here: release independent (tests/tiers.py).
@@ -142,3 +143,12 @@ def test_exit_text_names_an_exit_code_a_signal_and_a_signal_this_platform_does_n
     assert launch.exit_text(-signal.SIGABRT) == "was ended by signal SIGABRT (exit code -6)"
     assert launch.signal_name(250) == "250"
     assert launch.exit_text(None) == "is still running"
+
+
+@pytest.mark.multiprocess
+def test_importing_the_launcher_imports_neither_torch_nor_the_package():
+    code = "import json, sys, cc_launch; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    imported = {name.split(".")[0] for name in json.loads(out.stdout)}
+    assert "cc_launch" in imported
+    assert not imported & {"torch", "compiler_collectives"}

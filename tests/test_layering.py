@@ -247,7 +247,7 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
 
 BASE = ("config", "errors", "ledger", "observations", "process_state", "records", "version")
 RANKS = {
-    # the root package's __init__ (the public API) and __main__: above everything
+    # the root package's __init__ (the public API), __main__ and runtime (the composition root)
     "package": 8,
     # the command-line tools (cli, doctor, report): they read everything
     "tools": 7,
@@ -269,7 +269,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != TOP:
         return None
-    if len(parts) == 1 or parts[1:] == ["__main__"]:
+    if len(parts) == 1 or parts[1:] in (["__main__"], ["runtime"]):
         return "package"
     if len(parts) == 2 and parts[1] in BASE:
         return "base"
@@ -849,15 +849,52 @@ def _imported_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def test_no_module_but_the_package_root_registers_anything_when_imported():
-    """Module-level code only defines: wiring is ``dynamo/wiring.py``'s, run by install."""
+ROOT_INSTALL = f"{TOP}.runtime"  # the package root's one call at import: this module's install()
+
+
+def _module_level_calls(tree: ast.Module) -> Iterator[ast.Call]:
+    """Every call that runs when the module is imported (not inside a function or a class body's function)."""
+
+    def visit(node: ast.AST) -> Iterator[ast.Call]:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Call):
+            yield node
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child)
+
+    for node in tree.body:
+        yield from visit(node)
+
+
+def check_import_effects(tree: Tree) -> list[str]:
+    """Importing a module only defines; the package root's import runs one call, ``runtime.install()``.
+
+    Elsewhere a module-level call statement, or a module-level write into a module or object it
+    imported, is flagged. In the root package every call that runs at import is flagged but one,
+    ``install()`` of ``runtime`` (the composition root), which must be there exactly once.
+    """
     offences = []
-    for module, source in TREE.items():
+    for module, source in tree.items():
+        parsed = _parse(source.text)
         if module == TOP:
-            continue  # installs at import, by design (and registers the fork handler)
-        tree = _parse(source.text)
-        imported = _imported_names(tree)
-        for node in tree.body:
+            aliases = _aliases(tree, module)
+            installs = 0
+            for call in _module_level_calls(parsed):
+                func = call.func
+                if (
+                    isinstance(func, ast.Attribute)
+                    and func.attr == "install"
+                    and _module_of(tree, aliases, func.value) == ROOT_INSTALL
+                ):
+                    installs += 1
+                else:
+                    offences.append(f"{source.shown}:{call.lineno} calls {ast.unparse(call)[:60]} when imported")
+            if installs != 1:
+                offences.append(f"{source.shown} runs runtime.install() {installs} times when imported, not once")
+            continue
+        imported = _imported_names(parsed)
+        for node in parsed.body:
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
                 offences.append(f"{source.shown}:{node.lineno} calls {ast.unparse(node.value)[:60]}")
             targets = (
@@ -873,7 +910,46 @@ def test_no_module_but_the_package_root_registers_anything_when_imported():
                     base = base.value
                 if base is not target and isinstance(base, ast.Name) and base.id in imported:
                     offences.append(f"{source.shown}:{node.lineno} sets {ast.unparse(target)}")
-    assert not offences, "\n".join(offences)
+    return offences
+
+
+def test_importing_the_package_runs_runtime_install_once_and_no_module_registers_anything():
+    """Module-level code only defines; the root's one call is the composition root's install()."""
+    assert check_import_effects(TREE) == []
+
+
+def _root_without_install() -> Tree:
+    tree = dict(TREE)
+    old = tree[TOP]
+    lines = [ln for ln in old.text.splitlines() if "_runtime.install()" not in ln or ln.startswith((" ", "#"))]
+    tree[TOP] = Source(old.shown + " (mutated)", "\n".join(lines) + "\n", True)
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        # a lower layer registering a hook of its own when imported
+        ("compiler_collectives.transport.groups", "import os\nos.register_at_fork(after_in_child=print)\n"),
+        # a module wiring another at import (what dynamo/wiring.py's wire() does at install)
+        ("compiler_collectives.dynamo.tooling", "from ..agreements import audit\naudit.sink = print\n"),
+        # the composition root doing something when imported, rather than when install() runs
+        ("compiler_collectives.runtime", "install()\n"),
+        # the root package registering a hook beside install(), or installing twice
+        (TOP, "import os as _o\n_o.register_at_fork(after_in_child=print)\n"),
+        (TOP, "_runtime.install()\n"),
+        (TOP, "_warned = _runtime.warn_retired_variables()\n"),
+    ],
+)
+def test_the_import_effect_check_flags_a_module_that_does_something_when_imported(module, snippet):
+    offences = check_import_effects(mutated(module, snippet))
+    assert offences and all("(mutated)" in o for o in offences), offences
+
+
+def test_the_import_effect_check_flags_a_package_root_that_does_not_install():
+    assert check_import_effects(_root_without_install()) == [
+        f"{TREE[TOP].shown} (mutated) runs runtime.install() 0 times when imported, not once"
+    ]
 
 
 def test_the_seam_modules_read_torch_internals_only_through_bound_and_only_rows_of_the_table():

@@ -14,8 +14,10 @@
 * ``failure``: what an agreement does when its exchange fails;
 * ``wire``: the msgpack payloads, versioned and validated, one module per
   format (``compiler``, ``audit``, ``reasons``, ``setup``, ``scope``), each read
-  through ``wire.codec``'s bounded reader;
-* ``lifecycle``: reset, a destroyed default group, a forked child.
+  through ``wire.codec``'s bounded reader.
+
+Reset, a destroyed default group and a forked child are moments the package's
+runtime (``runtime.py``) runs over ``process_state``.
 
 Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in,
 and connects them at install (``dynamo/wiring.py``): no module here registers

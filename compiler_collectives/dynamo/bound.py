@@ -11,13 +11,19 @@ The one way the seam modules read torch's internals:
 
 ``patch``/``unpatch`` swap a row's replacement in and out; install uses them
 for the required rows, ``bind_level`` for an optional level's.
+
+``moments``: what our replacements of torch's reset and destroy run of ours,
+the package runtime's moments, handed in at install (``wiring.wire``): the
+seams may not import the layer above them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from . import table
@@ -28,6 +34,22 @@ installed = False
 originals: dict[str, Any] = {}
 # Optional levels looked at so far: True once bound (and patched), False when torch lacks them.
 levels: dict[str, bool] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments:
+    """The runtime's moments that torch's own reset and destroy run (``runtime.py`` has them)."""
+
+    torch_reset: Callable[[], None]  # torch.compiler.reset() (compiler_seam.wrap_reset)
+    default_group_ending: Callable[[], None]  # before destroy_process_group() (c10d_seam)
+    default_group_destroyed: Callable[[], None]  # after it (c10d_seam)
+
+
+def _nothing() -> None:
+    """No moment: nothing of ours is patched into torch before install hands the real ones in."""
+
+
+moments = Moments(_nothing, _nothing, _nothing)
 
 
 def original(name: str) -> Any:

@@ -7,6 +7,8 @@ channel, sequence numbers, a failure) must go at once, as
 a later ``init_process_group`` on the same port must find the old store's
 server gone, and our next collective must start a new generation. Noticing
 the change only at our next collective would be too late for the port.
+What runs is the package runtime's moments (``bound.moments``, handed in at
+install): this layer may not import the one above it.
 
 In two steps around torch's own destroy: before it, we let go of the store
 (references dropped, threads told to stop: microseconds), so that torch's
@@ -32,8 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..agreements import lifecycle
 from ..transport import groups
+from . import bound
 
 log = logging.getLogger("compiler_collectives.c10d")
 
@@ -48,7 +50,7 @@ def wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
         ending = groups.ends_the_default_group(kwargs["group"] if "group" in kwargs else (args[0] if args else None))
         if ending:
             try:
-                lifecycle.default_group_ending()
+                bound.moments.default_group_ending()
             except Exception as e:  # noqa: BLE001 - never fail the user's destroy
                 log.warning("letting go of the default group's store failed: %s", e)
         try:
@@ -57,7 +59,7 @@ def wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
             # Once we let go, a new generation starts even if torch's destroy raised.
             if ending or (had_default and not dist.is_initialized()):
                 try:
-                    lifecycle.default_group_destroyed()
+                    bound.moments.default_group_destroyed()
                 except Exception as e:  # noqa: BLE001 - never fail the user's destroy
                     log.warning("dropping our state with the destroyed default group failed: %s", e)
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .. import config, health
-from ..agreements import compile_scope, compiler, entry, guard, lifecycle
+from ..agreements import compile_scope, compiler, entry, guard
 from ..ledger import ledger
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..records import Restart
@@ -297,7 +297,7 @@ def wrap_reset(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(*args, **kwargs)
         finally:
-            lifecycle.torch_reset()
+            bound.moments.torch_reset()  # the runtime's moment, handed in at install
 
     return reset
 

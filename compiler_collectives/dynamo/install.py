@@ -4,7 +4,8 @@
 fragile reads checked first (``check_seams``), and every problem is reported
 in one ``UnsupportedTorchError``; only then is torch patched and the layers
 wired together (``wiring.wire``), and a failure on the way puts back what was
-already replaced. ``uninstall()`` puts torch's originals back (tests, and
+already replaced. Its one caller is the package's composition root
+(``runtime.install``), which hands it the moments the seams run. ``uninstall()`` puts torch's originals back (tests, and
 autoload's clean-up after a failure).
 """
 
@@ -80,8 +81,9 @@ def _resolve_required() -> dict[str, Any]:
     return found
 
 
-def install() -> None:
-    """Swap our implementation in and wire the layers together (idempotent)."""
+def install(moments: bound.Moments) -> None:
+    """Swap our implementation in and wire the layers together (idempotent); ``moments`` are
+    what our replacements of torch's reset and destroy run (the package runtime's)."""
     if bound.installed:
         return
     degraded = check_seams()
@@ -102,7 +104,7 @@ def install() -> None:
         for row in table.patched_rows():
             bound.patch(row, replacements[row.name])
             done.append(row)
-        wiring.wire()
+        wiring.wire(moments)
         # If torch's own guard hook is active (set_enable_guard_collectives was
         # called before we were imported), keep guard collectives on, but ours.
         # The one read of the slot that has to swap it: at install, before any

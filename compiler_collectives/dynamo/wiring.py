@@ -1,8 +1,12 @@
-"""The one place the layers are connected: every setter and registry below the seam, filled at install.
+"""The runtime's wiring: every setter and registry below the seam, filled at install.
 
-The layers below (agreements, transport, health) have no import side effects:
-each offers setters and registries, and ``wire()`` fills every one of them:
+The package's ``runtime.install()`` (the composition root) runs
+``dynamo.install``, which runs ``wire()`` once torch is patched. The layers
+below (agreements, transport, health) have no import side effects: each
+offers setters and registries, and ``wire()`` fills every one of them:
 
+* the seams themselves: ``bound.moments`` (the runtime's moments, which our
+  replacements of torch's reset and destroy run);
 * agreements.failure: ``connect`` (transport's ``set_peer_report_handler``,
   what the heartbeat does with a peer's failure report, and health's
   ``set_explainer``, how a peer's failure report names the absent
@@ -23,13 +27,13 @@ each offers setters and registries, and ``wire()`` fills every one of them:
 * agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
   (torch's operator types and ``normalize_function``).
 
-``install`` calls ``wire()`` once torch is patched; it is idempotent (a source
-registered twice is kept once). ``unwire()`` (uninstall) drops what only
-makes sense while we are patched into torch: the audit's artifact sink and
-group resolver, and compile once's artifact. Nothing wired here is dropped
-by ``compiler_collectives.reset()``, a destroyed default group or a fork:
-each setter is declared ``process_state.wired`` (``process_state.describe()``
-lists what each moment clears), so none of them wires again.
+``wire()`` is idempotent (a source registered twice is kept once).
+``unwire()`` (uninstall) drops what only makes sense while we are patched
+into torch: the audit's artifact sink and group resolver, and compile once's
+artifact. Nothing wired here is dropped by ``compiler_collectives.reset()``,
+a destroyed default group or a fork: each setter below the seam is declared
+``process_state.wired`` (``process_state.describe()`` lists what each moment
+clears), so none of them wires again.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
 
 
-def wire() -> None:
+def wire(moments: bound.Moments) -> None:
     """Connect every setter and registry of the layers below (idempotent; after install's patching)."""
     originals = bound.originals
+    bound.moments = moments
     # health and transport: no torch internal involved
     failure.connect()  # the heartbeat's handler of a peer's report, and the health layer's explainer
     set_first_rendezvous(scope.first_rendezvous)

@@ -1,6 +1,6 @@
 """The command-line tools, on top of every layer: ``cli`` (``python -m
-compiler_collectives``), ``doctor`` and ``report``; and ``launch``, which
-starts and reaps the processes of our tests, demo and benchmarks. They may
-import anything of ours; nothing of ours but the package's ``__main__``
-imports them (and the package's ``__init__``, which hands ``doctor`` the
-install error it caught)."""
+compiler_collectives``), ``doctor`` and ``report``. They may import anything
+of ours below the package; nothing of ours but the package's ``__main__``
+imports them (and ``runtime``, the composition root, which hands ``doctor``
+the install error it caught). The launcher of our tests, demo and benchmarks
+is ``cc_launch``, outside the package."""

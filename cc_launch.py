@@ -5,8 +5,9 @@ forkserver that has imported what every rank needs, or spawned), or under
 torchrun agents started as commands (``Agents``). Whatever starts processes
 for the test suite (``tests/harness.py``), the demo (``scripts/demo_launch.py``)
 or a benchmark (``scripts/bench_*.py``) starts them here, so that every job
-has a deadline and leaves no process behind. It is not part of the runtime
-service: nothing in the library imports it.
+has a deadline and leaves no process behind. It lives outside the package
+(a top-level module of its own, beside ``compiler_collectives_autoload``):
+it is not part of the runtime service, and nothing in the library imports it.
 
 How it reaps. ``reap`` gives each process its grace to exit, hands those still
 alive to an optional hook (the demo asks them where they are stuck), then
@@ -19,14 +20,12 @@ the error instead of hanging the job. An agent is killed with its whole tree
 signal to its process group would miss; ``Agents`` does that to every agent
 still running when its block ends, by an exception or SystemExit included.
 
-It imports the standard library only (no torch), and a rank never needs it:
-a rank runs the caller's own function, never one of this module's, so it
-imports compiler_collectives only when its own code does, after setting its
-environment. Importing this module runs the package's ``__init__`` (torch and
-the Dynamo seam), which the parent pays; so a module that ranks import too
-imports this one inside the functions that use it: ``tests/harness.py`` (the
-ranks' forkserver preloads it), a benchmark whose spawned ranks run its top,
-``bench_compile_once.py`` (its torchrun ranks run the same file).
+It imports the standard library only: neither torch nor compiler_collectives,
+so anything may import it at its top, the ranks' forkserver preload
+(``tests/harness.py``) included. A rank never needs it: a rank runs the
+caller's own function, never one of this module's, so it imports
+compiler_collectives only when its own code does, after setting its
+environment.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from multiprocessing.queues import Queue
 from types import TracebackType
 from typing import IO, Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("compiler_collectives.launch")  # under our loggers, as TORCH_LOGS sets them
 
 JOIN_AFTER_KILL_S = 10.0  # how long ``reap`` waits for a SIGKILLed process to be gone
 
