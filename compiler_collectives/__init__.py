@@ -40,7 +40,6 @@ from .errors import (
     UnsupportedTorchError,
     WireFormatError,
 )
-from .ledger import ledger as _ledger
 from .observations import DistributedState, LocalState, SizeEntry, register_field
 from .version import __version__
 
@@ -169,7 +168,7 @@ def stats() -> dict[str, Any]:
     from .instrument import timing
     from .transport import groups
 
-    out = _ledger.counters()
+    out = _runtime.current().ledger.counters()
     # Compile once, per graph: compiled, served, loaded or compiled locally, and why.
     out["compile_once"] = once_records()
     # Which mechanism the guard collective runs on ("shm", "shm+leaders", "gloo"),

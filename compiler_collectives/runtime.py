@@ -36,6 +36,8 @@ from . import config, dynamo, health, ledger, process_state
 from .agreements import audit, compiler, entry, guard, once
 from .dynamo.bound import Moments
 from .errors import UnsupportedTorchError
+from .health.latch import Latch
+from .ledger import Ledger
 from .tools import doctor
 from .transport import groups
 
@@ -56,18 +58,25 @@ class Runtime:
       ``enable()``, ``disable()`` and ``config.override`` change its values);
     * ``install_error``: what patching torch raised, kept only where
       ``doctor`` runs (anywhere else install raises it);
+    * ``latch``: the first failure on this rank and any error waiting to
+      leave our code (``health.latch``: a moment that ends a generation
+      clears it in place);
+    * ``ledger``: one frozen record per agreement or graph, from which
+      ``stats()`` is computed (``ledger.ledger``: ``reset_stats()`` clears it
+      in place);
     * ``generation``: the number of the current generation (``process_state``
       counts it, as the layers below read it, until it moves here).
 
-    Issue 42 moves the rest of the process's state onto it, one step at a
-    time: the current generation (our groups, the store channel, the host
-    tree, the sequence numbers), the latch (the first failure and any error
-    waiting to leave our code) and the ledger (one frozen record per
-    agreement or graph). The layers below are handed what they use from it
-    and never import it.
+    Still to move onto it (issue 42): the current generation's objects (our
+    groups, the store channel, the host tree, the sequence numbers), handed
+    to the layers below as arguments; until then those layers reach the
+    latch, the ledger and the generation through their own modules, and
+    never import this one.
     """
 
     settings: Any
+    latch: Latch
+    ledger: Ledger
     install_error: UnsupportedTorchError | None = None
 
     @property
@@ -95,7 +104,7 @@ def install() -> Runtime:
         install_error = e
         doctor.set_install_error(e)
     os.register_at_fork(after_in_child=after_fork_in_child)
-    _runtime = Runtime(settings, install_error)
+    _runtime = Runtime(settings, health.latch, ledger.ledger, install_error)
     return _runtime
 
 
