@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from . import config, dynamo, health, ledger, process_state
-from .agreements import audit, compiler, entry, guard, once
+from .agreements import audit, compiler, entry, guard, guard_owner, guard_state, once
 from .dynamo.bound import Moments
 from .errors import UnsupportedTorchError
 from .health.latch import Latch
@@ -44,7 +44,7 @@ from .transport import groups
 log = logging.getLogger("compiler_collectives")
 
 # Imported so that each has declared its state in process_state before any moment runs.
-DECLARING = (health, ledger, groups, audit, compiler, entry, guard, once)
+DECLARING = (health, ledger, groups, audit, compiler, entry, guard, guard_owner, guard_state, once)
 
 
 @dataclasses.dataclass(frozen=True)

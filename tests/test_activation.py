@@ -326,7 +326,16 @@ def _wired() -> dict[str, object]:
     import sys
 
     from compiler_collectives import dynamo, health
-    from compiler_collectives.agreements import audit, compiler, failure, fingerprint, guard, scope, setup
+    from compiler_collectives.agreements import (
+        audit,
+        compiler,
+        failure,
+        fingerprint,
+        guard,
+        guard_frames,
+        scope,
+        setup,
+    )
     from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
     from compiler_collectives.store import calls as store_calls
     from compiler_collectives.transport import groups
@@ -341,7 +350,7 @@ def _wired() -> dict[str, object]:
         "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
         "store": vars(store_calls)["_default_store"] is dynamo.torch_original("get_default_store"),
         "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
-        "frames": sorted(vars(guard)["_wrapper_locals"].values()),
+        "frames": sorted(vars(guard_frames)["_wrapper_locals"].values()),
         "profiler": vars(guard)["_profiler_enabled"](),
         "artifact_sink": vars(audit)["_artifact_sink"] is tooling.emit_artifact,
         "group_resolver": vars(fingerprint)["_resolve_group"] is audit_seam.group_text,

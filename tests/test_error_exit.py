@@ -46,7 +46,7 @@ WRAPPERS = ("InternalTorchDynamoError", "BackendCompilerFailed", "BypassAOTAutog
 # Thread-locals that hold no error: what each holds.
 THREAD_LOCALS_WITHOUT_ERRORS = {
     f"{TOP}.health.latch": "each thread's parked error: the latch itself",
-    f"{TOP}.agreements.guard": "the owning thread's mark, ending its ownership when the thread ends",
+    f"{TOP}.agreements.guard_owner": "the owning thread's mark, ending its ownership when the thread ends",
     f"{TOP}.agreements.audit": "the graph audited on this thread (its record and stage)",
     f"{TOP}.agreements.once.protocol": "the graph compile once brackets on this thread (its ticket)",
 }

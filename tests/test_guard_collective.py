@@ -332,12 +332,12 @@ def frame_identity_of(rank: int, world: int) -> dict:
     import torch._C._dynamo.eval_frame as c_eval_frame
 
     import compiler_collectives  # noqa: F401
-    from compiler_collectives.agreements import guard as guard_collective
+    from compiler_collectives.agreements import guard_frames
 
     seen = []
 
     def probe(hit: bool) -> bool:
-        seen.append(guard_collective.frame_identity(sys._getframe(1)))
+        seen.append(guard_frames.frame_identity(sys._getframe(1)))
         return hit
 
     f = torch.compile(_step, backend="eager")

@@ -174,7 +174,7 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
     for moment in process_state.Moment:
         assert f"{moment.value} clears:" in listed
     # The guard's state goes with every moment of a generation (the fork's own function).
-    assert "compiler_collectives.agreements.guard: _state" in listed
+    assert "compiler_collectives.agreements.guard_state: state" in listed
     # What compile once added: its sequence, thread's ticket and record hook (its records are the ledger's).
     for name in ("_seq", "_local", "_on_record"):
         assert name in process_state.declared(f"{TOP}.agreements.once.protocol")

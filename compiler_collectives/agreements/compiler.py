@@ -23,7 +23,7 @@ from ..observations import DistributedState, FrameId, LocalState
 from ..records import CompilerExchange
 from ..transport import groups
 from . import exchange as exchange_frame
-from . import guard, wire
+from . import guard_paths, wire
 from .phases import INPUTS, TRACE
 
 log = logging.getLogger("compiler_collectives.compiler")
@@ -278,5 +278,5 @@ def group_for_compile() -> Any:
 
 def distributed() -> bool:
     """Whether a default process group exists (else there is nobody to agree with), and
-    this rank is not apart from its peers inside one call (``guard.paths_diverged``)."""
-    return groups.available() and not guard.apart()
+    this rank is not apart from its peers inside one call (``guard_paths.paths_diverged``)."""
+    return groups.available() and not guard_paths.apart()

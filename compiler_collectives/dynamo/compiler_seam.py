@@ -11,7 +11,7 @@
   decision (``agreements.compiler``).
 * ``_compile``: raises the error the guard hook parked on this thread (the
   latch), refuses a thread other than the one that owns this rank's
-  collectives (before any exchange: ``guard.claim_for_compile``), opens the
+  collectives (before any exchange: ``guard_owner.claim_for_compile``), opens the
   compile's scope (``agreements.compile_scope``) and raises our error latched
   there in place of whatever torch wrapped it in, and tells entry agreement
   which cache entries each frame's compiles add (bounded by Dynamo's
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .. import config, health
-from ..agreements import compile_scope, compiler, entry, guard
+from ..agreements import compile_scope, compiler, entry, guard_owner, guard_paths
 from ..ledger import ledger
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..records import Restart
@@ -237,12 +237,12 @@ def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         health.latch.raise_parked()
-        guard.at_compile(sys._getframe(1))
+        guard_paths.at_compile(sys._getframe(1))
         code = args[0] if args else kwargs.get("code")
         if compiler_collectives_flag() or guard_seam.hook_active():
             # This compile may exchange (compiler collective, audit) or add a cache entry the
             # guard collective and the entry check count on: only the owning thread may.
-            guard.claim_for_compile(str(frame_of(code)) if code is not None else "a frame")
+            guard_owner.claim_for_compile(str(frame_of(code)) if code is not None else "a frame")
         frame_locals = args[2] if len(args) > 2 else kwargs.get("locals")
         # Entry agreement: which cache entries this frame's compiles add, in order.
         building = entry.compile_started(code)

@@ -20,7 +20,8 @@ offers setters and registries, and ``wire()`` fills every one of them:
 * store.calls: ``set_default_store_source`` (the c10d store);
 * agreements.setup: ``register_source`` (switches only known at run time);
 * agreements.compiler: ``set_compile_id_source``;
-* agreements.guard: ``set_frame_sources`` and ``set_profiler_probe``;
+* agreements.guard: ``set_profiler_probe``; agreements.guard_frames:
+  ``set_frame_sources``;
 * agreements.audit: ``set_artifact_sink`` (torch's structured trace);
 * agreements.once: ``set_on_record`` (each finished graph's ``compile_once``
   artifact in torch's structured trace);
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import functools
 
-from ..agreements import audit, compiler, failure, fingerprint, guard, scope, setup
+from ..agreements import audit, compiler, failure, fingerprint, guard, guard_frames, scope, setup
 from ..agreements.once import protocol as once_protocol
 from ..store import calls as store_calls
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
@@ -62,7 +63,7 @@ def wire(moments: bound.Moments) -> None:
     set_enqueue_context(originals["no_python_dispatcher"])
     compiler.set_compile_id_source(compiler_seam.current_compile_id)
     orig_code_map = originals["orig_code_map"]
-    guard.set_frame_sources(guard_seam.wrapper_locals(), lambda code: code in orig_code_map)
+    guard_frames.set_frame_sources(guard_seam.wrapper_locals(), lambda code: code in orig_code_map)
     if table.holds("profiler_enabled"):
         owner, attr = table.place(table.named("profiler_enabled"))
         guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
