@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import config
-from ..agreements import audit, compile_scope, compiler, entry
+from ..agreements import audit, compile_scope, compiler, entry, entry_program
 from . import bound, guard_seam, once_seam, table
 from .compiler_seam import frame_of
 
@@ -96,7 +96,7 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
         frame,
         str(ctx.compile_id),
         ctx.attempt,
-        entry.GraphProgram(program),
+        entry_program.GraphProgram(program),
         check=config.settings.entry_check and guard_seam.hook_active(),
     )
 
