@@ -78,7 +78,7 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     if code is None:
         return compiled
     # Entry agreement: the program of the cache entry this graph belongs to,
-    # checked before the entry runs (agreements/entry.py).
+    # checked before the entry runs (agreements/entry.py, entry_check.py).
     lazy_graph_module = bound.originals["LazyGraphModule"]
     # Dynamo compiles a lazy GraphModule's code right after this returns, which it
     # recognises only on the unwrapped object: do it here, as it would.
