@@ -327,7 +327,7 @@ def _wired() -> dict[str, object]:
 
     from compiler_collectives import dynamo, health
     from compiler_collectives.agreements import (
-        audit,
+        audit_verdict,
         compiler,
         failure,
         fingerprint,
@@ -346,13 +346,13 @@ def _wired() -> dict[str, object]:
         "explainer": health.latch.explainer is failure.explain_report,
         "peer_reports": vars(transport_groups)["_peer_report_handler"] is failure.peer_reported,
         "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
-        "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit.progress)],
+        "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit_verdict.progress)],
         "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
         "store": vars(store_calls)["_default_store"] is dynamo.torch_original("get_default_store"),
         "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
         "frames": sorted(vars(guard_frames)["_wrapper_locals"].values()),
         "profiler": vars(guard)["_profiler_enabled"](),
-        "artifact_sink": vars(audit)["_artifact_sink"] is tooling.emit_artifact,
+        "artifact_sink": vars(audit_verdict)["_artifact_sink"] is tooling.emit_artifact,
         "group_resolver": vars(fingerprint)["_resolve_group"] is audit_seam.group_text,
         "operators": (vars(fingerprint)["_op_overload"], vars(fingerprint)["_op_overload_packet"]),
         "normalize": vars(fingerprint)["_normalize"] is torch.fx.operator_schemas.normalize_function,

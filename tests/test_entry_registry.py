@@ -8,7 +8,7 @@ except at a compile.
 
 from __future__ import annotations
 
-from compiler_collectives.agreements import entry
+from compiler_collectives.agreements import entry, entry_program
 from compiler_collectives.agreements.fingerprint import Collective
 from compiler_collectives.observations import FrameId
 
@@ -31,7 +31,7 @@ def _compile(
 ) -> None:
     token = entry.compile_started(code)
     if levels:
-        program = entry.GraphProgram([(level, b"", cs) for level, cs in levels])
+        program = entry_program.GraphProgram([(level, b"", cs) for level, cs in levels])
         entry.wrap(lambda: None, code, FRAME, "0/0", 0, program, check=False)
     entry.compile_finished(code, FRAME, token, True, limit=limit, resumes=resumes)
 

@@ -18,7 +18,10 @@ below keep every other route closed, each shown failing on a mutation (as
 * no seam keeps an error on an object of its own (a ticket, a thread-local) in an ``except``
   clause: it latches it (``compile_scope.leave``);
 * one context variable: the compile scope's;
-* every seam of the seam table (a replacement torch calls inside a compile) is a boundary.
+* every seam of the seam table (a replacement torch calls inside a compile) is a boundary;
+* one ``failure.fail()`` counts a failure (adds a ``Failure`` record) and poisons the latch;
+  no other module does (the latch and its public face aside), but the few places named below
+  that do it by hand still, each with why.
 
 The behaviour itself (our error reaching the user's call as itself, by each route) is tested
 where each agreement is: the guard hook's parked error in ``test_failures.py``,
@@ -47,7 +50,7 @@ WRAPPERS = ("InternalTorchDynamoError", "BackendCompilerFailed", "BypassAOTAutog
 THREAD_LOCALS_WITHOUT_ERRORS = {
     f"{TOP}.health.latch": "each thread's parked error: the latch itself",
     f"{TOP}.agreements.guard_owner": "the owning thread's mark, ending its ownership when the thread ends",
-    f"{TOP}.agreements.audit": "the graph audited on this thread (its record and stage)",
+    f"{TOP}.agreements.audit_record": "the graph audited on this thread (its record and stage)",
     f"{TOP}.agreements.once.protocol": "the graph compile once brackets on this thread (its ticket)",
 }
 # Reads of ``__context__`` that only put an error in words.
@@ -61,6 +64,22 @@ NOT_BOUNDARIES = {
     "guard_seam:set_guard_complete_hook": "called by our install only",
     "c10d_seam:wrap_destroy": "destroy_process_group(), outside any compile",
 }
+
+# Where a failure is counted and the latch poisoned: the failure procedure, and the latch itself.
+FAILURE_OWNERS = {f"{TOP}.agreements.failure", f"{TOP}.health", f"{TOP}.health.latch"}
+# (module, function) that still count a failure or poison the latch by hand, and why. The check
+# fails once one of them stops, so that this list only shrinks.
+BY_HAND = {
+    (f"{TOP}.transport.groups", "use_scope"): "the setup check of a scope: transport, below the failure procedure",
+    (f"{TOP}.transport.groups", "_new_group"): "creating a group of ours: transport, below the failure procedure",
+    (f"{TOP}.agreements.guard_failure", "park_interrupt"): "Ctrl-C in the guard hook: poisoned, nobody's failure",
+    (
+        f"{TOP}.agreements.guard_failure",
+        "park_left",
+    ): "the user's signal handler left the hook: poisoned, told as a leave",
+    (f"{TOP}.agreements.once.protocol", "_failed"): "compile once's own errors: counted, not poisoned",
+}
+POISONS = ("poison", "poison_from_peer")
 
 
 @functools.cache
@@ -169,7 +188,88 @@ def check_seams_are_boundaries(tree: Tree) -> list[str]:
     return offences
 
 
+def check_failure_by_hand(tree: Tree) -> dict[tuple[str, str], list[str]]:
+    """Per (module, outermost function): where it adds a ``Failure`` record or poisons the latch,
+    outside ``FAILURE_OWNERS`` (through any name either is imported as)."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for module, source in tree.items():
+        if module.startswith(TOP) and module not in FAILURE_OWNERS:
+            for function, where in _failure_by_hand(source.shown, source.text):
+                found.setdefault((module, function), []).append(where)
+    return found
+
+
+@functools.cache
+def _failure_by_hand(shown: str, text: str) -> tuple[tuple[str, str], ...]:
+    parsed = _parse(text)
+    inside = _functions(parsed)
+    records, poisons = {"Failure"}, set(POISONS)  # the names each is called by here
+    for node in ast.walk(parsed):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "Failure":
+                    records.add(alias.asname or alias.name)
+                if alias.name in POISONS:
+                    poisons.add(alias.asname or alias.name)
+    out = []
+    for node in ast.walk(parsed):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func
+        name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+        if name in records or (isinstance(called, ast.Attribute) and name == "Failure"):
+            out.append((inside[node], f"{shown}:{node.lineno}: adds a Failure record ({ast.unparse(node)})"))
+        elif name in poisons or (isinstance(called, ast.Attribute) and name in POISONS):
+            out.append((inside[node], f"{shown}:{node.lineno}: poisons the latch ({ast.unparse(node)})"))
+    return tuple(out)
+
+
 # ------------------------------------------------------------------ the code rules
+
+
+def failure_by_hand_offences(tree: Tree) -> list[str]:
+    """A failure counted or the latch poisoned outside the failure procedure and ``BY_HAND``, and
+    each entry of ``BY_HAND`` that no longer does it."""
+    found = check_failure_by_hand(tree)
+    offences = [o for key, found_there in sorted(found.items()) if key not in BY_HAND for o in found_there]
+    gone = sorted(set(BY_HAND) - set(found))
+    return offences + [f"{m}:{f} no longer counts or poisons by hand: take it off BY_HAND" for m, f in gone]
+
+
+def test_only_the_failure_procedure_counts_a_failure_or_poisons_the_latch():
+    assert failure_by_hand_offences(TREE) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        # the hand-written procedures fail() replaced, one each
+        (
+            f"{TOP}.agreements.audit_verdict",
+            "def f(err):\n    ledger.add(Divergence('audit'))\n    ledger.add(Failure('audit'))\n",
+        ),
+        (f"{TOP}.agreements.entry_check", "def f(err):\n    health.poison(err)\n    raise err\n"),
+        (f"{TOP}.agreements.compile_wait", "def f(err):\n    health.latch.poison(err)\n"),
+        (f"{TOP}.agreements.compile_wait", "from ..records import Failure as Counted\nledger.add(Counted('x'))\n"),
+        (
+            f"{TOP}.dynamo.compiler_seam",
+            "from ..health import poison_from_peer\ndef f(err):\n    poison_from_peer(err)\n",
+        ),
+        (f"{TOP}.agreements.guard", "def hook(err):\n    health.poison(err)\n"),  # a module BY_HAND, elsewhere
+    ],
+)
+def test_the_failure_check_flags_a_failure_counted_or_a_latch_poisoned_by_hand(module, snippet):
+    offences = failure_by_hand_offences(mutated(module, snippet))
+    assert offences and all("(mutated)" in o for o in offences), offences
+
+
+def test_the_failure_check_flags_an_entry_of_by_hand_that_is_gone():
+    (module, function), *_ = BY_HAND
+    tree = dict(TREE)
+    tree[module] = type(tree[module])(tree[module].shown + " (mutated)", "", tree[module].is_package)
+    assert f"{module}:{function} no longer counts or poisons by hand: take it off BY_HAND" in failure_by_hand_offences(
+        tree
+    )
 
 
 def test_only_the_latch_and_the_scope_raise_our_error_out_of_torch_s_wrappers():

@@ -156,9 +156,9 @@ def test_the_check_flags_a_new_module_level_mutable_declared_nowhere(module, sni
 
 def test_the_check_flags_a_declaration_of_a_name_the_module_does_not_bind():
     declared = _declared()
-    declared[f"{TOP}.agreements.audit"] = declared[f"{TOP}.agreements.audit"] | {"_gone"}
+    declared[f"{TOP}.agreements.audit_verdict"] = declared[f"{TOP}.agreements.audit_verdict"] | {"_gone"}
     assert check_declared(TREE, declared) == [
-        f"{TREE[f'{TOP}.agreements.audit'].shown}: process_state lists _gone, which it does not bind"
+        f"{TREE[f'{TOP}.agreements.audit_verdict'].shown}: process_state lists _gone, which it does not bind"
     ]
 
 

@@ -41,8 +41,6 @@ from collections.abc import Mapping
 
 from .. import config, health
 from ..errors import CollectiveError, PeerFailureError, StoreFailureError, StoreUnresponsive, ranks_text
-from ..ledger import ledger
-from ..records import Failure
 from ..store.calls import store_error_text
 from ..transport import groups
 from . import failure as failure_procedure
@@ -142,7 +140,6 @@ def wait_for_posts(
                             f"{notices.store} failed while this rank read rank {r}'s records ({store_error_text(e)})"
                         ) from e
                     why_not = f"rank {r} is gone"
-                    ledger.add(Failure(kind))
                     error: CollectiveError = PeerFailureError(
                         f"{what} on rank {me}: rank {r} was to {doing} and is gone: {gone}. Check rank {r}'s "
                         "log and exit status (killed by the OOM killer?).",
@@ -155,11 +152,10 @@ def wait_for_posts(
                     if groups.read_peer_report(r, me, wait_s=0.0) is not None:
                         # It stopped on a failure of its own or one it heard of: its words name the rank.
                         error = failure_procedure.as_reported(error, r, seq)
-                    raise failure_procedure.known(error, seq=seq)
+                    raise failure_procedure.fail(error, kind=kind, cause=failure_procedure.KNOWN)
             if now >= deadline:
                 why_not = "its compile timeout passed"
-                ledger.add(Failure(kind))
-                raise failure_procedure.known(
+                raise failure_procedure.fail(
                     on_timeout(
                         f"{what} on rank {me}: waited {now - started:.0f}s for {ranks_text(pending)} to {doing}, "
                         f"and nothing showed them dead. {advice}",
@@ -169,7 +165,8 @@ def wait_for_posts(
                         frame=frame,
                         ranks=tuple(pending),
                     ),
-                    seq=seq,
+                    kind=kind,
+                    cause=failure_procedure.KNOWN,
                 )
             if now >= next_log:
                 next_log = now + LOG_EVERY_S
@@ -217,7 +214,6 @@ def post(name: str, value: bytes, *, me: int, what: str, telling: str, kind: str
 
 
 def _store_failure(text: str, *, kind: str, rank: int, seq: int | None, frame: str) -> CollectiveError:
-    """``StoreFailureError`` saying ``text`` and what to check, counted and published (``known``)."""
-    ledger.add(Failure(kind))
+    """``StoreFailureError`` saying ``text`` and what to check, counted and published (``KNOWN``)."""
     error = StoreFailureError(f"{text}. {STORE_ADVICE}", kind=kind, rank=rank, seq=seq, frame=frame)
-    return failure_procedure.known(error, seq=seq)
+    return failure_procedure.fail(error, kind=kind, cause=failure_procedure.KNOWN)

@@ -15,8 +15,13 @@ failure word). This module decides what that means for the job:
   within a heartbeat and poisons its rank. The diagnosis then names the ranks
   that are absent (crashed, killed, stopped) or alive elsewhere (a desync),
   and the error is re-typed to say so.
-* ``known``: publish a failure whose cause this rank knows already (compile
-  once's timeout, a compiling rank that is gone), without a diagnosis.
+  ``fail`` is told when the failure is ours already: a cause this rank knows
+  (``KNOWN``: compile once's timeout, a compiling rank that is gone, the store
+  failing under a wait) is published without a diagnosis; a verdict every
+  rank reached from the same exchanged data (``VERDICT``: a program
+  divergence) is neither published nor diagnosed. Either is counted and
+  poisons this rank. No other module counts a failure or poisons the latch
+  but the few that ``tests/test_error_exit.py`` names (``BY_HAND``).
 
 **A report keeps its type.** When this rank's collective stopped on a peer's
 report (the error's ``reported_by``: the failure word, the store report its
@@ -81,39 +86,66 @@ SEEN_ALIKE = (WireFormatError, CollectiveDesyncError)
 SEEN_ALIKE_ON_GUARD_CHANNEL = (CollectiveDesyncError, SetupMismatchError)
 
 
+# What ``fail`` is told about a failure (its ``cause``).
+SAW = "saw"
+"""Transport saw it stop a collective (the default): translated, published and diagnosed."""
+KNOWN = "known"
+"""This rank knows the cause (compile once's wait gave up, a compiling rank is gone, the store
+failed under a wait): our error as it is, published without a diagnosis, since a peer that is
+busy compiling is not out of step."""
+VERDICT = "verdict"
+"""Every rank of the collective reached this same error from the same exchanged data (a program
+divergence): our error as it is, neither published nor diagnosed (every peer raises it too)."""
+
+
 def fail(
     error: BaseException,
     *,
     kind: str,
-    rank: int | None,
-    seq: int | None,
-    frame: str | None,
-    where: Callable[[], str],
+    rank: int | None = None,
+    seq: int | None = None,
+    frame: str | None = None,
+    where: Callable[[], str] | None = None,
     pg: Any = None,
     guard_channel: bool = False,
+    cause: str = SAW,
 ) -> CollectiveError:
-    """The error to raise after ``error`` stopped a collective of ours: translated, counted,
-    published (and diagnosed), this rank poisoned.
+    """The error to raise after ``error`` stopped a collective of ours: translated, counted
+    (a ``Failure`` record of ``kind``), published (and diagnosed), this rank poisoned. The one
+    place any of that happens.
 
     Our own errors take the collective's context (on the guard channel, only where they have
     none); anything else is translated (``translate_failure``), chained to ``error``. Where gloo
     says a connection broke, this rank's connections in ``pg`` (the collective's group) are
     looked at: the error names the peers whose connection broke, and the diagnosis takes that as
     evidence of their death. ``guard_channel``: the collective is the guard channel's all-gather
-    (the guard collective, an entry check), where a mismatch is seen by every rank.
+    (the guard collective, an entry check), where a mismatch is seen by every rank. ``where``
+    names the collective in messages (by default ``describe(kind, rank, seq, frame)``).
+
+    ``cause``: ``SAW`` (above), ``KNOWN`` or ``VERDICT``; for the last two ``error`` is our
+    own, in its words and context, and is returned as it is (the context arguments are unused).
     """
+    if cause != SAW:
+        if not isinstance(error, CollectiveError) or cause not in (KNOWN, VERDICT):
+            raise TypeError(f"fail(cause={cause!r}) takes a CollectiveError of ours, not {type(error).__name__}")
+        ledger.add(Failure(kind))
+        if cause == KNOWN:
+            _publish(error, error.seq)
+        health.poison(error)
+        return error
+    named = where if where is not None else lambda: describe(kind, rank, seq, frame)
     broken: dict[int, str] = {}
     if isinstance(error, CollectiveError):
         err = error
         if not guard_channel:
             err.kind, err.rank, err.seq, err.frame = kind, rank, seq, frame
             if isinstance(err, WireFormatError):
-                err.args = (f"{where()}: {err.args[0]}",)
+                err.args = (f"{named()}: {err.args[0]}",)
         elif err.kind is None:  # raised by a transport wait that knows no context
             err.kind, err.rank, err.seq = kind, rank, seq
     else:
         broken = groups.broken_peers(pg) if pg is not None and is_connection_failure(error) else {}
-        err = translate_failure(error, kind=kind, describe=where, rank=rank, seq=seq, frame=frame, broken=broken)
+        err = translate_failure(error, kind=kind, describe=named, rank=rank, seq=seq, frame=frame, broken=broken)
         err.__cause__ = error
     ledger.add(Failure(kind))
     if isinstance(err, SEEN_ALIKE_ON_GUARD_CHANNEL if guard_channel else SEEN_ALIKE):
@@ -172,16 +204,6 @@ def _published_and_diagnosed(
         except Exception as e:  # noqa: BLE001 - the first report stands
             log.debug("rank %d could not update its failure report: %s", side.rank, e)
     return explained
-
-
-def known(error: CollectiveError, *, seq: int | None) -> CollectiveError:
-    """A failure whose cause this rank already knows (compile once's loader timed out, or saw the
-    compiling rank gone): published like ``fail``'s, so every peer hears it within a heartbeat
-    (a compiling rank at its next exchange), and this rank is poisoned; never diagnosed or
-    re-typed, since a peer that is busy compiling is not out of step. Returns ``error``."""
-    _publish(error, seq)
-    health.poison(error)
-    return error
 
 
 def _publish(error: CollectiveError, seq: int | None) -> None:

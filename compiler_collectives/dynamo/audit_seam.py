@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import config
-from ..agreements import audit, compile_scope, compiler, entry
+from ..agreements import audit, compile_scope, compiler, entry, entry_program
 from . import bound, guard_seam, once_seam, table
 from .compiler_seam import frame_of
 
@@ -78,7 +78,7 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
     if code is None:
         return compiled
     # Entry agreement: the program of the cache entry this graph belongs to,
-    # checked before the entry runs (agreements/entry.py).
+    # checked before the entry runs (agreements/entry.py, entry_check.py).
     lazy_graph_module = bound.originals["LazyGraphModule"]
     # Dynamo compiles a lazy GraphModule's code right after this returns, which it
     # recognises only on the unwrapped object: do it here, as it would.
@@ -96,7 +96,7 @@ def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
         frame,
         str(ctx.compile_id),
         ctx.attempt,
-        entry.GraphProgram(program),
+        entry_program.GraphProgram(program),
         check=config.settings.entry_check and guard_seam.hook_active(),
     )
 

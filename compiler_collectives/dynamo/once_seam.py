@@ -149,7 +149,7 @@ def aot_compile(compile: Callable[[], T], mod: Any, args: Any, *, sharing: bool)
     seam, ``audit_seam.aot_module_simplified``, calls it).
 
     The backward is lowered with the forward: its program is then part of this compile's one
-    exchange, on every rank, and of the cache entry's program (``agreements/entry.py``). Lowered
+    exchange, on every rank, and of the cache entry's program (``agreements/entry_program.py``). Lowered
     lazily, it would compile at its first backward only on the ranks that run it, maybe in
     another entry. Compile once needs it too: AOTAutograd saves a training graph's cache entry
     only once its backward is compiled, and the loading ranks wait for that entry."""

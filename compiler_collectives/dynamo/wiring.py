@@ -22,7 +22,7 @@ offers setters and registries, and ``wire()`` fills every one of them:
 * agreements.compiler: ``set_compile_id_source``;
 * agreements.guard: ``set_profiler_probe``; agreements.guard_frames:
   ``set_frame_sources``;
-* agreements.audit: ``set_artifact_sink`` (torch's structured trace);
+* agreements.audit_verdict: ``set_artifact_sink`` (torch's structured trace);
 * agreements.once: ``set_on_record`` (each finished graph's ``compile_once``
   artifact in torch's structured trace);
 * agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 
-from ..agreements import audit, compiler, failure, fingerprint, guard, guard_frames, scope, setup
+from ..agreements import audit_verdict, compiler, failure, fingerprint, guard, guard_frames, scope, setup
 from ..agreements.once import protocol as once_protocol
 from ..store import calls as store_calls
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
@@ -55,7 +55,7 @@ def wire(moments: bound.Moments) -> None:
     # health and transport: no torch internal involved
     failure.connect()  # the heartbeat's handler of a peer's report, and the health layer's explainer
     set_first_rendezvous(scope.first_rendezvous)
-    for source in (compiler.progress, guard.progress, audit.progress):
+    for source in (compiler.progress, guard.progress, audit_verdict.progress):
         groups.add_progress_source(source)
     setup.register_source(guard_seam.setup_items)
     # what the layers below may only see of torch through the seam table
@@ -67,7 +67,7 @@ def wire(moments: bound.Moments) -> None:
     if table.holds("profiler_enabled"):
         owner, attr = table.place(table.named("profiler_enabled"))
         guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
-    audit.set_artifact_sink(tooling.emit_artifact)
+    audit_verdict.set_artifact_sink(tooling.emit_artifact)
     once_protocol.set_on_record(tooling.trace_once)
     fingerprint.set_group_resolver(audit_seam.group_text)
     fingerprint.set_operators(
@@ -80,5 +80,5 @@ def wire(moments: bound.Moments) -> None:
 def unwire() -> None:
     """Uninstall: drop what only holds while we are patched into torch."""
     fingerprint.set_group_resolver(None)
-    audit.set_artifact_sink(None)
+    audit_verdict.set_artifact_sink(None)
     once_protocol.set_on_record(None)
