@@ -13,7 +13,7 @@ below keep every other route closed, each shown failing on a mutation (as
 * nothing digs into an exception's chain to raise what it finds (a ``raise`` of ``__context__``
   or ``__cause__``, or of a name taken from one), and ``__context__`` is read only to describe
   an error in words (``audit.failure_text``);
-* no error waits in a thread-local: ``threading.local()`` only in the latch, and in the three
+* no error waits in a thread-local: ``threading.local()`` only in the latch, and in the two
   modules whose thread-locals hold no error (named below, with what they hold);
 * no seam keeps an error on an object of its own (a ticket, a thread-local) in an ``except``
   clause: it latches it (``compile_scope.leave``);
@@ -48,7 +48,6 @@ THREAD_LOCALS_WITHOUT_ERRORS = {
     f"{TOP}.health.latch": "each thread's parked error: the latch itself",
     f"{TOP}.agreements.guard": "the owning thread's mark, ending its ownership when the thread ends",
     f"{TOP}.agreements.audit": "the graph audited on this thread (its record and stage)",
-    f"{TOP}.agreements.once.protocol": "the graph compile once brackets on this thread (its ticket)",
 }
 # Reads of ``__context__`` that only put an error in words.
 CONTEXT_READERS = {(f"{TOP}.agreements.audit", "failure_text")}
