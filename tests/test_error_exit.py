@@ -207,6 +207,8 @@ def test_only_the_latch_and_the_scope_raise_our_error_out_of_torch_s_wrappers():
                     raise e.__cause__
             """,
         ),
+        # Compile once's current ticket went back to a thread-local: it lives on the compile scope.
+        (f"{TOP}.agreements.once.protocol", "import threading\n_local = threading.local()\n"),
         (f"{TOP}.agreements.exchange", "def f(e):\n    return e.__context__\n"),
         (
             f"{TOP}.dynamo.once_seam",

@@ -381,12 +381,12 @@ def _transfer(ticket: Ticket) -> transfer.Graph:
     """The graph's transfer (``transfer.Graph``); a failed piece is published and counted here."""
     where = where_of(ticket, "artifact")
 
-    def failed(error: CollectiveError) -> CollectiveError:  # counted by the failure procedure
+    def failed_piece(error: CollectiveError) -> CollectiveError:  # counted by the failure procedure
         return failure_procedure.fail(
             error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
         )
 
-    link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed)
+    link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed_piece)
     return transfer.Graph(link, ticket.plans, ticket.offers, ticket.level, config.settings.once_fanout)
 
 
