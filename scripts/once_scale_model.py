@@ -45,7 +45,7 @@ piece (every piece's receive is posted at once):
   so with F = 2 and the link the bottleneck, about 2*S/B plus d = O(log2 H) piece steps; where
   one core's SHA-256 is slower than B/F (100 Gb/s), S/h bounds it instead (before paid S/h too).
   Not counted, as the code does it: after its last piece a receiver checks every file's digest
-  again before it installs (``transfer.install``: S/h more), and its dir's other ranks check the
+  again before it installs (``loading.install``: S/h more), and its dir's other ranks check the
   files in place once it posted its install (S/h more for them).
 
 Exchanges per graph (every rank; they do not depend on S), with R the result's encoded bytes

@@ -13,7 +13,7 @@ below keep every other route closed, each shown failing on a mutation (as
 * nothing digs into an exception's chain to raise what it finds (a ``raise`` of ``__context__``
   or ``__cause__``, or of a name taken from one), and ``__context__`` is read only to describe
   an error in words (``audit.failure_text``);
-* no error waits in a thread-local: ``threading.local()`` only in the latch, and in the three
+* no error waits in a thread-local: ``threading.local()`` only in the latch, and in the two
   modules whose thread-locals hold no error (named below, with what they hold);
 * no seam keeps an error on an object of its own (a ticket, a thread-local) in an ``except``
   clause: it latches it (``compile_scope.leave``);
@@ -51,7 +51,6 @@ THREAD_LOCALS_WITHOUT_ERRORS = {
     f"{TOP}.health.latch": "each thread's parked error: the latch itself",
     f"{TOP}.agreements.guard_owner": "the owning thread's mark, ending its ownership when the thread ends",
     f"{TOP}.agreements.audit_record": "the graph audited on this thread (its record and stage)",
-    f"{TOP}.agreements.once.protocol": "the graph compile once brackets on this thread (its ticket)",
 }
 # Reads of ``__context__`` that only put an error in words.
 CONTEXT_READERS = {(f"{TOP}.agreements.audit", "failure_text")}
@@ -77,7 +76,6 @@ BY_HAND = {
         f"{TOP}.agreements.guard_failure",
         "park_left",
     ): "the user's signal handler left the hook: poisoned, told as a leave",
-    (f"{TOP}.agreements.once.protocol", "_failed"): "compile once's own errors: counted, not poisoned",
 }
 POISONS = ("poison", "poison_from_peer")
 
@@ -308,6 +306,8 @@ def test_only_the_latch_and_the_scope_raise_our_error_out_of_torch_s_wrappers():
                     raise e.__cause__
             """,
         ),
+        # Compile once's current ticket went back to a thread-local: it lives on the compile scope.
+        (f"{TOP}.agreements.once.protocol", "import threading\n_local = threading.local()\n"),
         (f"{TOP}.agreements.exchange", "def f(e):\n    return e.__context__\n"),
         (
             f"{TOP}.dynamo.once_seam",

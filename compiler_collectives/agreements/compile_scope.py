@@ -19,7 +19,8 @@ for a cache bypass. The user must still get our error, as itself. So:
 
 The scope also holds what the seams keep for the compile in progress (the
 frame and its locals, the exchange boxes it opened, the frame the backend
-compiles, the state of compile once's lookup): per compile, not per thread.
+compiles, the state of compile once's lookup and its current ticket): per compile, not
+per thread.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class CompileScope:
     """One Dynamo frame compile in progress: our error on its way out, and the seams' state."""
 
-    __slots__ = ("boxes", "error", "frame", "lookup", "pending", "post_grad_depth", "user_lowering")
+    __slots__ = ("boxes", "error", "frame", "lookup", "once_ticket", "pending", "post_grad_depth", "user_lowering")
 
     def __init__(self, pending: Any = None) -> None:
         # Our error latched as it left our code into torch (the latest: the one torch wrapped).
@@ -56,6 +57,8 @@ class CompileScope:
         self.user_lowering: bool | None = None
         # Inductor's post-grad passes recurse into subgraphs through our wrapper.
         self.post_grad_depth = 0
+        # Compile once: the ticket of the AOTAutograd (or FX) compile in progress (``once.current``).
+        self.once_ticket: Any = None
 
     def latch(self, error: CollectiveError) -> None:
         """Our error leaves our code into torch: kept for the one who receives torch's wrapper."""

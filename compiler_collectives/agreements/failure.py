@@ -20,8 +20,10 @@ failure word). This module decides what that means for the job:
   failing under a wait) is published without a diagnosis; a verdict every
   rank reached from the same exchanged data (``VERDICT``: a program
   divergence) is neither published nor diagnosed. Either is counted and
-  poisons this rank. No other module counts a failure or poisons the latch
-  but the few that ``tests/test_error_exit.py`` names (``BY_HAND``).
+  poisons this rank. An agreement's own error about what it decided
+  (``RAISED``: compile once's errors about a graph) is only counted. No
+  other module counts a failure or poisons the latch but the few that
+  ``tests/test_error_exit.py`` names (``BY_HAND``).
 
 **A report keeps its type.** When this rank's collective stopped on a peer's
 report (the error's ``reported_by``: the failure word, the store report its
@@ -96,6 +98,11 @@ busy compiling is not out of step."""
 VERDICT = "verdict"
 """Every rank of the collective reached this same error from the same exchanged data (a program
 divergence): our error as it is, neither published nor diagnosed (every peer raises it too)."""
+RAISED = "raised"
+"""An agreement raises this error of its own about what it decided (compile once's errors about
+a graph: a loader quoting its source's compile error, a setup mismatch, a report already heard):
+counted only. Whatever stopped a collective under it went through ``fail`` already, and a rank
+that merely relays a peer's error is not the one that failed."""
 
 
 def fail(
@@ -122,13 +129,16 @@ def fail(
     (the guard collective, an entry check), where a mismatch is seen by every rank. ``where``
     names the collective in messages (by default ``describe(kind, rank, seq, frame)``).
 
-    ``cause``: ``SAW`` (above), ``KNOWN`` or ``VERDICT``; for the last two ``error`` is our
-    own, in its words and context, and is returned as it is (the context arguments are unused).
+    ``cause``: ``SAW`` (above), ``KNOWN``, ``VERDICT`` or ``RAISED``; for the last three
+    ``error`` is our own, in its words and context, and is returned as it is (the context
+    arguments are unused).
     """
     if cause != SAW:
-        if not isinstance(error, CollectiveError) or cause not in (KNOWN, VERDICT):
+        if not isinstance(error, CollectiveError) or cause not in (KNOWN, VERDICT, RAISED):
             raise TypeError(f"fail(cause={cause!r}) takes a CollectiveError of ours, not {type(error).__name__}")
         ledger.add(Failure(kind))
+        if cause == RAISED:
+            return error
         if cause == KNOWN:
             _publish(error, error.seq)
         health.poison(error)

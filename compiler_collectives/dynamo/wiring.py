@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 
 from ..agreements import audit_verdict, compiler, failure, fingerprint, guard, guard_frames, scope, setup
-from ..agreements.once import protocol as once_protocol
+from ..agreements.once import ticket as once_ticket
 from ..store import calls as store_calls
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
@@ -68,7 +68,7 @@ def wire(moments: bound.Moments) -> None:
         owner, attr = table.place(table.named("profiler_enabled"))
         guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
     audit_verdict.set_artifact_sink(tooling.emit_artifact)
-    once_protocol.set_on_record(tooling.trace_once)
+    once_ticket.set_on_record(tooling.trace_once)
     fingerprint.set_group_resolver(audit_seam.group_text)
     fingerprint.set_operators(
         originals["OpOverload"],
@@ -81,4 +81,4 @@ def unwire() -> None:
     """Uninstall: drop what only holds while we are patched into torch."""
     fingerprint.set_group_resolver(None)
     audit_verdict.set_artifact_sink(None)
-    once_protocol.set_on_record(None)
+    once_ticket.set_on_record(None)

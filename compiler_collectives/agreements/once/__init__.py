@@ -57,10 +57,12 @@ Never a hang.
 
 Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
 install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
-``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks, and a
-loader's install by its route), ``keys`` (the key record and the offers read back from it:
-pure), ``tally`` (how a graph ended: the word the ledger counts it by) and ``protocol`` (the ticket, its
-``Step``, the decisions, the exchanges and the waits, and each graph's record). Plain Python over
+``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks),
+``loading`` (a loader's receive and install by its route), ``keys`` (the key record and the
+offers read back from it: pure), ``tally`` (how a graph ended: the word the ledger counts it by),
+``ticket`` (the ticket, its ``Step``, and each graph's record made from it), ``exchanges`` (the
+key, result and load-report exchanges over the host tree), ``waits`` (the posts and waits on the
+store) and ``protocol`` (the entry points the seam calls, and the decisions). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 
@@ -68,9 +70,6 @@ from .artifact import dir_identity, manifest_problem, safe_relpath
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 from .protocol import (
     NO_LOOKUP,
-    Cache,
-    Step,
-    Ticket,
     abandon,
     begin,
     current,
@@ -81,9 +80,9 @@ from .protocol import (
     note_hit,
     note_source,
     offer,
-    records,
     reset_sequence,
 )
+from .ticket import Cache, Step, Ticket, records
 
 __all__ = [
     "COMPILE",

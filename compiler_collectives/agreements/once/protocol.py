@@ -1,166 +1,67 @@
-"""Compile once's protocol: one ticket per AOTAutograd (or fallback FX) compile, and the
-key, result and load-report exchanges that carry it, with the loader's wait and the artifact's
-transfer over the job's gloo group. The flow is told in the package's docstring (``__init__``).
+"""Compile once's protocol: the entry points the seam (``dynamo/once_seam.py``) calls for one
+AOTAutograd (or fallback FX) compile, and the decisions between them. The flow is told in the
+package's docstring (``__init__``).
+
+``begin`` opens a graph's ticket (``ticket``), current in the Dynamo compile's scope
+(``agreements.compile_scope``) until ``finish`` or ``abandon``; ``note_*`` add what the compile
+reads and writes to it; ``offer`` takes the key exchange and returns this rank's plan; a loading
+rank ``fetch``es the artifact and reports whether its lookup ``loaded`` it; every other rank
+``finish``es (publishing its artifact where it serves). The exchanges over the host tree are
+``exchanges``'; the waits on the store, ``waits``'; the artifact's bytes, ``transfer``'s and
+``loading``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Sequence
-from types import MappingProxyType
-from typing import Any, Protocol, TypeVar
+from collections.abc import Sequence
 
 from ... import config, health, process_state
-from ...errors import (
-    CollectiveDesyncError,
-    CollectiveError,
-    CompileOnceError,
-    PeerFailureError,
-    SetupMismatchError,
-)
-from ...instrument import timing
+from ...errors import CollectiveError, PeerFailureError, SetupMismatchError
 from ...ledger import ledger
 from ...observations import FrameId
-from ...records import (
-    Failure,
-    OnceGraph,
-    OnceKeys,
-    OnceLoadReport,
-    OncePlanned,
-    OnceTreeExchange,
-    OnceWait,
-)
-from ...transport import HostTree, groups
-from .. import audit, compile_wait, phases
-from .. import exchange as exchange_frame
+from ...records import OncePlanned
+from ...transport import groups
+from .. import audit, compile_scope
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
-from ..wire.once import (
-    WARMTH_FX,
-    WARMTH_MAX_ENTRIES,
-    Loaded,
-    ManifestFile,
-    Offer,
-    Result,
-    decode_once,
-    encode_once,
-)
-from . import artifact, keys, sidecar, tally, transfer
+from ..wire.once import WARMTH_FX, WARMTH_MAX_ENTRIES, ManifestFile, Offer, Result
+from . import artifact, exchanges, loading, sidecar, transfer, waits
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
+from .ticket import Cache, Step, Ticket, failed, keep_record, once_error, where_of
 
 log = logging.getLogger("compiler_collectives.once")
 
-
-_local = threading.local()  # ticket: Ticket | None
 _seq = 0
-# What the last full key exchange of this generation saw that stays from graph to graph.
-_known: keys.Known | None = None
-# The compile group's ranks by host (``transport.HostTree``), built at a generation's first graph.
-_tree: HostTree | None = None
 
 
-class Cache(Protocol):
-    """Torch's compile caches as compile once needs them (the seam implements it)."""
-
-    def root(self) -> str:
-        """The inductor cache dir of this process (``TORCHINDUCTOR_CACHE_DIR``)."""
-        ...
-
-    def aot_dir(self, key: str) -> str:
-        """The directory of AOTAutograd's entries for ``key``."""
-        ...
-
-    def fx_dir(self, key: str) -> str:
-        """The directory of the FX graph cache's entries for ``key``."""
-        ...
-
-
-class Step(enum.Enum):
-    """Where one graph's ticket stands; ``finish`` dispatches on it."""
-
-    OPEN = "open"  # begun: no key exchange yet (none may follow: a compile that never looks up)
-    PLANNED = "planned"  # keys settled: ``plan`` is this rank's; its result and load report are ahead
-    REPORTED = "reported"  # the load report is taken; a rank that did not load still compiles, then posts
-    DONE = "done"  # nothing of this graph is left to exchange or post
-
-
-@dataclasses.dataclass
-class Ticket:
-    """One AOTAutograd compile of a graph on this thread, from its start to its end."""
-
-    frame: FrameId
-    cache: Cache
-    audit_mark: int | None
-    seq: int | None = None
-    key: str | None = None
-    plan: Plan | None = None
-    plans: dict[int, Plan] = dataclasses.field(default_factory=dict)
-    offers: dict[int, Offer] = dataclasses.field(default_factory=dict)
-    fx_keys: list[str] = dataclasses.field(default_factory=list)
-    sources: list[str] = dataclasses.field(default_factory=list)
-    step: Step = Step.OPEN
-    outcome: str = "none"  # a loading rank's load: "none", "hit", "miss" or "refused"
-    outcome_why: str | None = None
-    waited_s: float = 0.0
-    # Where the rest of this rank's time in compile once went (issue 37's overhead per graph):
-    # the exchanges (keys with the plan, result, load report), the artifact's files (a source
-    # collecting and digesting them, a loader checking and installing them) and its bytes moving
-    # (sending, receiving, or waiting for the rank that receives for this cache dir). The wall
-    # clock (time.time) when a source posted that it is done, and when a loader's wait for its
-    # sources ended: the wait's latency after the post, across ranks of one host.
-    exchange_s: float = 0.0
-    install_s: float = 0.0
-    transfer_s: float = 0.0
-    artifact_bytes: int = 0
-    posted_at: float | None = None
-    wait_ended_at: float | None = None
-    fingerprints: list[GraphFingerprint] = dataclasses.field(default_factory=list)
-    outer: Ticket | None = None
-    level: str = "aot"  # "aot": AOTAutograd's entry; "fx": an FX graph cache entry (the fallback level)
-    graph: str = ""  # digest of the graph handed to AOTAutograd (aot level)
-    fx_allowed: bool = False  # aot level: its FX compiles share at the fallback level
-    started_ns: int = dataclasses.field(default_factory=time.time_ns)
-    bytes_in: int = 0
-    # The compile group, its members (global ranks) and this rank, captured once at the key
-    # exchange: every later step of this graph uses the same ones.
-    pg: Any = None
-    members: tuple[int, ...] = ()
-    rank: int = -1
-    # A loading rank: the digests of the entry files it was sent, and of the entry its lookup hit
-    # (None where the seam cannot tell).
-    sent_entries: frozenset[bytes] = frozenset()
-    hit: bytes | None = None
-    # From the load report: the ranks that did not load (a miss or a refusal) and compile the
-    # graph themselves; every other rank waits for them before it leaves the graph's compile.
-    local: tuple[int, ...] = ()
-    # This rank's own compile of the graph raised (``finish``): its text.
-    failure: str | None = None
-    # The graph's record (``records()``'s item), once made: made once, and counted once (``tally``).
-    record: dict[str, Any] | None = None
-
-
-# ------------------------------------------------------------------ seam entry points
-
-
-@process_state.kept(names=("_local",), why="the graph this thread compiles, set and restored by its compile")
 def begin(frame: FrameId, cache: Cache, level: str = "aot", graph: str = "") -> Ticket:
     """Open the ticket of one AOTAutograd compile (``level`` "aot"), or of one inductor compile
-    inside it (``level`` "fx"), on this thread (its cache lookup may follow)."""
+    inside it (``level`` "fx"), current in the Dynamo compile's scope (its cache lookup may
+    follow). Outside a compile scope (a unit test's ticket) it is nobody's current ticket."""
     record = audit.current()
     ticket = Ticket(frame, cache, len(record.graphs) if record is not None else None, level=level, graph=graph)
-    ticket.outer = current()  # a compile nested in another (a subgraph): the outer one resumes after
-    _local.ticket = ticket
+    scope = compile_scope.current()
+    if scope is not None:
+        ticket.outer = scope.once_ticket  # a compile nested in another (a subgraph): the outer one resumes after
+        scope.once_ticket = ticket
     return ticket
 
 
 def current() -> Ticket | None:
-    return getattr(_local, "ticket", None)
+    """The ticket of the compile in progress in this Dynamo compile's scope (None outside one)."""
+    scope = compile_scope.current()
+    return None if scope is None else scope.once_ticket
+
+
+def _close(ticket: Ticket) -> None:
+    """``ticket`` is no longer current: the compile it was nested in (if any) is again."""
+    scope = compile_scope.current()
+    if scope is not None:
+        scope.once_ticket = ticket.outer
 
 
 def note_fx_key(key: str) -> None:
@@ -206,12 +107,12 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
         ticket.graph,
         0 if holds else _warmth(ticket, key),
     )
-    ticket.offers = _settle_keys(ticket, mine)
+    ticket.offers = exchanges.settle_keys(ticket, mine)
     rank = ticket.rank
     try:
         ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
     except SetupMismatchError as e:
-        _failed(e)
+        failed(e)
         raise
     ticket.plan = ticket.plans[rank]
     ticket.step = Step.PLANNED
@@ -225,45 +126,6 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
     else:
         log.debug("compile once #%d of %s: %s", ticket.seq, ticket.frame, ticket.plan)
     return ticket.plan
-
-
-def _host_tree(ticket: Ticket) -> HostTree:
-    """The compile group's ranks by host; built at the generation's first graph (every rank together)."""
-    global _tree
-    tree = _tree
-    if tree is None or tree.size != ticket.pg.size():
-        pg = ticket.pg
-        where = _where(ticket, "hosts")
-        tree = _tree = exchange_frame.framed(
-            pg,
-            lambda: HostTree.build(pg, keys.record_width, where, phases.HOST_TREE),
-            kind="compile_once",
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            where=where,
-        )
-    return tree
-
-
-def _settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
-    """Every rank's offer: from one fixed-size MIN over the host tree when, for each index on a
-    host, every host's rank of that index has the same key (and the cache dirs are those of the
-    last full exchange), else from a gather of every offer over the tree (``keys`` builds the
-    record and reads it back). Every rank takes both steps or the first only, by the MIN's
-    outcome: the same everywhere."""
-    global _known
-    kept, seq = _known, ticket.seq or 0
-    tree = _host_tree(ticket)
-    record = keys.record(mine, kept, members=ticket.members, tree=tree, seq=seq, level=ticket.level)
-    out = _min(ticket, tree, record, phases.ONCE_KEYS, "keys")
-    settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
-    if settled is not None:
-        ledger.add(OnceKeys(reduced=True))
-        return settled
-    ledger.add(OnceKeys(reduced=False))
-    offers = _gather(ticket, mine, phases.ONCE_KEYS, "keys")
-    _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
-    return offers  # type: ignore[return-value]
 
 
 def _warmth(ticket: Ticket, key: str | None) -> int:
@@ -283,8 +145,8 @@ def fetch(ticket: Ticket) -> bool:
     (the caller compiles without the cache and then reports with ``loaded``)."""
     plan = ticket.plan
     assert plan is not None and plan.role == LOAD and plan.source is not None
-    _wait_for_sources(ticket)
-    results = _results(ticket, Result("none", None, [], []))
+    waits.wait_for_sources(ticket)
+    results = exchanges.exchange_results(ticket, Result("none", None, [], []))
     result = results[plan.source]
     ticket.artifact_bytes = result.total()
     if result.status == "failed" and (result.failure or "").startswith("gathering the artifact failed"):
@@ -293,7 +155,7 @@ def fetch(ticket: Ticket) -> bool:
     if result.status == "failed":
         ticket.outcome, ticket.outcome_why = "none", "the compiling rank's compile raised"
         _report(ticket)  # the serving rank takes it too before raising its own error
-        raise _once_error(
+        raise once_error(
             ticket,
             f"rank {ticket.rank}: rank {plan.source} compiled graph #{ticket.seq} of {ticket.frame} for this rank "
             f"and its compile raised: {result.failure}. This rank does not compile it again; see rank "
@@ -367,7 +229,7 @@ def finish(
     """Every rank that is not loading, when its AOTAutograd compile ended (``error``: it raised):
     serving ranks publish their artifact; then the result and load-report exchanges. A compile
     that never looked its graph up took no exchange: it is recorded as local, ``no_lookup`` why."""
-    _local.ticket = ticket.outer
+    _close(ticket)
     step, plan = ticket.step, ticket.plan
     if error is not None:
         ticket.failure = failure_text or f"{type(error).__name__}: {error}"
@@ -375,7 +237,7 @@ def finish(
         ticket.step = Step.DONE
         if error is None:
             ticket.plan = Plan(LOCAL, None, no_lookup, False)
-            _record(ticket)
+            keep_record(ticket)
         return
     assert plan is not None
     if step is Step.REPORTED and plan.role == LOAD and ticket.rank in ticket.local:
@@ -384,14 +246,14 @@ def finish(
         # exchange would otherwise measure it against COMPILER_COLLECTIVES_TIMEOUT).
         ticket.step = Step.DONE
         said = b"ok" if error is None else (failure_text or f"{type(error).__name__}: {error}").encode()[:2000]
-        _post(ticket, _compiled_itself, said, "its own compile of this graph ended")
-        _wait_for_local_compiles(ticket, raised_here=error is not None)
+        waits.post(ticket, waits.compiled_itself, said, "its own compile of this graph ended")
+        waits.wait_for_local_compiles(ticket, raised_here=error is not None)
         return
     if step is not Step.PLANNED:
         return
     if not _any_source(ticket):
         ticket.step = Step.DONE
-        _record(ticket)
+        keep_record(ticket)
         return
     if plan.role == LOAD:
         return  # its exchanges are done
@@ -419,10 +281,10 @@ def finish(
                 log.warning("compile once #%d of %s: could not gather the artifact: %s", ticket.seq, ticket.frame, e)
                 mine = Result("failed", f"gathering the artifact failed: {type(e).__name__}: {e}"[:500], [], [])
             ticket.install_s += time.perf_counter() - t0
-        _post(ticket, _notice, b"1", "its compile of this graph ended")
+        waits.post(ticket, waits.source_done, b"1", "its compile of this graph ended")
         ticket.posted_at = time.time()
-    _wait_for_sources(ticket)
-    results = _results(ticket, mine)
+    waits.wait_for_sources(ticket)
+    results = exchanges.exchange_results(ticket, mine)
     if plan.role in (COMPILE, SERVE):
         ticket.transfer_s += transfer.serve(_transfer(ticket), bundle, results[ticket.rank])
     _report(ticket)
@@ -430,13 +292,13 @@ def finish(
 
 
 def _report(ticket: Ticket) -> None:
-    """The load report (``_load_report``, which makes the graph's record); when it raises (an
+    """The load report (``exchanges.load_report``, which makes the graph's record); when it raises (an
     exchange failed, a rank that compiled the graph itself raised), the record is made all the
     same: this rank's outcome still counts."""
     try:
-        _load_report(ticket)
+        exchanges.load_report(ticket)
     except BaseException:
-        _record(ticket)
+        keep_record(ticket)
         raise
 
 
@@ -445,7 +307,7 @@ def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
     as a ``PeerFailureError`` naming this graph, instead of an exchange nobody else takes."""
     heard = health.poisoned()
     if isinstance(heard, PeerFailureError) and heard.reported_by:
-        raise _failed(
+        raise failed(
             PeerFailureError(
                 f"compile once #{ticket.seq} of {ticket.frame} on rank {ticket.rank}: while this rank compiled, "
                 f"{heard}",
@@ -459,320 +321,25 @@ def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
         ) from heard
 
 
-_E = TypeVar("_E", bound=CollectiveError)
-
-
-def _failed(error: _E) -> _E:
-    """Every error compile once raises of its own passes here: the one place it is counted (``errors``)."""
-    ledger.add(Failure("compile_once"))
-    return error
-
-
-def _once_error(ticket: Ticket, message: str, ranks: tuple[int, ...]) -> CompileOnceError:
-    """Compile once's own error about this ticket's graph, naming ``ranks``, counted (``_failed``)."""
-    return _failed(
-        CompileOnceError(
-            message, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), ranks=ranks
-        )
-    )
-
-
 def abandon(ticket: Ticket) -> None:
     """Drop ``ticket`` without further exchanges (ours failed during its compile)."""
-    _local.ticket = ticket.outer
-
-
-def records() -> list[dict[str, Any]]:
-    """Per graph, this rank's part: compiled, served, loaded, or compiled locally, and why."""
-    return [dict(g.record) for g in ledger.kept(OnceGraph)]
+    _close(ticket)
 
 
 @process_state.clears(
     *process_state.EVERY_GENERATION,
-    names=("_seq", "_known", "_tree"),
-    what="compile once's graph numbers, the cache dirs its last key exchange saw, and its ranks by host",
+    names=("_seq",),
+    what="compile once's graph numbers",
 )
 def reset_sequence() -> None:
-    """A new generation of our groups numbers its graphs from 1 again, and learns its hosts and
-    gathers every offer at its first graph (every rank together)."""
-    global _seq, _known, _tree
+    """A new generation of our groups numbers its graphs from 1 again (its hosts and offers are
+    learnt again too: ``exchanges.forget_hosts``)."""
+    global _seq
     _seq = 0
-    _known = None
-    _tree = None
-
-
-# ------------------------------------------------------------------ exchanges
-
-
-def _where(ticket: Ticket, what: str) -> Callable[[], str]:
-    return lambda: f"compile once #{ticket.seq} ({what}) of {ticket.frame} on rank {ticket.rank}"
-
-
-def _min(ticket: Ticket, tree: HostTree, record: list[int], phase: int, what: str) -> list[int]:
-    """The element-wise MIN of every rank's ``record`` over the host tree, in this graph's ``phase``."""
-    ledger.add(OnceTreeExchange(what))
-    pg, where = ticket.pg, _where(ticket, what)
-    stamp = HostTree.stamp(phase, ticket.seq or 0)
-    return exchange_frame.framed(
-        pg,
-        lambda: tree.min_ints(pg, record, where, stamp, lambda i: ticket.members[i]),
-        kind="compile_once",
-        seq=ticket.seq,
-        frame=str(ticket.frame),
-        where=where,
-    )
-
-
-_BODIES = {phases.ONCE_KEYS: "keys", phases.ONCE_RESULT: "result", phases.ONCE_LOADED: "loaded"}
-
-
-def _gather(
-    ticket: Ticket, body: Offer | Result | Loaded | None, phase: int, what: str
-) -> dict[int, Offer | Result | Loaded]:
-    """The ``body`` of every rank that has one (global rank -> body; None: this rank has none),
-    on every rank, over the host tree (``HostTree.gather``): O(log hosts) rounds, and bytes per
-    rank those of the bodies, not of the world."""
-    tree = _host_tree(ticket)
-    pg, seq, where = ticket.pg, ticket.seq or 0, _where(ticket, what)
-    limit = config.settings.max_payload_bytes
-    payload = None if body is None else encode_once(rank=ticket.rank, world_size=pg.size(), seq=seq, body=body)
-
-    def step() -> dict[int, Offer | Result | Loaded]:
-        got = tree.gather(pg, payload, HostTree.stamp(phase, seq), limit, where, lambda i: ticket.members[i])
-        out: dict[int, Offer | Result | Loaded] = {}
-        for i, data in sorted(got.items()):
-            sender = ticket.members[i]
-            envelope = decode_once(data, sender=sender, max_bytes=limit, expected_world_size=pg.size())
-            if envelope.seq != seq or envelope.kind != _BODIES[phase]:
-                raise CollectiveDesyncError(
-                    f"{where()}: rank {sender} sent its {envelope.kind} of compile once #{envelope.seq} in this "
-                    f"rank's exchange of {_BODIES[phase]} of #{seq}: the ranks are at different graphs.\n"
-                    "Every rank must compile the same graphs in the same order.",
-                    ranks=(sender,),
-                )
-            out[sender] = envelope.body
-        return out
-
-    return exchange_frame.framed(pg, step, kind="compile_once", seq=ticket.seq, frame=str(ticket.frame), where=where)
 
 
 def _any_source(ticket: Ticket) -> bool:
     return any(p.role in (COMPILE, SERVE) for p in ticket.plans.values())
-
-
-def _notice(ticket: Ticket, rank: int) -> str:
-    return f"once/{ticket.seq}/{rank}"
-
-
-def _installed(ticket: Ticket, rank: int) -> str:
-    return f"once/{ticket.seq}/in/{rank}"
-
-
-def _compiled_itself(ticket: Ticket, rank: int) -> str:
-    return f"once/{ticket.seq}/local/{rank}"
-
-
-def _post(ticket: Ticket, notice: Callable[[Ticket, int], str], value: bytes, telling: str) -> None:
-    """Post this rank's ``notice`` for the ranks waiting for it (``compile_wait.post``: a failed
-    store raises our ``StoreFailureError``, published); ``telling``: what the post tells them."""
-    compile_wait.post(
-        notice(ticket, ticket.rank),
-        value,
-        me=ticket.rank,
-        what=f"compile once #{ticket.seq} of {ticket.frame}",
-        telling=telling,
-        kind="compile_once",
-        seq=ticket.seq,
-        frame=str(ticket.frame),
-    )
-
-
-def _wait_for_local_compiles(ticket: Ticket, raised_here: bool = False) -> None:
-    """Wait until every rank that did not load (but this one) posted that its own compile ended:
-    every rank leaves the graph's compile with the slowest, as it waited for the source. One
-    whose compile raised is named, quoting its error (unless this rank's own compile raised:
-    that error is the one this rank raises)."""
-    pending = [r for r in ticket.local if r != ticket.rank]
-    said = _wait_counted(ticket, pending, _compiled_itself, "compile this graph itself (it did not load the artifact)")
-    raised = {r: text for r, text in sorted(said.items()) if text != b"ok"}
-    if raised and not raised_here:
-        r, text = next(iter(raised.items()))
-        raise _once_error(
-            ticket,
-            f"rank {ticket.rank}: rank {r} compiled graph #{ticket.seq} of {ticket.frame} itself (it did not load "
-            f"the artifact) and its compile raised: {text.decode('utf-8', 'replace')}. Every rank leaves a graph's "
-            f"compile together, so this rank raises too; see rank {r}'s log for the traceback. "
-            "COMPILER_COLLECTIVES_COMPILE_ONCE=0 makes every rank compile its own graphs.",
-            tuple(raised),
-        )
-
-
-def _wait_for_sources(ticket: Ticket) -> None:
-    """Wait until every serving rank (but this one) posted that it is done."""
-    me = ticket.rank
-    pending = sorted({r for r, p in ticket.plans.items() if p.role in (COMPILE, SERVE) and r != me})
-    if pending:
-        _wait_counted(ticket, pending, _notice, "compile this graph for this rank")
-        ticket.wait_ended_at = time.time()
-
-
-def _wait_counted(
-    ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str
-) -> dict[int, bytes]:
-    """``_wait_for_posts``, its time added to the graph's ``waited_s`` and ``once_wait_s``."""
-    if not ranks:
-        return {}
-    started = time.monotonic()
-    said = _wait_for_posts(ticket, ranks, notice, doing)
-    waited = time.monotonic() - started
-    ticket.waited_s += waited
-    ledger.add(OnceWait(waited))
-    return said
-
-
-def _wait_for_posts(
-    ticket: Ticket, ranks: list[int], notice: Callable[[Ticket, int], str], doing: str
-) -> dict[int, bytes]:
-    """What each of ``ranks`` posted under ``notice``, once all have (``compile_wait``)."""
-    return compile_wait.wait_for_posts(
-        {r: notice(ticket, r) for r in ranks},
-        me=ticket.rank,
-        doing=doing,
-        what=f"compile once #{ticket.seq} of {ticket.frame}",
-        kind="compile_once",
-        seq=ticket.seq,
-        frame=str(ticket.frame),
-        on_timeout=CompileOnceError,
-        advice="Raise COMPILER_COLLECTIVES_COMPILE_TIMEOUT if compiles legitimately take that long, or set "
-        "COMPILER_COLLECTIVES_COMPILE_ONCE=0.",
-    )
-
-
-def _results(ticket: Ticket, mine: Result) -> dict[int, Result]:
-    """Every serving rank's result (global rank -> result), on every rank: one gather over the
-    host tree to which only the serving ranks contribute (the plans say who they are), however
-    many there are."""
-    t0 = time.perf_counter()
-    ledger.add(OnceTreeExchange("result"))
-    plan = ticket.plan
-    source = plan is not None and plan.role in (COMPILE, SERVE)
-    out = _gather(ticket, mine if source else None, phases.ONCE_RESULT, "result")
-    for r, p in ticket.plans.items():
-        body = out.get(r)
-        if body is None and p.role not in (COMPILE, SERVE):
-            continue
-        bad = not isinstance(body, Result) or (p.role in (COMPILE, SERVE)) != (body.status != "none")
-        if bad:
-            raise _once_error(
-                ticket,
-                f"compile once #{ticket.seq} of {ticket.frame}: rank {r} sent a result that does not fit "
-                f"its role ({p.role}); the ranks disagree about the plan (a version or setting differs).",
-                (r,),
-            )
-    ticket.exchange_s += time.perf_counter() - t0
-    return out  # type: ignore[return-value]
-
-
-def _load_report(ticket: Ticket) -> None:
-    """Who did not load (a miss or a refusal): first one MIN of a flag over the host tree; only
-    when some rank did not load, a gather over the tree to which only those ranks contribute,
-    for the names and the reasons."""
-    ticket.step = Step.REPORTED
-    t0 = time.perf_counter()
-    loaded_here = ticket.outcome not in ("miss", "refused")
-    tree = _host_tree(ticket)
-    if _min(ticket, tree, [1 if loaded_here else 0], phases.ONCE_LOADED, "load report")[0] == 1:
-        ticket.local = ()
-        ticket.exchange_s += time.perf_counter() - t0
-        _wait_for_local_compiles(ticket)
-        _record(ticket)
-        return
-    ledger.add(OnceTreeExchange("load report"))
-    mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
-    details = _gather(ticket, mine, phases.ONCE_LOADED, "load report")
-    ledger.add(OnceLoadReport(len(details)))
-    for r, body in details.items():
-        assert isinstance(body, Loaded)
-        plan = ticket.plans.get(r)
-        log.warning(
-            "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",
-            ticket.seq,
-            ticket.frame,
-            r,
-            plan.source if plan is not None else "?",
-            body.outcome,
-            body.why,
-        )
-    ticket.local = tuple(details)
-    ticket.exchange_s += time.perf_counter() - t0
-    if ticket.rank not in ticket.local:
-        _wait_for_local_compiles(ticket)
-    _record(ticket)
-
-
-# What else hears of each graph this rank finished (the seam's tlparse artifact); set by wiring.
-_on_record: Callable[[Ticket, dict[str, Any]], None] | None = None
-
-
-@process_state.wired(names=("_on_record",), what="each finished graph's artifact in torch's structured trace")
-def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
-    """Call ``fn(ticket, record)`` with each finished graph's record (``records()``'s item)."""
-    global _on_record
-    _on_record = fn
-
-
-def _record(ticket: Ticket) -> None:
-    """The graph's record (``records()``), once per ticket, kept by the ledger (which counts it)."""
-    plan = ticket.plan
-    if plan is None or ticket.record is not None:
-        return
-    if ticket.level == "aot" and ticket.fx_keys:
-        sidecar.write_fx_keys(ticket.cache.root(), ticket.key, ticket.fx_keys)
-    rec = timing.recorder
-    if plan.role == LOAD:
-        state = "loaded" if ticket.outcome == "hit" else "compiled locally"
-        why = (ticket.outcome_why or plan.why) if ticket.outcome == "hit" else f"{ticket.outcome}: {ticket.outcome_why}"
-    else:
-        state = {COMPILE: "compiled", SERVE: "served", LOCAL: "compiled locally"}[plan.role]
-        why = plan.why
-    ticket.record = {
-        "seq": ticket.seq,
-        "frame": str(ticket.frame),
-        "level": ticket.level,
-        "key": ticket.key,
-        "state": state,
-        "ended": tally.ended(plan.role, ticket.outcome, ticket.failure is not None),
-        "why": why,
-        "source": plan.source,
-        "peers_local": [r for r in ticket.local if r != ticket.rank],
-        "waited_s": round(ticket.waited_s, 3),
-        "exchange_s": round(ticket.exchange_s, 6),
-        "install_s": round(ticket.install_s, 6),
-        "transfer_s": round(ticket.transfer_s, 6),
-        "span_s": round((time.time_ns() - ticket.started_ns) / 1e9, 6),
-        "artifact_bytes": ticket.artifact_bytes,
-        "posted_at": ticket.posted_at,
-        "wait_ended_at": ticket.wait_ended_at,
-    }
-    ledger.add(
-        OnceGraph(ticket.record["ended"], len(ticket.record["peers_local"]), MappingProxyType(dict(ticket.record)))
-    )
-    if _on_record is not None:
-        _on_record(ticket, ticket.record)
-    if rec is not None and ticket.seq is not None:
-        rec.once(
-            start_ns=ticket.started_ns,
-            duration_s=(time.time_ns() - ticket.started_ns) / 1e9,
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            state=state,
-            why=why or "",
-            source=plan.source,
-            bytes_in=ticket.bytes_in,
-        )
-
-
-# ------------------------------------------------------------------ the audit's fingerprints
 
 
 def _own_fingerprints(ticket: Ticket) -> list[GraphFingerprint]:
@@ -786,9 +353,6 @@ def _import_fingerprints(fingerprints: list[GraphFingerprint]) -> None:
     """The levels of an artifact this rank did not compile count as its own: the same code runs."""
     if fingerprints:
         audit.import_graphs(fingerprints)
-
-
-# ------------------------------------------------------------------ the artifact's transfer
 
 
 def _entry_dir(ticket: Ticket, key: str) -> str:
@@ -815,32 +379,32 @@ def _collect(ticket: Ticket) -> tuple[list[ManifestFile], bytes]:
 
 def _transfer(ticket: Ticket) -> transfer.Graph:
     """The graph's transfer (``transfer.Graph``); a failed piece is published and counted here."""
-    where = _where(ticket, "artifact")
+    where = where_of(ticket, "artifact")
 
-    def failed(error: CollectiveError) -> CollectiveError:  # counted by the failure procedure
+    def failed_piece(error: CollectiveError) -> CollectiveError:  # counted by the failure procedure
         return failure_procedure.fail(
             error, kind="compile_once", rank=ticket.rank, seq=ticket.seq, frame=str(ticket.frame), where=where
         )
 
-    link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed)
+    link = transfer.Link(ticket.pg, ticket.members, ticket.rank, ticket.seq or 0, where, failed_piece)
     return transfer.Graph(link, ticket.plans, ticket.offers, ticket.level, config.settings.once_fanout)
 
 
 def _install(ticket: Ticket, result: Result) -> str | None:
     """A loader: the source's files received (or found in its dir), checked and installed
-    (``transfer.receive_and_install``), its time and bytes on the ticket; None, or why it refused.
+    (``loading.receive_and_install``), its time and bytes on the ticket; None, or why it refused.
     The ranks of one dir hear of their receiver's install through the store."""
     plan = ticket.plan
     assert plan is not None and plan.source is not None
 
     def installed(via: int) -> bytes:
-        return _wait_for_posts(ticket, [via], _installed, "receive the artifact for this cache dir")[via]
+        return waits.wait_for_posts(ticket, [via], waits.dir_installed, "receive the artifact for this cache dir")[via]
 
     def post(said: bytes) -> None:
-        _post(ticket, _installed, said, "it installed the artifact for this cache dir")
+        waits.post(ticket, waits.dir_installed, said, "it installed the artifact for this cache dir")
 
-    here = transfer.Dir(ticket.cache.root(), _entry_prefix(ticket), ticket.key, installed, post)
-    done = transfer.receive_and_install(_transfer(ticket), result, plan.source, here)
+    here = loading.Dir(ticket.cache.root(), _entry_prefix(ticket), ticket.key, installed, post)
+    done = loading.receive_and_install(_transfer(ticket), result, plan.source, here)
     ticket.transfer_s += done.transfer_s
     ticket.install_s += done.install_s
     ticket.bytes_in += done.bytes_in
