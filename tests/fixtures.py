@@ -20,6 +20,20 @@ import pytest
 GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
 
 
+class NoCache:
+    """Compile once's ``Cache`` for unit tests that never reach it: a graph that needs no exchange
+    touches no cache."""
+
+    def root(self) -> str:
+        raise AssertionError("not reached")
+
+    def aot_dir(self, key: str) -> str:
+        raise AssertionError("not reached")
+
+    def fx_dir(self, key: str) -> str:
+        raise AssertionError("not reached")
+
+
 # A test that asserts how fast a failure is named (a bound of a few seconds) runs
 # alone: on a loaded machine the rank that detects or relays it is itself
 # scheduled late, and the bound measures the machine instead of us.

@@ -17,21 +17,9 @@ from compiler_collectives.agreements.once import tally
 from compiler_collectives.ledger import ONCE_ENDED, Ledger
 from compiler_collectives.observations import FrameId
 from compiler_collectives.records import OnceGraph
+from tests.fixtures import NoCache
 
 OUTCOME_COUNTERS = ("once_compiled", "once_served", "once_local", "once_loaded", "once_load_misses", "once_refused")
-
-
-class NoCache:
-    """A ``Cache`` the tests never reach: a graph that needs no exchange touches no cache."""
-
-    def root(self) -> str:
-        raise AssertionError("not reached")
-
-    def aot_dir(self, key: str) -> str:
-        raise AssertionError("not reached")
-
-    def fx_dir(self, key: str) -> str:
-        raise AssertionError("not reached")
 
 
 def changed_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

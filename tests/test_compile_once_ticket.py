@@ -8,20 +8,7 @@ from __future__ import annotations
 
 from compiler_collectives.agreements import compile_scope, once
 from compiler_collectives.observations import FrameId
-
-
-class NoCache:
-    """A ``Cache`` the tests never reach: a graph that needs no exchange touches no cache."""
-
-    def root(self) -> str:
-        raise AssertionError("not reached")
-
-    def aot_dir(self, key: str) -> str:
-        raise AssertionError("not reached")
-
-    def fx_dir(self, key: str) -> str:
-        raise AssertionError("not reached")
-
+from tests.fixtures import NoCache
 
 FRAME = FrameId("f", "a.py", 1)
 

@@ -91,36 +91,30 @@ def _guard_pg() -> Any:
     return None if channel is None else channel.pg
 
 
-def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
-    """An entry check's transport failure, through the same failure procedure as the hook's."""
+def _fail_on_guard_channel(error: BaseException, *, kind: str, seq: int, frame: str | None) -> CollectiveError:
+    """A failure of the guard channel's all-gather (the hook's or an entry check's), through the
+    failure procedure: every rank takes part there, so a mismatch is seen by all alike."""
     rank = dist.get_rank() if dist.is_initialized() else None
     return failure.fail(
         error,
-        kind="entry",
+        kind=kind,
         rank=rank,
         seq=seq,
         frame=frame,
-        where=lambda: describe("entry", rank, seq, frame),
+        where=lambda: describe(kind, rank, seq, frame),
         pg=_guard_pg(),
         guard_channel=True,
     )
+
+
+def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None) -> CollectiveError:
+    """An entry check's transport failure, through the same failure procedure as the hook's."""
+    return _fail_on_guard_channel(error, kind="entry", seq=seq, frame=frame)
 
 
 def park_failure(error: BaseException) -> None:
     """The hook's collective failed: through the failure procedure, parked for this thread's compile."""
-    rank = dist.get_rank() if dist.is_initialized() else None
-    seq = state.seq
-    err = failure.fail(
-        error,
-        kind="guard",
-        rank=rank,
-        seq=seq,
-        frame=None,
-        where=lambda: describe("guard", rank, seq, None),
-        pg=_guard_pg(),
-        guard_channel=True,
-    )
-    health.latch.park(err)
+    health.latch.park(_fail_on_guard_channel(error, kind="guard", seq=state.seq, frame=None))
 
 
 def park_interrupt(interrupt: BaseException) -> None:
