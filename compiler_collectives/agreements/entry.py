@@ -34,7 +34,7 @@ Equal keys on every rank: go on. Different: every rank takes the slow path
 that run the same collectives and differ only in their graph breaks (or a
 rank in an entry without a graph that went into its resume function, beside
 checking entries that communicate nothing) are no divergence: the ranks go on
-apart until their next call from their own code (``guard.paths_diverged``).
+apart until their next call from their own code (``guard_paths.paths_diverged``).
 Otherwise every rank renders every group of ranks' entry from its own
 registry and raises the same ``ProgramDivergenceError``, naming global ranks.
 Nothing has run on any rank.
@@ -53,9 +53,9 @@ from typing import Any
 
 from .. import process_state
 from ..observations import FrameId
-from . import guard as guard_collective
 from .entry_check import check_entry
 from .entry_program import Entry, Frame, GraphProgram
+from .guard_paths import apart
 
 # code object -> Frame. Weak: a code object nothing else holds (a freed FX
 # module's forward) has no cache entries left to check.
@@ -113,13 +113,13 @@ def compile_finished(
 
     ``limit``: how many entries Dynamo keeps for one code object at most;
     ``resumes``: the resume functions the entry's code calls (graph breaks).
-    A compile on this rank's own path (``guard.apart()``) is not registered:
+    A compile on this rank's own path (``guard_paths.apart()``) is not registered:
     the registry holds the compiles every rank ran together.
     """
     entry = _building.pop(code, None)
     if token is not None:
         _building[code] = token  # a compile of the same code further up this thread's stack
-    if not kept or guard_collective.apart():
+    if not kept or apart():
         return
     if entry is None:
         entry = Entry("?", 0)  # an entry without a graph: the empty program

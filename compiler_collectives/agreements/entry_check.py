@@ -5,7 +5,7 @@ called (``entry.wrap``): one more agreement on the guard channel whose key is th
 (shared memory: one word; gloo: the same two-int64 all-reduce). Equal keys on every rank: go
 on. Different: every rank takes the slow path (one all-gather of ``(-guard seq, entry index)``
 on the guard group) and compares the entries from its own registry (``_compare``): entries
-that differ only in their graph breaks go apart (``guard.go_apart``); otherwise every rank
+that differ only in their graph breaks go apart (``guard_paths.go_apart``); otherwise every rank
 raises the same ``ProgramDivergenceError``, counted and poisoning this rank through the failure
 procedure (``failure.fail``, ``VERDICT``: every rank reaches it alike, nothing is published).
 """
@@ -23,6 +23,8 @@ from ..transport import groups
 from . import failure
 from . import guard as guard_collective
 from .entry_program import PHASE_LEVELS, Entry, Frame, size_free
+from .guard_failure import translate_entry_failure
+from .guard_paths import EMPTY, go_apart, paths_diverged
 
 
 def check_entry(registry: Frame, entry: Entry) -> None:
@@ -39,12 +41,12 @@ def check_entry(registry: Frame, entry: Entry) -> None:
             if in_step:
                 return
         # Every rank gets here together: the keys differed (or the channel carries no keys).
-        empty = guard_collective.EMPTY if entry.runs_no_collective() else 0
+        empty = EMPTY if entry.runs_no_collective() else 0
         everyone = channel.describe_all(-seq, entry.index | empty)
     except CollectiveError:
         raise
     except Exception as e:
-        err = guard_collective.translate_entry_failure(e, seq=seq, frame=str(registry.frame))
+        err = translate_entry_failure(e, seq=seq, frame=str(registry.frame))
         raise err from e
     finally:
         ledger.add(EntryCheck(time.perf_counter() - started))
@@ -58,19 +60,19 @@ def _compare(
     """``everyone``: per group rank, (-guard seq, entry index); ``members``: their global ranks."""
     elsewhere = [members[r] for r, (s, _) in enumerate(everyone) if s != -seq]
     if elsewhere:
-        if guard_collective.paths_diverged(everyone):
+        if paths_diverged(everyone):
             # Peers went into a resume function of an entry that communicates nothing.
-            guard_collective.go_apart(seq)
+            go_apart(seq)
             return
         err = _elsewhere(registry, entry, [m for m in members if m not in elsewhere], elsewhere, rank, seq)
     else:
-        index_bits = guard_collective.EMPTY - 1
+        index_bits = EMPTY - 1
         hit = {members[r]: registry.entries.get(i & index_bits) for r, (_, i) in enumerate(everyone)}
         if all(h is not None and h.key == entry.key for h in hit.values()):
             return  # the same program (the slow path of a channel without keys)
         if all(h is not None and h.program_key == entry.program_key for h in hit.values()):
             # The same collectives; the entries differ only in the resume functions they call.
-            guard_collective.go_apart(seq)
+            go_apart(seq)
             return
         indices = {members[r]: i & index_bits for r, (_, i) in enumerate(everyone)}
         err = _divergence(registry, hit, indices, rank, seq)

@@ -64,23 +64,17 @@ from ..ledger import ledger
 from ..transport import GuardChannel, groups
 
 # The hook's helpers are imported under the private names its body has always used
-# (the body stays as it was; each is one global lookup, as before). Entry agreement
-# (agreements/entry.py) reads apart, EMPTY, go_apart, paths_diverged and
-# translate_entry_failure through this module.
+# (the body stays as it was; each is one global lookup, as before).
 from .guard_failure import describe_mismatch as _describe_mismatch
 from .guard_failure import desync as _desync
 from .guard_failure import park_failure as _park_failure
 from .guard_failure import park_interrupt as _park_interrupt
 from .guard_failure import park_left as _park_left
 from .guard_failure import raised_by_signal_handler as _raised_by_signal_handler
-from .guard_failure import translate_entry_failure as translate_entry_failure
 from .guard_frames import frame_identity
 from .guard_owner import claim_or_park as _claim_or_park
-from .guard_paths import EMPTY as EMPTY
-from .guard_paths import apart as apart
 from .guard_paths import apart_call as _apart_call
-from .guard_paths import go_apart as go_apart
-from .guard_paths import paths_diverged as paths_diverged
+from .guard_paths import go_apart, paths_diverged
 from .guard_state import state as _state
 from .guard_state import with_peers as _with_peers
 
