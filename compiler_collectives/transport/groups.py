@@ -49,6 +49,7 @@ from ..errors import (
     SCOPE_HINT,
     CollectiveError,
     CollectiveTimeoutError,
+    PeerFailureError,
     ScopeError,
     StoreUnresponsive,
 )
@@ -199,7 +200,9 @@ def _new_group(gen: Generation, tag: str, kind: str) -> Any:
         else:
             # Our own rendezvous first: group creation would otherwise wait on the
             # store with whatever timeout it picks and could not say who is missing.
-            absent = rendezvous.meet(side.store, side.rank, side.peers(), tag, timeout_s)
+            absent = rendezvous.meet(
+                side.store, side.rank, side.peers(), tag, timeout_s, heard=functools.partial(_stopped_by, kind, rank)
+            )
             if absent:
                 raise _absent_error(gen, side, absent, kind, rank, timeout_s)
     except StoreUnresponsive as e:
@@ -235,6 +238,22 @@ def _new_group(gen: Generation, tag: str, kind: str) -> Any:
         )
         health.poison(unresponsive)
         raise unresponsive from None
+
+
+def _stopped_by(kind: str, rank: int) -> PeerFailureError | None:
+    """Why a rank waiting for its peers to make a group stops early: it heard of a failure (a
+    peer that failed before it came reported it, or this rank's own collective failed)."""
+    failure = health.poisoned()
+    if failure is None:
+        return None
+    return PeerFailureError(
+        f"creating the {kind}-collective process group on rank {rank}: stopped waiting for the other ranks: {failure}",
+        kind=kind,
+        rank=rank,
+        ranks=failure.ranks,
+        reported_by=failure.reported_by,
+        left=getattr(failure, "left", False),
+    )
 
 
 def _scoped_group(gen: Generation, tag: str, ranks: tuple[int, ...] | list[int]) -> Any:
