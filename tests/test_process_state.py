@@ -147,6 +147,8 @@ def test_every_module_level_mutable_below_the_seam_is_declared():
         ("compiler_collectives.transport.generation", "_worlds = set()\n"),
         ("compiler_collectives.instrument.timing", "_count = 0\ndef bump():\n    global _count\n    _count += 1\n"),
         ("compiler_collectives.agreements.once.protocol", "import weakref\n_w = weakref.WeakKeyDictionary()\n"),
+        # a sequence of an agreement's own again, beside the generation's
+        ("compiler_collectives.agreements.compiler", "_seq = 0\ndef bump():\n    global _seq\n    _seq += 1\n"),
     ],
 )
 def test_the_check_flags_a_new_module_level_mutable_declared_nowhere(module, snippet):
@@ -175,12 +177,15 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
         assert f"{moment.value} clears:" in listed
     # The guard's state goes with every moment of a generation (the fork's own function).
     assert "compiler_collectives.agreements.guard_state: state" in listed
-    # What compile once added: its sequence, its ranks by host and record hook (its records are the
-    # ledger's; its current ticket is the compile scope's, no state of its own).
-    assert "_seq" in process_state.declared(f"{TOP}.agreements.once.protocol")
-    assert {"_known", "_tree"} <= process_state.declared(f"{TOP}.agreements.once.exchanges")
+    # The agreements' sequences and compile once's hosts are one object of the generation's, replaced
+    # at each moment that ends one; no agreement module keeps a counter of its own (compile once's
+    # records are the ledger's; its current ticket is the compile scope's; its record hook is wired).
+    assert "compiler_collectives.agreements.generation: _current: this generation's agreement state" in listed
+    [replaced] = [i for i in process_state.items() if i.owner == f"{TOP}.agreements.generation"]
+    assert replaced.moments == process_state.EVERY_GENERATION
+    for module in ("compiler", "audit_verdict", "once.protocol", "once.exchanges"):
+        assert process_state.declared(f"{TOP}.agreements.{module}") <= {"_compile_id", "_artifact_sink"}, module
     assert "_on_record" in process_state.declared(f"{TOP}.agreements.once.ticket")
-    assert "_local" not in process_state.declared(f"{TOP}.agreements.once.protocol")
     before = process_state.generation()
     process_state.run(process_state.STATS)
     assert process_state.generation() == before

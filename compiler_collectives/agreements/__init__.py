@@ -12,6 +12,8 @@
   rendezvous (versions and settings across the job; a scope's ranks);
 * ``exchange``: the one all-gather frame the byte exchanges share;
 * ``failure``: what an agreement does when its exchange fails;
+* ``generation``: what the agreements keep within a generation (sequence
+  numbers, compile once's hosts), one object replaced at each new generation;
 * ``wire``: the msgpack payloads, versioned and validated, one module per
   format (``compiler``, ``audit``, ``reasons``, ``setup``, ``scope``), each read
   through ``wire.codec``'s bounded reader.

@@ -36,19 +36,18 @@ from ..records import AuditDifference, AuditExchange, Divergence
 from ..transport import groups
 from . import exchange as exchange_frame
 from . import failure as failure_procedure
-from . import wire
+from . import generation, wire
 from .audit_record import LEVEL_NAMES, LEVELS, GraphAudit
 from .fingerprint import Collective
 
 log = logging.getLogger("compiler_collectives.audit")
 
-_seq = 0
 _artifact_sink: Callable[[str, Callable[[], str]], None] | None = None
 
 
 def progress() -> dict[str, Any]:
     """What the heartbeat tells of the audit (a progress source, wired at install)."""
-    return {"audit_seq": _seq}
+    return {"audit_seq": generation.current().audit_seq}
 
 
 @process_state.wired(names=("_artifact_sink",), what="torch's structured trace, for the audit's artifacts")
@@ -58,15 +57,9 @@ def set_artifact_sink(sink: Callable[[str, Callable[[], str]], None] | None) -> 
     _artifact_sink = sink
 
 
-@process_state.clears(*process_state.EVERY_GENERATION, names=("_seq",), what="the audit's sequence number")
-def reset_sequence() -> None:
-    global _seq
-    _seq = 0
-
-
 def sequence() -> int:
     """The number of the latest audit exchange of this generation."""
-    return _seq
+    return generation.current().audit_seq
 
 
 def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: bool = False) -> list[int]:
@@ -76,13 +69,13 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     produced (a cache hit there) once the shared levels agree: the caller has
     them compile again without caches and settles once more. Otherwise [].
     """
-    global _seq
     health.check("audit")
     pg = groups.compile_pg()
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
-    _seq += 1
-    seq = _seq
+    gen = generation.current()
+    gen.audit_seq += 1
+    seq = gen.audit_seq
     started = time.perf_counter()
     summary = wire.AuditSummary(record.phase, failure, record.levels(), record.graph_break)
     exchanged, not_compared = False, 0

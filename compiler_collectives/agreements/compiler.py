@@ -23,29 +23,16 @@ from ..observations import DistributedState, FrameId, LocalState
 from ..records import CompilerExchange
 from ..transport import groups
 from . import exchange as exchange_frame
-from . import guard_paths, wire
+from . import generation, guard_paths, wire
 from .phases import INPUTS, TRACE
 
 log = logging.getLogger("compiler_collectives.compiler")
 
-_seq = 0
-_last_frame: str | None = None
-
 
 def progress() -> dict[str, Any]:
     """What the heartbeat tells of the compiler collective (a progress source, wired at install)."""
-    return {"compiler_seq": _seq, "frame": _last_frame}
-
-
-@process_state.clears(
-    *process_state.EVERY_GENERATION,
-    names=("_seq", "_last_frame"),
-    what="the compiler collective's sequence number and last frame",
-)
-def reset_sequence() -> None:
-    global _seq, _last_frame
-    _seq = 0
-    _last_frame = None
+    gen = generation.current()
+    return {"compiler_seq": gen.compiler_seq, "frame": gen.compiler_frame}
 
 
 @dataclasses.dataclass
@@ -77,15 +64,15 @@ def exchange(
     ``state`` defaults to ``ds.local_state`` (the end of the first trace);
     the input exchange before the trace passes the predicted entries instead.
     """
-    global _seq, _last_frame
     health.check("compiler")
     pg = ds.compile_pg if pg is None else pg
     # Global ranks on the wire and in messages; under a scope the group's ranks are a subset.
     members = groups.member_ranks(pg)
     rank, world = members[pg.rank()], pg.size()
-    _seq += 1
-    seq = _seq
-    _last_frame = str(frame)
+    gen = generation.current()
+    gen.compiler_seq += 1
+    seq = gen.compiler_seq
+    gen.compiler_frame = str(frame)
     ds.frame, ds.seq = frame, seq
 
     def where() -> str:

@@ -80,7 +80,6 @@ from .protocol import (
     note_hit,
     note_source,
     offer,
-    reset_sequence,
 )
 from .ticket import Cache, Step, Ticket, records
 
@@ -109,6 +108,5 @@ __all__ = [
     "note_source",
     "offer",
     "records",
-    "reset_sequence",
     "safe_relpath",
 ]

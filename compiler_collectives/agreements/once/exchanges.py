@@ -4,9 +4,9 @@ which only the serving ranks contribute, and the load report (a MIN of a flag, t
 the ranks that did not load). Each runs in the agreements' one exchange frame
 (``agreements.exchange.framed``) under the graph's phase (``agreements.phases``).
 
-It holds what stays from graph to graph within a generation: the compile group's ranks by host
-(built at the generation's first graph) and what the last full key exchange saw (``keys.Known``);
-``forget_hosts`` clears both for a new generation.
+What stays from graph to graph within a generation, the compile group's ranks by host (built at
+the generation's first graph) and what the last full key exchange saw (``keys.Known``), is the
+generation's (``agreements.generation``): a new generation starts without either.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import time
 
-from ... import config, process_state
+from ... import config
 from ...errors import CollectiveDesyncError
 from ...ledger import ledger
 from ...records import OnceKeys, OnceLoadReport, OnceTreeExchange
 from ...transport import HostTree
 from .. import exchange as exchange_frame
-from .. import phases
+from .. import generation, phases
 from ..wire.once import Loaded, Offer, Result, decode_once, encode_once
 from . import keys, waits
 from .plan import COMPILE, SERVE
@@ -28,20 +28,15 @@ from .ticket import Step, Ticket, keep_record, once_error, where_of
 
 log = logging.getLogger("compiler_collectives.once")
 
-# What the last full key exchange of this generation saw that stays from graph to graph.
-_known: keys.Known | None = None
-# The compile group's ranks by host (``transport.HostTree``), built at a generation's first graph.
-_tree: HostTree | None = None
 
-
-def host_tree(ticket: Ticket) -> HostTree:
-    """The compile group's ranks by host; built at the generation's first graph (every rank together)."""
-    global _tree
-    tree = _tree
+def host_tree(ticket: Ticket, gen: generation.Generation) -> HostTree:
+    """The compile group's ranks by host, ``gen``'s; built at the generation's first graph (every
+    rank together)."""
+    tree = gen.once_tree
     if tree is None or tree.size != ticket.pg.size():
         pg = ticket.pg
         where = where_of(ticket, "hosts")
-        tree = _tree = exchange_frame.framed(
+        tree = gen.once_tree = exchange_frame.framed(
             pg,
             lambda: HostTree.build(pg, keys.record_width, where, phases.HOST_TREE),
             kind="compile_once",
@@ -52,15 +47,14 @@ def host_tree(ticket: Ticket) -> HostTree:
     return tree
 
 
-def settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
+def settle_keys(ticket: Ticket, mine: Offer, gen: generation.Generation) -> dict[int, Offer]:
     """Every rank's offer: from one fixed-size MIN over the host tree when, for each index on a
     host, every host's rank of that index has the same key (and the cache dirs are those of the
     last full exchange), else from a gather of every offer over the tree (``keys`` builds the
     record and reads it back). Every rank takes both steps or the first only, by the MIN's
-    outcome: the same everywhere."""
-    global _known
-    kept, seq = _known, ticket.seq or 0
-    tree = host_tree(ticket)
+    outcome: the same everywhere. ``gen``: the generation the graph's number was taken from."""
+    kept, seq = gen.once_known, ticket.seq or 0
+    tree = host_tree(ticket, gen)
     record = keys.record(mine, kept, members=ticket.members, tree=tree, seq=seq, level=ticket.level)
     out = tree_min(ticket, tree, record, phases.ONCE_KEYS, "keys")
     settled = keys.offers(out, mine, kept, members=ticket.members, tree=tree, seq=seq)
@@ -68,8 +62,8 @@ def settle_keys(ticket: Ticket, mine: Offer) -> dict[int, Offer]:
         ledger.add(OnceKeys(reduced=True))
         return settled
     ledger.add(OnceKeys(reduced=False))
-    offers = tree_gather(ticket, mine, phases.ONCE_KEYS, "keys")
-    _known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
+    offers = tree_gather(ticket, gen, mine, phases.ONCE_KEYS, "keys")
+    gen.once_known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
     return offers  # type: ignore[return-value]
 
 
@@ -92,12 +86,12 @@ _BODIES = {phases.ONCE_KEYS: "keys", phases.ONCE_RESULT: "result", phases.ONCE_L
 
 
 def tree_gather(
-    ticket: Ticket, body: Offer | Result | Loaded | None, phase: int, what: str
+    ticket: Ticket, gen: generation.Generation, body: Offer | Result | Loaded | None, phase: int, what: str
 ) -> dict[int, Offer | Result | Loaded]:
     """The ``body`` of every rank that has one (global rank -> body; None: this rank has none),
     on every rank, over the host tree (``HostTree.gather``): O(log hosts) rounds, and bytes per
     rank those of the bodies, not of the world."""
-    tree = host_tree(ticket)
+    tree = host_tree(ticket, gen)
     pg, seq, where = ticket.pg, ticket.seq or 0, where_of(ticket, what)
     limit = config.settings.max_payload_bytes
     payload = None if body is None else encode_once(rank=ticket.rank, world_size=pg.size(), seq=seq, body=body)
@@ -129,7 +123,7 @@ def exchange_results(ticket: Ticket, mine: Result) -> dict[int, Result]:
     ledger.add(OnceTreeExchange("result"))
     plan = ticket.plan
     source = plan is not None and plan.role in (COMPILE, SERVE)
-    out = tree_gather(ticket, mine if source else None, phases.ONCE_RESULT, "result")
+    out = tree_gather(ticket, generation.current(), mine if source else None, phases.ONCE_RESULT, "result")
     for r, p in ticket.plans.items():
         body = out.get(r)
         if body is None and p.role not in (COMPILE, SERVE):
@@ -153,7 +147,8 @@ def load_report(ticket: Ticket) -> None:
     ticket.step = Step.REPORTED
     t0 = time.perf_counter()
     loaded_here = ticket.outcome not in ("miss", "refused")
-    tree = host_tree(ticket)
+    gen = generation.current()
+    tree = host_tree(ticket, gen)
     if tree_min(ticket, tree, [1 if loaded_here else 0], phases.ONCE_LOADED, "load report")[0] == 1:
         ticket.local = ()
         ticket.exchange_s += time.perf_counter() - t0
@@ -162,7 +157,7 @@ def load_report(ticket: Ticket) -> None:
         return
     ledger.add(OnceTreeExchange("load report"))
     mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
-    details = tree_gather(ticket, mine, phases.ONCE_LOADED, "load report")
+    details = tree_gather(ticket, gen, mine, phases.ONCE_LOADED, "load report")
     ledger.add(OnceLoadReport(len(details)))
     for r, body in details.items():
         assert isinstance(body, Loaded)
@@ -181,16 +176,3 @@ def load_report(ticket: Ticket) -> None:
     if ticket.rank not in ticket.local:
         waits.wait_for_local_compiles(ticket)
     keep_record(ticket)
-
-
-@process_state.clears(
-    *process_state.EVERY_GENERATION,
-    names=("_known", "_tree"),
-    what="the cache dirs compile once's last key exchange saw, and its ranks by host",
-)
-def forget_hosts() -> None:
-    """A new generation of our groups learns its hosts and gathers every offer at its first graph
-    (every rank together)."""
-    global _known, _tree
-    _known = None
-    _tree = None

@@ -19,13 +19,13 @@ import os
 import time
 from collections.abc import Sequence
 
-from ... import config, health, process_state
+from ... import config, health
 from ...errors import CollectiveError, PeerFailureError, SetupMismatchError
 from ...ledger import ledger
 from ...observations import FrameId
 from ...records import OncePlanned
 from ...transport import groups
-from .. import audit, compile_scope
+from .. import audit, compile_scope, generation
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
 from ..wire.once import WARMTH_FX, WARMTH_MAX_ENTRIES, ManifestFile, Offer, Result
@@ -34,8 +34,6 @@ from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
 from .ticket import Cache, Step, Ticket, failed, keep_record, once_error, where_of
 
 log = logging.getLogger("compiler_collectives.once")
-
-_seq = 0
 
 
 def begin(frame: FrameId, cache: Cache, level: str = "aot", graph: str = "") -> Ticket:
@@ -87,11 +85,11 @@ def note_hit(entry: bytes) -> None:
 
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
     """The key exchange; returns this rank's plan."""
-    global _seq
     t0 = time.perf_counter()
-    ticket.pg = groups.compile_pg()  # first: a new default group noticed here clears ``_seq``
-    _seq += 1
-    ticket.seq = _seq
+    ticket.pg = groups.compile_pg()  # first: a new default group noticed here starts a new generation
+    gen = generation.current()
+    gen.once_seq += 1
+    ticket.seq = gen.once_seq
     ticket.key = key
     ticket.members = tuple(groups.member_ranks(ticket.pg))
     ticket.rank = ticket.members[ticket.pg.rank()]
@@ -107,7 +105,7 @@ def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[s
         ticket.graph,
         0 if holds else _warmth(ticket, key),
     )
-    ticket.offers = exchanges.settle_keys(ticket, mine)
+    ticket.offers = exchanges.settle_keys(ticket, mine, gen)
     rank = ticket.rank
     try:
         ticket.plans = decide(ticket.offers, ticket.seq, me=rank)
@@ -324,18 +322,6 @@ def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
 def abandon(ticket: Ticket) -> None:
     """Drop ``ticket`` without further exchanges (ours failed during its compile)."""
     _close(ticket)
-
-
-@process_state.clears(
-    *process_state.EVERY_GENERATION,
-    names=("_seq",),
-    what="compile once's graph numbers",
-)
-def reset_sequence() -> None:
-    """A new generation of our groups numbers its graphs from 1 again (its hosts and offers are
-    learnt again too: ``exchanges.forget_hosts``)."""
-    global _seq
-    _seq = 0
 
 
 def _any_source(ticket: Ticket) -> bool:

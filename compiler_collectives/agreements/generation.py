@@ -1,0 +1,71 @@
+"""This generation's agreement state: one object, replaced whole when a new generation starts.
+
+What the agreements keep from one exchange to the next within a generation (the life of our
+groups under one default group: ``process_state``) lives in one ``Generation``, not in module
+globals of each agreement:
+
+* the compiler collective's sequence number and the frame of its latest exchange (``compiler``);
+* the program audit's sequence number (``audit_verdict``);
+* compile once's graph number, what its last full key exchange saw, and the compile group's
+  ranks by host (``once.protocol``, ``once.exchanges``).
+
+Every moment that ends a generation (``RESET``, ``GROUP_DESTROYED``, ``FORK``) binds a fresh
+instance (``replace``); nothing is zeroed in place, so an instance a caller still holds keeps
+the numbers of the generation it belonged to, and the new generation's first exchanges start
+from 1 again on every rank together. Callers ask ``current()`` at the moment they need it,
+after anything that could notice a new default group (``groups.compile_pg()``,
+``groups.member_ranks``), never at import. The guard collective's state is its own
+(``guard_state``): its hook reads it on every compiled call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .. import process_state
+
+if TYPE_CHECKING:
+    from ..transport import HostTree
+    from .once.keys import Known
+
+
+@dataclasses.dataclass
+class Generation:
+    """The agreements' state of one generation; a new generation gets a new instance."""
+
+    # The compiler collective's latest sequence number (0: none yet) and the frame it exchanged.
+    compiler_seq: int = 0
+    compiler_frame: str | None = None
+    # The program audit's latest sequence number.
+    audit_seq: int = 0
+    # Compile once's latest graph number.
+    once_seq: int = 0
+    # What compile once's last full key exchange saw that stays from graph to graph.
+    once_known: Known | None = None
+    # The compile group's ranks by host, built at the generation's first compile once graph.
+    once_tree: HostTree | None = None
+
+
+_current = Generation()
+
+
+def current() -> Generation:
+    """The current generation's agreement state (read it when needed; do not keep it across moments)."""
+    return _current
+
+
+@process_state.clears(
+    *process_state.EVERY_GENERATION,
+    names=("_current",),
+    what=(
+        "this generation's agreement state, replaced by a fresh Generation: the compiler collective's, "
+        "the audit's and compile once's sequence numbers, the compiler collective's last frame, and the "
+        "cache dirs compile once's last key exchange saw and its ranks by host"
+    ),
+)
+def replace() -> None:
+    """A new generation starts from a fresh instance (its exchanges number from 1 again, and compile
+    once learns its hosts and gathers every offer at its first graph, every rank together)."""
+    global _current
+    _current = Generation()
