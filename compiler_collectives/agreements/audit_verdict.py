@@ -36,7 +36,7 @@ from ..records import AuditDifference, AuditExchange, Divergence
 from ..transport import groups
 from . import exchange as exchange_frame
 from . import failure as failure_procedure
-from . import wire
+from . import our_groups, wire
 from .audit_record import LEVEL_NAMES, LEVELS, GraphAudit
 from .fingerprint import Collective
 
@@ -77,8 +77,8 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     them compile again without caches and settles once more. Otherwise [].
     """
     global _seq
-    health.check("audit")
-    pg = groups.compile_pg()
+    health.latch.check("audit")
+    pg = our_groups.compile_pg()
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
     _seq += 1

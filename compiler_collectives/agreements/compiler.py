@@ -23,7 +23,7 @@ from ..observations import DistributedState, FrameId, LocalState
 from ..records import CompilerExchange
 from ..transport import groups
 from . import exchange as exchange_frame
-from . import guard_paths, wire
+from . import guard_paths, our_groups, wire
 from .phases import INPUTS, TRACE
 
 log = logging.getLogger("compiler_collectives.compiler")
@@ -78,7 +78,7 @@ def exchange(
     the input exchange before the trace passes the predicted entries instead.
     """
     global _seq, _last_frame
-    health.check("compiler")
+    health.latch.check("compiler")
     pg = ds.compile_pg if pg is None else pg
     # Global ranks on the wire and in messages; under a scope the group's ranks are a subset.
     members = groups.member_ranks(pg)
@@ -273,7 +273,7 @@ def _shown(entry: Any) -> str:
 
 
 def group_for_compile() -> Any:
-    return groups.compile_pg()
+    return our_groups.compile_pg()
 
 
 def distributed() -> bool:
