@@ -95,7 +95,7 @@ def scope(group: Any = None) -> None:
     """
     import torch.distributed as dist
 
-    from .transport import groups
+    from .agreements import our_groups
     from .transport.scope import from_group
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -105,7 +105,7 @@ def scope(group: Any = None) -> None:
             kind="scope",
         )
     chosen = from_group(group, dist.get_rank(), dist.get_world_size())
-    groups.use_scope(chosen)  # raises after a compile; runs the setup check for a scope
+    our_groups.use_scope(chosen)  # raises after a compile; runs the setup check for a scope
 
 
 def install() -> None:

@@ -59,8 +59,8 @@ class Runtime:
     * ``install_error``: what patching torch raised, kept only where
       ``doctor`` runs (anywhere else install raises it);
     * ``latch``: the first failure on this rank and any error waiting to
-      leave our code (``health.latch``: a moment that ends a generation
-      clears it in place);
+      leave our code (``health.latch``, read anew on each use: a moment that
+      ends a generation binds a new one there);
     * ``ledger``: one frozen record per agreement or graph, from which
       ``stats()`` is computed (``ledger.ledger``: ``reset_stats()`` clears it
       in place);
@@ -75,9 +75,12 @@ class Runtime:
     """
 
     settings: Any
-    latch: Latch
     ledger: Ledger
     install_error: UnsupportedTorchError | None = None
+
+    @property
+    def latch(self) -> Latch:
+        return health.latch
 
     @property
     def generation(self) -> int:
@@ -104,7 +107,7 @@ def install() -> Runtime:
         install_error = e
         doctor.set_install_error(e)
     os.register_at_fork(after_in_child=after_fork_in_child)
-    _runtime = Runtime(settings, health.latch, ledger.ledger, install_error)
+    _runtime = Runtime(settings, ledger.ledger, install_error)
     return _runtime
 
 

@@ -20,8 +20,13 @@ below keep every other route closed, each shown failing on a mutation (as
 * one context variable: the compile scope's;
 * every seam of the seam table (a replacement torch calls inside a compile) is a boundary;
 * one ``failure.fail()`` counts a failure (adds a ``Failure`` record) and poisons the latch;
-  no other module does (the latch and its public face aside), but the few places named below
-  that do it by hand still, each with why.
+  no other module does (the latch itself aside): not transport, which raises what stopped a
+  build of our groups (``agreements/our_groups.py`` fails with it), and not the guard hook's
+  Ctrl-C or a signal handler's exit, which ``fail()`` is told of as such;
+* the agreements, ``scope()`` and ``doctor`` make our groups through ``our_groups`` only, so
+  that a failed build poisons this rank;
+* nobody keeps the latch: a new generation binds a new one (``health.renew``), so each use
+  reads ``health.latch`` anew (no ``from ..health import latch``, no module-level copy).
 
 The behaviour itself (our error reaching the user's call as itself, by each route) is tested
 where each agreement is: the guard hook's parked error in ``test_failures.py``,
@@ -40,7 +45,7 @@ import re
 import pytest
 
 from compiler_collectives.agreements import compile_scope
-from compiler_collectives.errors import CollectiveDesyncError, CompileOnceError
+from compiler_collectives.errors import CollectiveDesyncError, CollectivePoisonedError, CompileOnceError
 from compiler_collectives.health.latch import Latch
 
 from .test_layering import TOP, TREE, Tree, mutated
@@ -65,19 +70,11 @@ NOT_BOUNDARIES = {
 }
 
 # Where a failure is counted and the latch poisoned: the failure procedure, and the latch itself.
-FAILURE_OWNERS = {f"{TOP}.agreements.failure", f"{TOP}.health", f"{TOP}.health.latch"}
-# (module, function) that still count a failure or poison the latch by hand, and why. The check
-# fails once one of them stops, so that this list only shrinks.
-BY_HAND = {
-    (f"{TOP}.transport.groups", "use_scope"): "the setup check of a scope: transport, below the failure procedure",
-    (f"{TOP}.transport.groups", "_new_group"): "creating a group of ours: transport, below the failure procedure",
-    (f"{TOP}.agreements.guard_failure", "park_interrupt"): "Ctrl-C in the guard hook: poisoned, nobody's failure",
-    (
-        f"{TOP}.agreements.guard_failure",
-        "park_left",
-    ): "the user's signal handler left the hook: poisoned, told as a leave",
-}
+FAILURE_OWNERS = {f"{TOP}.agreements.failure", f"{TOP}.health.latch"}
 POISONS = ("poison", "poison_from_peer")
+# What builds our groups (the facade's methods) and the one module of the agreements that calls them.
+BUILDS = ("compile_pg", "guard_channel", "guard_pg", "choose_scope", "agree_scope")
+GROUP_MAKER = f"{TOP}.agreements.our_groups"
 
 
 @functools.cache
@@ -186,21 +183,20 @@ def check_seams_are_boundaries(tree: Tree) -> list[str]:
     return offences
 
 
-def check_failure_by_hand(tree: Tree) -> dict[tuple[str, str], list[str]]:
-    """Per (module, outermost function): where it adds a ``Failure`` record or poisons the latch,
-    outside ``FAILURE_OWNERS`` (through any name either is imported as)."""
-    found: dict[tuple[str, str], list[str]] = {}
-    for module, source in tree.items():
-        if module.startswith(TOP) and module not in FAILURE_OWNERS:
-            for function, where in _failure_by_hand(source.shown, source.text):
-                found.setdefault((module, function), []).append(where)
-    return found
+def check_failure_by_hand(tree: Tree) -> list[str]:
+    """Where a module outside ``FAILURE_OWNERS`` adds a ``Failure`` record or poisons the latch
+    (through any name either is imported as)."""
+    return [
+        offence
+        for module, source in tree.items()
+        if module.startswith(TOP) and module not in FAILURE_OWNERS
+        for offence in _failure_by_hand(source.shown, source.text)
+    ]
 
 
 @functools.cache
-def _failure_by_hand(shown: str, text: str) -> tuple[tuple[str, str], ...]:
+def _failure_by_hand(shown: str, text: str) -> tuple[str, ...]:
     parsed = _parse(text)
-    inside = _functions(parsed)
     records, poisons = {"Failure"}, set(POISONS)  # the names each is called by here
     for node in ast.walk(parsed):
         if isinstance(node, ast.ImportFrom):
@@ -216,26 +212,77 @@ def _failure_by_hand(shown: str, text: str) -> tuple[tuple[str, str], ...]:
         called = node.func
         name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
         if name in records or (isinstance(called, ast.Attribute) and name == "Failure"):
-            out.append((inside[node], f"{shown}:{node.lineno}: adds a Failure record ({ast.unparse(node)})"))
+            out.append(f"{shown}:{node.lineno}: adds a Failure record ({ast.unparse(node)})")
         elif name in poisons or (isinstance(called, ast.Attribute) and name in POISONS):
-            out.append((inside[node], f"{shown}:{node.lineno}: poisons the latch ({ast.unparse(node)})"))
+            out.append(f"{shown}:{node.lineno}: poisons the latch ({ast.unparse(node)})")
+    return tuple(out)
+
+
+def check_groups_made_through_the_agreements(tree: Tree) -> list[str]:
+    """A build of our groups (``BUILDS`` called on transport's ``groups``, by any name it is
+    imported as) outside transport and ``GROUP_MAKER``: its failure would poison nobody."""
+    offences: list[str] = []
+    for module, source in tree.items():
+        if module.startswith(TOP) and module != GROUP_MAKER and not module.startswith(f"{TOP}.transport"):
+            offences += _builds(source.shown, source.text)
+    return offences
+
+
+@functools.cache
+def _builds(shown: str, text: str) -> tuple[str, ...]:
+    parsed = _parse(text)
+    facade = {
+        alias.asname or alias.name
+        for node in ast.walk(parsed)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("transport")
+        for alias in node.names
+        if alias.name == "groups"
+    }
+    return tuple(
+        f"{shown}:{node.lineno}: builds our groups past our_groups ({ast.unparse(node)})"
+        for node in ast.walk(parsed)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in BUILDS
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id in facade
+    )
+
+
+def check_latch_read_anew(tree: Tree) -> list[str]:
+    """The latch bound once and kept: imported by name, or copied into a module-level name."""
+    offences: list[str] = []
+    for module, source in tree.items():
+        if module.startswith(TOP):
+            offences += _kept_latch(source.shown, source.text)
+    return offences
+
+
+@functools.cache
+def _kept_latch(shown: str, text: str) -> tuple[str, ...]:
+    parsed = _parse(text)
+    out = [
+        f"{shown}:{node.lineno}: imports the latch by name (read health.latch at each use)"
+        for node in ast.walk(parsed)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").endswith("health")
+        and any(alias.name == "latch" for alias in node.names)
+    ]
+    out += [
+        f"{shown}:{node.lineno}: keeps the latch in a module-level name ({ast.unparse(node)})"
+        for node in parsed.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "latch"
+    ]
     return tuple(out)
 
 
 # ------------------------------------------------------------------ the code rules
 
 
-def failure_by_hand_offences(tree: Tree) -> list[str]:
-    """A failure counted or the latch poisoned outside the failure procedure and ``BY_HAND``, and
-    each entry of ``BY_HAND`` that no longer does it."""
-    found = check_failure_by_hand(tree)
-    offences = [o for key, found_there in sorted(found.items()) if key not in BY_HAND for o in found_there]
-    gone = sorted(set(BY_HAND) - set(found))
-    return offences + [f"{m}:{f} no longer counts or poisons by hand: take it off BY_HAND" for m, f in gone]
-
-
 def test_only_the_failure_procedure_counts_a_failure_or_poisons_the_latch():
-    assert failure_by_hand_offences(TREE) == []
+    assert check_failure_by_hand(TREE) == []
 
 
 @pytest.mark.parametrize(
@@ -246,28 +293,54 @@ def test_only_the_failure_procedure_counts_a_failure_or_poisons_the_latch():
             f"{TOP}.agreements.audit_verdict",
             "def f(err):\n    ledger.add(Divergence('audit'))\n    ledger.add(Failure('audit'))\n",
         ),
-        (f"{TOP}.agreements.entry_check", "def f(err):\n    health.poison(err)\n    raise err\n"),
-        (f"{TOP}.agreements.compile_wait", "def f(err):\n    health.latch.poison(err)\n"),
+        (f"{TOP}.agreements.entry_check", "def f(err):\n    health.latch.poison(err)\n    raise err\n"),
         (f"{TOP}.agreements.compile_wait", "from ..records import Failure as Counted\nledger.add(Counted('x'))\n"),
-        (
-            f"{TOP}.dynamo.compiler_seam",
-            "from ..health import poison_from_peer\ndef f(err):\n    poison_from_peer(err)\n",
-        ),
-        (f"{TOP}.agreements.guard", "def hook(err):\n    health.poison(err)\n"),  # a module BY_HAND, elsewhere
+        (f"{TOP}.dynamo.compiler_seam", "def f(err):\n    health.latch.poison_from_peer(err)\n"),
+        # the four that poisoned by hand before fail() took them: a build of our groups, the
+        # guard hook's Ctrl-C and a signal handler's exit
+        (f"{TOP}.transport.groups", "def _new_group(err):\n    health.latch.poison(err)\n"),
+        (f"{TOP}.agreements.guard_failure", "def park_interrupt(note):\n    health.latch.poison(note)\n"),
+        # a pass-through on the health package, and a name imported for it
+        (f"{TOP}.health", "def poison(error):\n    latch.poison(error)\n"),
+        (f"{TOP}.agreements.guard", "from ..health.latch import poison as p\np(1)\n"),
     ],
 )
 def test_the_failure_check_flags_a_failure_counted_or_a_latch_poisoned_by_hand(module, snippet):
-    offences = failure_by_hand_offences(mutated(module, snippet))
+    offences = check_failure_by_hand(mutated(module, snippet))
     assert offences and all("(mutated)" in o for o in offences), offences
 
 
-def test_the_failure_check_flags_an_entry_of_by_hand_that_is_gone():
-    (module, function), *_ = BY_HAND
-    tree = dict(TREE)
-    tree[module] = type(tree[module])(tree[module].shown + " (mutated)", "", tree[module].is_package)
-    assert f"{module}:{function} no longer counts or poisons by hand: take it off BY_HAND" in failure_by_hand_offences(
-        tree
-    )
+def test_every_build_of_our_groups_goes_through_the_agreements():
+    assert check_groups_made_through_the_agreements(TREE) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        (f"{TOP}.agreements.audit_verdict", "def f():\n    return groups.compile_pg()\n"),
+        (f"{TOP}.agreements.guard", "def group():\n    return groups.guard_pg()\n"),
+        (f"{TOP}", "from .transport import groups as built\ndef scope(chosen):\n    built.choose_scope(chosen)\n"),
+    ],
+)
+def test_the_group_check_flags_a_build_past_the_agreements(module, snippet):
+    offences = check_groups_made_through_the_agreements(mutated(module, snippet))
+    assert offences and all("(mutated)" in o for o in offences), offences
+
+
+def test_nobody_keeps_the_latch():
+    assert check_latch_read_anew(TREE) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [
+        (f"{TOP}.transport.shm", "from ..health import latch\n"),
+        (f"{TOP}.agreements.guard", "_latch = health.latch\n"),
+    ],
+)
+def test_the_latch_check_flags_a_latch_kept_from_import(module, snippet):
+    offences = check_latch_read_anew(mutated(module, snippet))
+    assert offences and all("(mutated)" in o for o in offences), offences
 
 
 def test_only_the_latch_and_the_scope_raise_our_error_out_of_torch_s_wrappers():
@@ -386,7 +459,7 @@ def test_outside_a_compile_nothing_is_latched():
     assert compile_scope.current() is None
 
 
-def test_a_parked_error_is_raised_once_by_its_own_thread_and_cleared_for_every_thread():
+def test_a_parked_error_is_raised_once_by_its_own_thread_and_a_new_latch_holds_none():
     import threading
 
     latch = Latch()
@@ -400,5 +473,27 @@ def test_a_parked_error_is_raised_once_by_its_own_thread_and_cleared_for_every_t
         latch.raise_parked()
     latch.raise_parked()  # raised once
     latch.park(CollectiveDesyncError("x"))
-    latch.clear()
-    latch.raise_parked()  # clear() dropped it
+    Latch(explainer=latch.explainer).raise_parked()  # a new generation's latch: nothing parked
+
+
+@pytest.mark.parametrize("moment", ["reset", "default_group_destroyed"])
+def test_a_new_generation_replaces_the_latch_and_a_poisoned_rank_is_healthy_again(moment):
+    import compiler_collectives as cc
+    from compiler_collectives import health, runtime
+    from compiler_collectives.agreements import failure
+
+    old = health.latch
+    try:
+        old.poison(CollectiveDesyncError("ranks out of step", kind="guard"))
+        old.park(CollectiveDesyncError("parked"))
+        with pytest.raises(CollectivePoisonedError):
+            health.latch.check("guard")
+        cc.reset() if moment == "reset" else runtime.default_group_destroyed()
+    finally:
+        if health.latch is old:  # the moment failed: leave the next test a healthy rank
+            runtime.reset()
+    assert health.latch is not old and runtime.current().latch is health.latch
+    assert health.latch.first_failure is None
+    health.latch.check("guard")  # no refusal
+    health.latch.raise_parked()  # nothing parked
+    assert health.latch.explainer is failure.explain_report  # the wiring stays

@@ -168,7 +168,7 @@ def hears_of_a_failure_before_its_compile(rank: int, world: int) -> dict:
         # Learn of the failure from the side channel first (rank 0's report), then compile:
         # the order a survivor on a busy machine can meet things in.
         give_up = time.monotonic() + 30.0
-        while health.poisoned() is None and time.monotonic() < give_up:
+        while health.latch.first_failure is None and time.monotonic() < give_up:
             time.sleep(0.02)
     else:
         time.sleep(0.5)
@@ -272,7 +272,7 @@ def peer_stopped(rank: int, world: int) -> dict:
         from compiler_collectives import health
 
         give_up = time.monotonic() + 15.0  # resumed: its heartbeat thread reads the failure reports
-        while health.poisoned() is None and time.monotonic() < give_up:
+        while health.latch.first_failure is None and time.monotonic() < give_up:
             time.sleep(0.05)
         return {"after_cont": caught(lambda: f(torch.ones(2)))}
     if rank == 2:
@@ -697,7 +697,7 @@ def heartbeat_hits_an_error(rank: int, world: int) -> dict:
 
         groups.progress_sources.append(fails_once)  # read by the heartbeat thread at its next beat
         stay_until(1, TIMEOUT_S + 10)  # alive, elsewhere, while rank 0 fails and diagnoses
-        first = health.poisoned()
+        first = health.latch.first_failure
         return {"poisoned": None if first is None else str(first), "beats_after_error": len(calls) - 1}
     result = caught(lambda: f(torch.ones(2)))
     release()
@@ -750,7 +750,7 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
             out = {"raised": "KeyboardInterrupt"}
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out = {"raised": type(e).__name__, "message": str(e)}
-        out["refuses_afterwards"] = health.poisoned() is not None
+        out["refuses_afterwards"] = health.latch.first_failure is not None
         release("interrupted")
         stay_until(1, 30)  # stay while rank 0 runs its call and listens for reports
         return out
@@ -759,7 +759,7 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
     beats = groups.side.beats
     while groups.side.beats < beats + 3:  # three heartbeats: any failure report would have poisoned us
         time.sleep(0.01)
-    first = health.poisoned()
+    first = health.latch.first_failure
     result["poisoned"] = None if first is None else str(first)
     result["failure_reports"] = int(groups.side.store.add("failures", 0))
     release()

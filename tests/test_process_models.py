@@ -59,7 +59,11 @@ def reinit_on_the_same_port(rank: int, world: int, port: int, generations: int, 
         g = torch.compile(lambda x, k=generation: x + k, backend="eager")  # a new frame: a compiler collective
         values = [float(f(torch.ones(2)).sum()) for _ in range(3)] + [float(g(torch.ones(2)).sum())]
         out.append(
-            {"values": values, "transport": cc.stats()["guard_transport"], "poisoned": cc.health.poisoned() is not None}
+            {
+                "values": values,
+                "transport": cc.stats()["guard_transport"],
+                "poisoned": cc.health.latch.first_failure is not None,
+            }
         )
         dist.destroy_process_group()
     return out
@@ -106,14 +110,14 @@ def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int
             break
     before = process_state.generation()
     torch_destroy()
-    unseen = process_state.generation() == before and health.poisoned() is not None
+    unseen = process_state.generation() == before and health.latch.first_failure is not None
     init_gloo(rank, world, f"tcp://127.0.0.1:{ports[1]}")
     values = [float(f(ones).sum()) for _ in range(3)] + [float(g(ones).sum())]
     out = {
         "failed": failed,
         "unseen": unseen,
         "values": values,
-        "poisoned": health.poisoned() is not None,
+        "poisoned": health.latch.first_failure is not None,
         "generations": process_state.generation() - before,
     }
     dist.destroy_process_group()
@@ -189,7 +193,7 @@ def forked_child_runs_compiled_code(rank: int, world: int) -> dict:
     dist.barrier()
     # The ranks go on together: nothing of the child's reached either of them.
     after = [caught(lambda: f(torch.ones(2)))["type"] for _ in range(5)]
-    first = health.poisoned()
+    first = health.latch.first_failure
     return {
         "child": child,
         "at_fork": at_fork,
@@ -271,7 +275,7 @@ def two_threads_run_compiled_code(rank: int, world: int, calls: int) -> dict:
     thread.start()
     main = [caught(lambda: f(torch.ones(2))) for _ in range(calls)]
     thread.join(60)
-    first = health.poisoned()
+    first = health.latch.first_failure
     return {
         "other": other,
         "main": [m["type"] for m in main],
@@ -336,7 +340,7 @@ def preempted_inside_the_guard_collective(rank: int, world: int) -> dict:
     # Rank 1's part of this call was in before it left: the call may still agree, the next cannot.
     first = caught(lambda: f(torch.ones(2)))
     give_up = time.monotonic() + 10.0
-    while health.poisoned() is None and time.monotonic() < give_up:
+    while health.latch.first_failure is None and time.monotonic() < give_up:
         time.sleep(0.05)
     second = caught(lambda: f(torch.ones(2))) if first["type"] is None else first
     release()

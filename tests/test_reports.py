@@ -37,7 +37,7 @@ def _until_poisoned(max_s: float) -> None:
     from compiler_collectives import health
 
     give_up = time.monotonic() + max_s
-    while health.poisoned() is None and time.monotonic() < give_up:
+    while health.latch.first_failure is None and time.monotonic() < give_up:
         time.sleep(0.02)
 
 

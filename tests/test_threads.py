@@ -60,7 +60,7 @@ def _in_thread(name: str, fn) -> None:
 def _report(out: dict) -> dict:
     import compiler_collectives as cc
 
-    first = cc.health.poisoned()
+    first = cc.health.latch.first_failure
     stats = cc.stats()
     return {
         **out,

@@ -52,7 +52,7 @@ from ..ledger import ledger
 from ..observations import FrameId
 from ..records import AuditDifference, AuditRecompile, AuditRecompileWait, ImportedGraphs, LazyBackward
 from ..transport import groups
-from . import audit_record, audit_verdict, compile_wait
+from . import audit_record, audit_verdict, compile_wait, our_groups
 from .audit_record import AotScope, GraphAudit
 from .audit_record import current as current  # compile once reads the open record here
 from .audit_verdict import settle
@@ -161,7 +161,7 @@ def _run(record: GraphAudit, compile: Callable[[], T], stage: str | None, ended:
     except Exception as e:
         if ended is not None:
             ended()  # before the exchange below: the ranks waiting for this compile then take it
-        if health.poisoned() is not None:
+        if health.latch.first_failure is not None:
             # A failure was published (ours, raised inside the backend, where torch wrapped it:
             # compile once's wait gave up, say): the peers will not exchange for this graph. The
             # seam around Dynamo's compile gives the user our type. (Ours that left the ranks in
@@ -189,7 +189,7 @@ def _audited(record: GraphAudit, compile: Callable[[], T], *, stage: str | None)
         # rank knows ``missing`` from the same summaries: all take the second
         # exchange. The others wait for them as for any compile (``compile_wait``):
         # that compile may take far longer than the exchange's timeout allows.
-        pg = groups.compile_pg()
+        pg = our_groups.compile_pg()
         members = groups.member_ranks(pg)
         seq = audit_verdict.sequence()
         keys = {members[r]: f"audit/{seq}/again/{members[r]}" for r in missing}

@@ -36,7 +36,7 @@ from ..records import AuditDifference, AuditExchange, Divergence
 from ..transport import groups
 from . import exchange as exchange_frame
 from . import failure as failure_procedure
-from . import generation, wire
+from . import generation, our_groups, wire
 from .audit_record import LEVEL_NAMES, LEVELS, GraphAudit
 from .fingerprint import Collective
 
@@ -69,8 +69,8 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     produced (a cache hit there) once the shared levels agree: the caller has
     them compile again without caches and settles once more. Otherwise [].
     """
-    health.check("audit")
-    pg = groups.compile_pg()
+    health.latch.check("audit")
+    pg = our_groups.compile_pg()
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
     gen = generation.current()

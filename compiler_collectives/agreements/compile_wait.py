@@ -13,7 +13,7 @@ the ranks, never a timeout that blames the collective timeout.
 Waiting blocks; it does not poll the store (issue 37): the posts are awaited with the store's
 own ``wait`` on a connection of their own (``groups.wait_posts``: a few store requests per
 post however long the compile), while this thread looks every ``TICK_S`` for a failure this
-rank heard of (``health.poisoned``, fed by the heartbeat thread: no store request) and every
+rank heard of (``health.latch.first_failure``, fed by the heartbeat thread: no store request) and every
 ``PROBE_EVERY_S`` at the pending ranks (``/proc`` and the gloo connection cost the store
 nothing; the watch reads their heartbeat records at its own, slower pace).
 
@@ -105,7 +105,7 @@ def wait_for_posts(
         next_probe = started
         while not notices.done(TICK_S):
             pending = [r for r, value in zip(order, notices.posted()) if value is None]
-            failure_seen = health.poisoned()
+            failure_seen = health.latch.first_failure
             if failure_seen is not None:
                 why_not = f"it heard of a failure: {failure_seen}"
                 stopped: CollectiveError = PeerFailureError(

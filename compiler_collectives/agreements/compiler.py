@@ -23,7 +23,7 @@ from ..observations import DistributedState, FrameId, LocalState
 from ..records import CompilerExchange
 from ..transport import groups
 from . import exchange as exchange_frame
-from . import generation, guard_paths, wire
+from . import generation, guard_paths, our_groups, wire
 from .phases import INPUTS, TRACE
 
 log = logging.getLogger("compiler_collectives.compiler")
@@ -64,7 +64,7 @@ def exchange(
     ``state`` defaults to ``ds.local_state`` (the end of the first trace);
     the input exchange before the trace passes the predicted entries instead.
     """
-    health.check("compiler")
+    health.latch.check("compiler")
     pg = ds.compile_pg if pg is None else pg
     # Global ranks on the wire and in messages; under a scope the group's ranks are a subset.
     members = groups.member_ranks(pg)
@@ -260,7 +260,7 @@ def _shown(entry: Any) -> str:
 
 
 def group_for_compile() -> Any:
-    return groups.compile_pg()
+    return our_groups.compile_pg()
 
 
 def distributed() -> bool:

@@ -29,7 +29,7 @@ from .guard_paths import EMPTY, go_apart, paths_diverged
 
 def check_entry(registry: Frame, entry: Entry) -> None:
     """Every rank is about to run an entry of ``registry``'s frame: raise unless their programs agree."""
-    health.check("entry")
+    health.latch.check("entry")
     found = guard_collective.entry_check_channel()
     if found is None:  # not distributed, or no guard collective: cache contents need not be in step
         return

@@ -66,7 +66,7 @@ def gather(
     raised identically on every rank, since every rank decodes and checks
     every payload.
     """
-    health.check(kind)
+    health.latch.check(kind)
     members = groups.member_ranks(pg)
     rank, world = members[pg.rank()], pg.size()
     settings = config.settings
@@ -105,7 +105,7 @@ def framed(
 ) -> T:
     """``op()``, an exchange of ours on ``pg`` (a ``HostTree``'s), in ``gather``'s frame: a
     failure is our error, through the failure procedure (this rank poisoned)."""
-    health.check(kind)
+    health.latch.check(kind)
     members = groups.member_ranks(pg)
     rank = members[pg.rank()]
     try:

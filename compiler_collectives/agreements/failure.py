@@ -21,9 +21,13 @@ failure word). This module decides what that means for the job:
   rank reached from the same exchanged data (``VERDICT``: a program
   divergence) is neither published nor diagnosed. Either is counted and
   poisons this rank. An agreement's own error about what it decided
-  (``RAISED``: compile once's errors about a graph) is only counted. No
-  other module counts a failure or poisons the latch but the few that
-  ``tests/test_error_exit.py`` names (``BY_HAND``).
+  (``RAISED``: compile once's errors about a graph) is only counted. Three
+  ends poison this rank and count nothing: making our groups failed
+  (``SETUP``), a ``KeyboardInterrupt`` inside a collective (``INTERRUPTED``:
+  nobody's failure, told to nobody), and the user's own signal handler
+  raising while this rank waited (``LEFT``: the peers are told it left).
+  No other module counts a failure or poisons the latch
+  (``tests/test_error_exit.py``).
 
 **A report keeps its type.** When this rank's collective stopped on a peer's
 report (the error's ``reported_by``: the failure word, the store report its
@@ -35,7 +39,7 @@ on hearing of the same report. For the same reason a desync diagnosis gives
 way to a peer's original report (one that peer did not relay) that does not
 name the ranks found elsewhere.
 
-Either way this rank is poisoned (``health``): its later collectives refuse
+Either way this rank is poisoned (``health.latch``): its later collectives refuse
 until ``compiler_collectives.reset()``.
 
 **A peer's report.** Transport only hands over what it heard: the raw store
@@ -50,8 +54,9 @@ for this rank:
 * ``explain_report``: the first refusal of a report that names nobody asks
   for this rank's own short diagnosis of who is absent (``health.latch.explainer``).
 
-``connect`` registers both with the layers below. It runs when this module
-is imported and is idempotent; ``reset()`` and a fork keep both registered.
+``connect`` registers both with the layers below. Install runs it
+(``dynamo/wiring.py``); it is idempotent, and ``reset()`` and a fork keep
+both (each new generation's latch takes the explainer over).
 """
 
 from __future__ import annotations
@@ -103,6 +108,23 @@ RAISED = "raised"
 a graph: a loader quoting its source's compile error, a setup mismatch, a report already heard):
 counted only. Whatever stopped a collective under it went through ``fail`` already, and a rank
 that merely relays a peer's error is not the one that failed."""
+SETUP = "setup"
+"""Making our groups failed (the setup check, the rendezvous before a group, gloo's connection
+set-up: ``transport.groups`` raises what stopped it; ``our_groups`` tells it here): this rank
+poisoned only. Not counted: no collective of an agreement ran. Not published: each rank of a
+rendezvous names the absent ranks at its own timeout, and the setup check reports its own
+verdict (``scope.py``)."""
+INTERRUPTED = "interrupted"
+"""A ``KeyboardInterrupt`` (or another exit that is no error) left a collective of this rank
+half-done: this rank poisoned only, since it is no longer in step. Nobody's failure (a Ctrl-C
+usually reaches every rank of a job at once): not counted, told to nobody."""
+LEFT = "left"
+"""The user's own code (a signal handler) raised while this rank waited in a collective: this
+rank poisoned, and the peers told that it left, in the words ``told`` (``groups.leave``), so
+they stop waiting for it within about a heartbeat. Not a failure of ours: not counted, not
+diagnosed."""
+_OURS = (KNOWN, VERDICT, RAISED, SETUP, INTERRUPTED, LEFT)  # the causes that take our own error
+_COUNTED = (SAW, KNOWN, VERDICT, RAISED)
 
 
 def fail(
@@ -116,6 +138,7 @@ def fail(
     pg: Any = None,
     guard_channel: bool = False,
     cause: str = SAW,
+    told: str | None = None,
 ) -> CollectiveError:
     """The error to raise after ``error`` stopped a collective of ours: translated, counted
     (a ``Failure`` record of ``kind``), published (and diagnosed), this rank poisoned. The one
@@ -129,19 +152,23 @@ def fail(
     (the guard collective, an entry check), where a mismatch is seen by every rank. ``where``
     names the collective in messages (by default ``describe(kind, rank, seq, frame)``).
 
-    ``cause``: ``SAW`` (above), ``KNOWN``, ``VERDICT`` or ``RAISED``; for the last three
-    ``error`` is our own, in its words and context, and is returned as it is (the context
-    arguments are unused).
+    ``cause``: ``SAW`` (above), ``KNOWN``, ``VERDICT``, ``RAISED``, ``SETUP``, ``INTERRUPTED``
+    or ``LEFT``; for all but ``SAW`` ``error`` is our own, in its words and context, and is
+    returned as it is (the context arguments are unused). ``told``: for ``LEFT``, what the
+    peers are told (else the error's words).
     """
     if cause != SAW:
-        if not isinstance(error, CollectiveError) or cause not in (KNOWN, VERDICT, RAISED):
+        if not isinstance(error, CollectiveError) or cause not in _OURS:
             raise TypeError(f"fail(cause={cause!r}) takes a CollectiveError of ours, not {type(error).__name__}")
-        ledger.add(Failure(kind))
+        if cause in _COUNTED:
+            ledger.add(Failure(kind))
         if cause == RAISED:
             return error
         if cause == KNOWN:
             _publish(error, error.seq)
-        health.poison(error)
+        health.latch.poison(error)
+        if cause == LEFT:
+            groups.leave(told if told is not None else str(error), error.seq, kind)
         return error
     named = where if where is not None else lambda: describe(kind, rank, seq, frame)
     broken: dict[int, str] = {}
@@ -165,7 +192,7 @@ def fail(
             _publish(err, seq)
     else:
         err = _published_and_diagnosed(err, seq=seq, broken=broken)
-    health.poison(err)
+    health.latch.poison(err)
     return err
 
 
@@ -351,7 +378,7 @@ def report_error(own_rank: int | None, peer: int, report: dict[str, Any]) -> Pee
 def peer_reported(own_rank: int, peer: int, report: dict[str, Any]) -> None:
     """Heartbeat thread: a peer reported a failure (or that it left); refuse our next
     collective, and make a wait in progress in one of our collectives stop."""
-    health.poison_from_peer(report_error(own_rank, peer, report))
+    health.latch.poison_from_peer(report_error(own_rank, peer, report))
 
 
 def explain_report(error: PeerFailureError) -> PeerFailureError:
@@ -388,4 +415,4 @@ def connect() -> None:
     report (transport) and the explainer of a refusal (health). Idempotent; the wiring
     (``dynamo/wiring.py``) calls it at install."""
     set_peer_report_handler(peer_reported)
-    health.set_explainer(explain_report)
+    health.latch.explainer = explain_report  # each new generation's latch takes it over

@@ -77,6 +77,7 @@ from .guard_paths import apart_call as _apart_call
 from .guard_paths import go_apart, paths_diverged
 from .guard_state import state as _state
 from .guard_state import with_peers as _with_peers
+from .our_groups import guard_channel as _guard_channel
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -143,13 +144,13 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
 
 def group() -> Any:
     """The process group the guard collective runs on (built on first use, on every rank together)."""
-    return groups.guard_pg()
+    return _guard_channel().pg
 
 
 def _channel() -> GuardChannel:
     """The guard channel of the current default group (built on first use: a collective)."""
     if _state.channel is None:
-        channel = groups.guard_channel()
+        channel = _guard_channel()
         _state.channel = channel
         timing.ensure(dist.get_rank(), channel.pg.size())
     return _state.channel
@@ -166,7 +167,7 @@ def hook(guard_eval_result: bool) -> bool:
         groups.notice()
         if health.latch.first_failure is not None:
             try:
-                health.check("guard")
+                health.latch.check("guard")
             except CollectiveError as e:
                 health.latch.park(e)
             return False

@@ -9,12 +9,12 @@ raise at the user's call site:
   (``translate_entry_failure``). A desync is one: the hook raises ``desync``'s
   error, which says who was where (``describe_mismatch``, one more exchange);
 * ``KeyboardInterrupt`` (``park_interrupt``): stays itself, told to nobody
-  (Ctrl-C usually reaches every rank at once);
+  (Ctrl-C usually reaches every rank at once: ``failure.INTERRUPTED``);
 * an exception the user's own signal handler raised while this rank waited
   (``raised_by_signal_handler``, ``park_left``): stays itself; the peers are
-  told that this rank left, not that a collective failed.
+  told that this rank left, not that a collective failed (``failure.LEFT``).
 
-In each case this rank's later collectives refuse.
+In each case the failure procedure poisons this rank: its later collectives refuse.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def park_interrupt(interrupt: BaseException) -> None:
         seq=state.seq,
     )
     note.__cause__ = interrupt
-    health.poison(note)
+    failure.fail(note, kind="guard", cause=failure.INTERRUPTED)
     health.latch.park(interrupt)
 
 
@@ -178,6 +178,5 @@ def park_left(error: BaseException) -> None:
         seq=seq,
     )
     note.__cause__ = error
-    health.poison(note)
-    health.latch.park(error)
-    groups.leave(what, seq)
+    health.latch.park(error)  # first: the user gets it back even if telling the peers fails
+    failure.fail(note, kind="guard", cause=failure.LEFT, told=what)

@@ -83,7 +83,7 @@ def recorded_reasons(rank: int, missed: dict[int, list[str]], own: list[str]) ->
 
 def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | None) -> Shared:
     """Every rank's reasons for the miss agreed on at guard collective ``seq``; a collective on ``pg``."""
-    health.check("guard")
+    health.latch.check("guard")
     members = groups.member_ranks(pg)  # global ranks name the ranks, under a scope too
     rank, world = members[pg.rank()], pg.size()
 

@@ -231,7 +231,7 @@ def _wait(
 
 
 def _stop_if_poisoned(rank: int) -> None:
-    failure = health.poisoned()
+    failure = health.latch.first_failure
     if failure is not None:
         raise PeerFailureError(
             f"setup check on rank {rank}: stopped waiting: {failure}",

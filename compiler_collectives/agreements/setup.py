@@ -204,7 +204,7 @@ def _wait_or_raise(store: Any, key: str, deadline: float, rank: int, world: int,
             return
         except Exception:  # noqa: BLE001 - c10d raises DistStoreError/RuntimeError on a timeout
             pass
-        failure = health.poisoned()
+        failure = health.latch.first_failure
         if failure is not None:
             raise PeerFailureError(
                 f"setup check on rank {rank}: stopped waiting: {failure}", kind="setup", rank=rank, ranks=failure.ranks

@@ -12,18 +12,20 @@ recompile, and the compile entry point raises the parked error from the
 user's own call site (``raise_parked``). Parked errors are per thread: the
 compile that follows the hook on the same thread raises it, and no other
 thread ever sees it (a helper thread's refused call must not surface in the
-thread that owns the rank's collectives). ``clear()`` drops every thread's. A
-``KeyboardInterrupt`` is parked as itself.
+thread that owns the rank's collectives). A ``KeyboardInterrupt`` is parked
+as itself.
 
 A rank can also be poisoned by a peer: the heartbeat thread hears of another
 rank's failure through the store (``poison_from_peer``), or a collective of
 this rank stopped on a peer's report (an error with ``reported_by``). Refusing
 then says which rank failed and why, as a ``PeerFailureError``. The first
 refusal of a report heard through the store asks ``explainer`` (wired at
-install) to name the failed rank where the report itself names nobody;
-``clear()`` keeps it.
+install) to name the failed rank where the report itself names nobody.
 
 Everything is held on the instance: whoever owns a ``Latch`` owns this state.
+A latch lives as long as its generation: the moment that starts a new one
+replaces it (``health.renew``) with a healthy latch, no thread's error parked,
+that takes over the explainer. Nothing empties a latch in place.
 """
 
 from __future__ import annotations
@@ -42,17 +44,17 @@ class Latch:
 
     __slots__ = ("_explained", "_from_peer", "_parked", "explainer", "first_failure")
 
-    def __init__(self) -> None:
+    def __init__(self, explainer: Callable[[PeerFailureError], PeerFailureError] | None = None) -> None:
         # None while healthy. Public for one reason: the guard hook reads it on every call.
         self.first_failure: CollectiveError | None = None
         # Whether first_failure is a peer's report (and whether it was explained yet).
         self._from_peer = False
         self._explained = False
         # Errors parked per thread (``error``): each is raised by its own thread's next compile.
-        # Replaced, not emptied, by clear(): that drops every thread's.
         self._parked = threading.local()
-        # peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis).
-        self.explainer: Callable[[PeerFailureError], PeerFailureError] | None = None
+        # peer's PeerFailureError -> the same, naming the failed rank(s) (a diagnosis). Set once,
+        # at install (``failure.connect``); each new generation's latch takes it over.
+        self.explainer = explainer
 
     def poison(self, error: CollectiveError) -> None:
         """This rank's first failure (a later one is only logged where it is raised)."""
@@ -112,10 +114,3 @@ class Latch:
         if error is not None:
             parked.error = None
             raise error
-
-    def clear(self) -> None:
-        """A new generation: healthy again, and every thread's parked error dropped (the
-        explainer, wiring, stays)."""
-        self.first_failure = None
-        self._parked = threading.local()  # every thread's parked error, not only the caller's
-        self._from_peer = self._explained = False

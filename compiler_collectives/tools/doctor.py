@@ -118,11 +118,11 @@ def collect(create_groups: bool = False) -> dict[str, Any]:
     if create_groups:
         import torch.distributed as dist
 
-        from ..transport import groups
+        from ..agreements import our_groups
 
         if dist.is_available() and dist.is_initialized():
-            groups.compile_pg()
-            groups.guard_pg()
+            our_groups.compile_pg()
+            our_groups.guard_pg()
     facts["process_groups"] = _groups_facts()
     return facts
 

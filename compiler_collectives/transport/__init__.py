@@ -27,7 +27,9 @@ One module per concern:
   rendezvous, the agreements layer's setup check, wired at install), the store
   side channel, a scope's own groups;
 * ``facade``: ``groups``, the one object the agreements call: our groups,
-  ``use_scope``, and what they do with peers over the side channel;
+  ``scope()``'s choice and setup check, and what they do with peers over the
+  side channel (a failure to build raises; the agreements' ``our_groups``
+  puts it through their failure procedure);
 * ``scope``: which ranks our groups span.
 
 Transport reports what it saw; what a failure means for the job is decided

@@ -3,7 +3,7 @@
 It holds nothing of its own: each call goes to the current generation
 (``generation.current``: what it built, and ``notice()``, which ends it when a
 new default group appears) or to the builders (``groups.py``: the compile
-group, the guard channel, the side channel, ``use_scope``'s setup check). What
+group, the guard channel, the side channel, ``scope()``'s setup check). What
 the agreements do with peers over the side channel is here too: leave a
 notice, read and wait for one, watch peers, read a peer's failure report, say
 which connections broke. Under a scope, notices are the scope's own.
@@ -76,9 +76,14 @@ class Groups:
         channel = self._gen.guard_channel
         return None if channel is None else channel.name
 
-    def use_scope(self, chosen: scope_mod.Scope | None) -> None:
-        """``compiler_collectives.scope()`` (see ``groups.use_scope``)."""
-        build.use_scope(self._gen, chosen)
+    def choose_scope(self, chosen: scope_mod.Scope | None) -> bool:
+        """``compiler_collectives.scope()``'s choice: refused after a compile; True where its setup
+        check is due (``agree_scope``; see ``groups.choose_scope``)."""
+        return build.choose_scope(self._gen, chosen)
+
+    def agree_scope(self) -> None:
+        """The setup check of ``scope()``'s choice, now (see ``groups.agree_scope``)."""
+        build.agree_scope(self._gen)
 
     def scope(self) -> scope_mod.Scope | None:
         """The scope our groups of this generation span (None: every rank, or none agreed yet)."""

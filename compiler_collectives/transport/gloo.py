@@ -127,7 +127,7 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
             if work.is_completed():
                 work.wait()
                 return
-        failure = health.poisoned()
+        failure = health.latch.first_failure
         if failure is not None:
             where = describe() if describe is not None else "a collective"
             # Keeps who reported it: the failure procedure then quotes that report, never re-types it.

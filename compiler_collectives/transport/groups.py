@@ -11,7 +11,10 @@ rendezvous wired at install (``set_first_rendezvous``: the agreements layer's
 setup check, where every rank raises ``SetupMismatchError`` if they
 disagree about a version or a setting that must match). What to do when an
 exchange fails is policy, and lives above this layer
-(``agreements/failure.py``); this module only builds and reports. When the
+(``agreements/failure.py``); this module only builds and reports. A build
+that fails raises what stopped it (our error) and decides nothing: the
+agreements take their groups through ``agreements/our_groups.py``, which puts
+that error through the failure procedure (this rank poisoned). When the
 heartbeat thread of the side channel built here hears a peer's failure
 report, it hands the raw report to the handler the agreements layer
 registered (``set_peer_report_handler``).
@@ -47,7 +50,6 @@ from torch.distributed.distributed_c10d import PrefixStore
 from .. import config, health, process_state
 from ..errors import (
     SCOPE_HINT,
-    CollectiveError,
     CollectiveTimeoutError,
     PeerFailureError,
     ScopeError,
@@ -134,10 +136,10 @@ def guard_channel(gen: Generation) -> GuardChannel:
         return gen.guard_channel
 
 
-def use_scope(gen: Generation, chosen: scope_mod.Scope | None) -> None:
-    """``compiler_collectives.scope()``: refuse after a compile; otherwise remember the choice
-    and, for a scope, run this generation's setup check now (every rank is before its first
-    compile here, so nobody's first compile waits for it)."""
+def choose_scope(gen: Generation, chosen: scope_mod.Scope | None) -> bool:
+    """``compiler_collectives.scope()``: refuse after a compile (``ScopeError``); otherwise
+    remember the choice. True where a setup check is due now (``agree_scope``): a scope was
+    chosen and this generation has not agreed yet."""
     gen.notice()
     with gen.lock:
         rank = dist.get_rank()
@@ -147,7 +149,7 @@ def use_scope(gen: Generation, chosen: scope_mod.Scope | None) -> None:
                 now_scope is not None and chosen is not None and now_scope.ranks == chosen.ranks
             )
             if same:
-                return
+                return False
             now = "the whole world" if now_scope is None else f"ranks {now_scope.render()}"
             raise ScopeError(
                 f"compiler_collectives.scope() on rank {rank}: called after this rank's agreements "
@@ -158,18 +160,25 @@ def use_scope(gen: Generation, chosen: scope_mod.Scope | None) -> None:
                 rank=rank,
             )
         scope_mod.choose(chosen)
-        if chosen is None:
+        return chosen is not None
+
+
+def agree_scope(gen: Generation) -> None:
+    """The setup check of ``scope()``'s choice, run now (every rank is before its first compile
+    here, so nobody's first compile waits for it); nothing if this generation agreed meanwhile
+    (a first group made on another thread ran it, with the same choice). Raises what stopped it."""
+    gen.notice()
+    with gen.lock:
+        if gen.agreed:
             return
+        rank = dist.get_rank()
         try:
             side = side_channel(gen)
-            _agree(gen, side, chosen)
+            _agree(gen, side, scope_mod.effective(rank, dist.get_world_size()))
         except StoreUnresponsive as e:
-            err = CollectiveTimeoutError(f"compiler_collectives.scope() on rank {rank}: {e}", kind="setup", rank=rank)
-            health.poison(err)
-            raise err from None
-        except CollectiveError as err:
-            health.poison(err)
-            raise
+            raise CollectiveTimeoutError(
+                f"compiler_collectives.scope() on rank {rank}: {e}", kind="setup", rank=rank
+            ) from None
 
 
 def _agree(gen: Generation, side: SideChannel, chosen: scope_mod.Scope | None) -> None:
@@ -190,6 +199,8 @@ def _agree(gen: Generation, side: SideChannel, chosen: scope_mod.Scope | None) -
 
 
 def _new_group(gen: Generation, tag: str, kind: str) -> Any:
+    """A group of ours, after this generation's setup check or our own rendezvous; raises what
+    stopped it (a timeout, absent ranks, a report this rank heard, the setup check's verdict)."""
     timeout_s = config.settings.timeout_s
     rank = dist.get_rank()
     try:
@@ -206,18 +217,13 @@ def _new_group(gen: Generation, tag: str, kind: str) -> Any:
             if absent:
                 raise _absent_error(gen, side, absent, kind, rank, timeout_s)
     except StoreUnresponsive as e:
-        err: CollectiveError = CollectiveTimeoutError(
+        raise CollectiveTimeoutError(
             f"creating the {kind}-collective process group on rank {rank}: {e} "
             "(COMPILER_COLLECTIVES_TIMEOUT). The store lives in the process that created it "
             "(rank 0 under torchrun, or the MASTER_ADDR host): is it stopped, overloaded or gone?",
             kind=kind,
             rank=rank,
-        )
-        health.poison(err)
-        raise err from None
-    except CollectiveError as err:
-        health.poison(err)
-        raise
+        ) from None
     log.debug("creating %s gloo group (timeout %.0fs)", tag, timeout_s)
     if gen.scope is not None:
         return _scoped_group(gen, tag, gen.scope.ranks)
@@ -229,21 +235,19 @@ def _new_group(gen: Generation, tag: str, kind: str) -> Any:
             f"while creating the {kind}-collective gloo group",
         )
     except StoreUnresponsive as e:
-        unresponsive = CollectiveTimeoutError(
+        raise CollectiveTimeoutError(
             f"creating the {kind}-collective process group on rank {rank}: gloo's connection set-up "
             f"did not finish within {timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT; {e}). A peer "
             "stopped, or the ranks use different stores.",
             kind=kind,
             rank=rank,
-        )
-        health.poison(unresponsive)
-        raise unresponsive from None
+        ) from None
 
 
 def _stopped_by(kind: str, rank: int) -> PeerFailureError | None:
     """Why a rank waiting for its peers to make a group stops early: it heard of a failure (a
     peer that failed before it came reported it, or this rank's own collective failed)."""
-    failure = health.poisoned()
+    failure = health.latch.first_failure
     if failure is None:
         return None
     return PeerFailureError(
@@ -342,7 +346,7 @@ def _heard_report(gen: Generation, own_rank: int, peer: int, report: dict[str, A
         return
     handler(own_rank, peer, report)
     channel = gen.guard_channel
-    if isinstance(channel, ShmGuardChannel) and health.poisoned() is not None:
+    if isinstance(channel, ShmGuardChannel) and health.latch.first_failure is not None:
         try:
             channel.interrupt()
         except Exception as e:  # noqa: BLE001 - the wait then ends at the group's timeout

@@ -257,7 +257,7 @@ class LocalExchange:
                 return w
             if words[HDR_FAIL]:
                 raise self._peer_reported(n)
-            if health.poisoned() is not None:
+            if health.latch.first_failure is not None:
                 raise self._poisoned(n)
             now = monotonic()
             if now >= next_check:
@@ -322,7 +322,7 @@ class LocalExchange:
         )
 
     def _poisoned(self, n: int) -> PeerFailureError:
-        first = health.poisoned()
+        first = health.latch.first_failure
         return PeerFailureError(
             f"{self._describe(n)}: stopped waiting: {first}",
             kind="guard",

@@ -25,7 +25,7 @@ from ...ledger import ledger
 from ...observations import FrameId
 from ...records import OncePlanned
 from ...transport import groups
-from .. import audit, compile_scope, generation
+from .. import audit, compile_scope, generation, our_groups
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
 from ..wire.once import WARMTH_FX, WARMTH_MAX_ENTRIES, ManifestFile, Offer, Result
@@ -86,7 +86,7 @@ def note_hit(entry: bytes) -> None:
 def offer(ticket: Ticket, key: str | None, why: str | None, switches: Sequence[str]) -> Plan:
     """The key exchange; returns this rank's plan."""
     t0 = time.perf_counter()
-    ticket.pg = groups.compile_pg()  # first: a new default group noticed here starts a new generation
+    ticket.pg = our_groups.compile_pg()  # first: a new default group noticed here starts a new generation
     gen = generation.current()
     gen.once_seq += 1
     ticket.seq = gen.once_seq
@@ -303,7 +303,7 @@ def _report(ticket: Ticket) -> None:
 def _raise_if_a_loader_gave_up(ticket: Ticket) -> None:
     """A peer published while this rank compiled (a loader's compile timeout, say): its report,
     as a ``PeerFailureError`` naming this graph, instead of an exchange nobody else takes."""
-    heard = health.poisoned()
+    heard = health.latch.first_failure
     if isinstance(heard, PeerFailureError) and heard.reported_by:
         raise failed(
             PeerFailureError(
