@@ -34,6 +34,7 @@ from typing import Any
 
 from . import config, dynamo, health, ledger, process_state
 from .agreements import audit, compiler, entry, guard, guard_owner, guard_state, once
+from .agreements import generation as agreements_generation
 from .dynamo.bound import Moments
 from .errors import UnsupportedTorchError
 from .health.latch import Latch
@@ -65,13 +66,18 @@ class Runtime:
       ``stats()`` is computed (``ledger.ledger``: ``reset_stats()`` clears it
       in place);
     * ``generation``: the number of the current generation (``process_state``
-      counts it, as the layers below read it, until it moves here).
+      counts it, as the layers below read it, until it moves here);
+    * ``agreements``: this generation's agreement state (the compiler, audit
+      and compile-once sequence numbers, compile once's hosts:
+      ``agreements.generation``, read anew on each use: a moment that ends a
+      generation binds a fresh one there).
 
-    Still to move onto it (issue 42): the current generation's objects (our
-    groups, the store channel, the host tree, the sequence numbers), handed
-    to the layers below as arguments; until then those layers reach the
-    latch, the ledger and the generation through their own modules, and
-    never import this one.
+    Still to move onto it (issue 42): transport's generation (our groups, the
+    store channel), which its moments still clear in place, and the guard
+    collective's state (``guard_state``, read by the guard hook), handed to the
+    layers below as arguments; until then those layers reach the latch, the
+    ledger and the generation through their own modules, and never import
+    this one.
     """
 
     settings: Any
@@ -85,6 +91,10 @@ class Runtime:
     @property
     def generation(self) -> int:
         return process_state.generation()
+
+    @property
+    def agreements(self) -> agreements_generation.Generation:
+        return agreements_generation.current()
 
 
 _runtime: Runtime | None = None

@@ -53,6 +53,7 @@ def test_a_new_generation_gets_a_fresh_object_and_the_old_one_is_left_as_it_was(
 
     new = generation.current()
     assert new is not old
+    assert runtime.current().agreements is new  # the runtime reads the current one, never a kept one
     assert new == generation.Generation()  # every sequence from 0, no frame, no known dirs, no host tree
     assert compiler.progress() == {"compiler_seq": 0, "frame": None}
     assert audit_verdict.sequence() == 0
