@@ -175,11 +175,11 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
         assert f"{moment.value} clears:" in listed
     # The guard's state goes with every moment of a generation (the fork's own function).
     assert "compiler_collectives.agreements.guard_state: state" in listed
-    # What compile once added: its sequence, its ranks by host and record hook (its records are the
-    # ledger's; its current ticket is the compile scope's, no state of its own).
+    # What compile once added: its sequence and its ranks by host (its records are the ledger's, read
+    # by the ledger's readers; its current ticket is the compile scope's, no state of its own).
     assert "_seq" in process_state.declared(f"{TOP}.agreements.once.protocol")
     assert {"_known", "_tree"} <= process_state.declared(f"{TOP}.agreements.once.exchanges")
-    assert "_on_record" in process_state.declared(f"{TOP}.agreements.once.ticket")
+    assert not process_state.declared(f"{TOP}.agreements.once.ticket")
     assert "_local" not in process_state.declared(f"{TOP}.agreements.once.protocol")
     before = process_state.generation()
     process_state.run(process_state.STATS)
