@@ -37,13 +37,13 @@ def read(record: object) -> None:
     """The ledger's reader: the artifact ``record`` makes, if any (its payload built only when
     TORCH_TRACE is on)."""
     if isinstance(record, CompilerExchange):
-        compiler_collective(record)
+        _compiler_collective(record)
     elif isinstance(record, ReasonsExchange):
-        _artifact("guard_collective", _json(lambda: guard_collective(record)))
+        _artifact("guard_collective", _json(lambda: _guard_collective(record)))
     elif isinstance(record, OnceGraph):
-        compile_once(record)
+        _compile_once(record)
     elif isinstance(record, AuditExchange) and record.agreed:
-        audit(record)
+        _audit(record)
 
 
 def _artifact(name: str, text: Callable[[], str], **options: Any) -> None:
@@ -58,7 +58,7 @@ def _json(payload: Callable[[], Any]) -> Callable[[], str]:
     return lambda: json.dumps(payload(), indent=1)
 
 
-def compiler_collective(x: CompilerExchange) -> None:
+def _compiler_collective(x: CompilerExchange) -> None:
     """The ``compiler_collective`` artifact and the INFO line for one exchange."""
     built: dict[str, Any] = {}
 
@@ -89,7 +89,7 @@ def compiler_collective(x: CompilerExchange) -> None:
         _compiler_log.log(level, "compiler collective #%s: %s", x.seq, artifacts.summary_line(payload()))
 
 
-def compile_once(x: OnceGraph) -> None:
+def _compile_once(x: OnceGraph) -> None:
     """The ``compile_once`` artifact for one graph this rank finished."""
     record = x.record
 
@@ -116,7 +116,7 @@ def compile_once(x: OnceGraph) -> None:
         _once_log.warning("compile once #%s: could not write its compile_once artifact: %s", record["seq"], e)
 
 
-def guard_collective(x: ReasonsExchange) -> dict[str, Any]:
+def _guard_collective(x: ReasonsExchange) -> dict[str, Any]:
     """The ``guard_collective`` artifact for one miss every rank agreed on (written on every rank)."""
     return {
         "artifact_version": artifacts.ARTIFACT_VERSION,
@@ -138,7 +138,7 @@ def guard_collective(x: ReasonsExchange) -> dict[str, Any]:
     }
 
 
-def audit(x: AuditExchange) -> None:
+def _audit(x: AuditExchange) -> None:
     """The ``compiler_collectives_audit`` artifact of one graph the audit let run: every rank's
     summary of each level, and this rank's collectives."""
 
