@@ -174,8 +174,9 @@ def stats() -> dict[str, Any]:
     # Which mechanism the guard collective runs on ("shm", "shm+leaders", "gloo"),
     # None before the first guard collective of this generation.
     out["guard_transport"] = groups.guard_transport()
-    if timing.recorder is not None:
-        out["timing"] = timing.recorder.figures()
+    figures = timing.figures()
+    if figures is not None:
+        out["timing"] = figures
     return out
 
 

@@ -15,6 +15,13 @@ add to preallocated fields:
   syscall (the same attribute writes the hook made by hand before);
 * ``store_requests``: requests the side channel sent to the c10d store, from any thread (a lock).
 
+The ledger has readers: callables the composition root registers (``add_reader``), each offered
+every record as it is added, once it is counted. The Chrome trace and the timing samples
+(``instrument/timing.py``) and our structured-trace artifacts (``dynamo/tooling.py``) are
+written by readers, from the records alone: no other module writes a trace event or one of our
+artifacts (``tests/test_ledger_readers.py`` checks it). A guard call reaches the one guard
+reader (``read_guards``) only while one is registered, and only for a call the hook timed.
+
 All of the ledger's state is on its instance; ``ledger`` is this process's one.
 """
 
@@ -169,6 +176,7 @@ COUNTS: dict[type, Callable[[Any], Mapping[str, float]]] = {
     r.AuditDifference: lambda x: {"audit_report_only_differences": 1},
     r.Divergence: lambda x: {f"{x.agreement}_divergences": 1},
     r.Failure: lambda x: {"errors": 1},
+    r.GuardChannelBuilt: lambda x: {},
     r.PathsDiverged: lambda x: {"diverged_paths": 1},
     r.ReasonsExchange: lambda x: {"guard_reason_exchanges": 1},
     r.MixedFrame: lambda x: {"entry_mixed_frames": 1},
@@ -186,8 +194,22 @@ COUNTS: dict[type, Callable[[Any], Mapping[str, float]]] = {
 
 # The latest records of each kind the ledger keeps (the counters count every one).
 KEEP = 256
-# Kept as many as ``audit.reports()`` promised before.
-KEEP_BY_KIND: dict[type, int] = {r.AuditDifference: 64}
+KEEP_BY_KIND: dict[type, int] = {
+    r.AuditDifference: 64,  # as many as ``audit.reports()`` promised before
+    # Fewer of those that carry, for the readers, what grows with the world or the graph: every
+    # rank's state, a graph's fingerprints and every rank's levels, every rank's reasons.
+    r.CompilerExchange: 16,
+    r.AuditExchange: 16,
+    r.ReasonsExchange: 16,
+}
+
+# A reader: offered every record the ledger adds, once counted.
+Reader = Callable[[object], None]
+
+
+# The guard reader: hears of each timed guard call (when it began, ``time.time_ns``; how long
+# the exchange took; its number; whether this rank hit; whether every rank did).
+GuardReader = Callable[[int, float, int, bool, bool], None]
 
 
 def counts(record: object) -> Mapping[str, float]:
@@ -201,6 +223,7 @@ class Ledger:
     __slots__ = (
         "_kept",
         "_last",
+        "_readers",
         "_store_lock",
         "_store_requests",
         "_totals",
@@ -208,11 +231,17 @@ class Ledger:
         "guard_agreed_misses",
         "guard_collectives",
         "guard_local_misses",
+        "guard_reader",
         "guard_time_s",
     )
 
     def __init__(self) -> None:
         self._store_lock = threading.Lock()
+        # The readers, kept across ``clear()``: a tuple, replaced whole, so that a record added
+        # on another thread while one registers meets either the old readers or the new.
+        self._readers: tuple[Reader, ...] = ()
+        # The guard hook reads this on every call: it takes the clock only when it is not None.
+        self.guard_reader: GuardReader | None = None
         self.clear()
 
     def clear(self) -> None:
@@ -239,13 +268,39 @@ class Ledger:
         kept.append(record)
         if kind is r.CompilerExchange:
             self._last = record  # type: ignore[assignment]
+        for reader in self._readers:
+            reader(record)
+
+    def add_reader(self, reader: Reader) -> None:
+        """Offer every record added from now on to ``reader`` (once however often it is added)."""
+        if reader not in self._readers:
+            self._readers = (*self._readers, reader)
+
+    def remove_reader(self, reader: Reader) -> None:
+        """Offer ``reader`` nothing more (nothing if it was not reading)."""
+        self._readers = tuple(x for x in self._readers if x != reader)
+
+    def readers(self) -> tuple[Reader, ...]:
+        """The registered readers, in the order they are offered each record."""
+        return self._readers
+
+    def read_guards(self, reader: GuardReader | None) -> None:
+        """Offer each timed guard call to ``reader`` from now on (None: to nobody; the hook then
+        takes no clock)."""
+        self.guard_reader = reader
 
     def kept(self, kind: type[Any]) -> list[Any]:
         """The latest records of ``kind``, oldest first."""
         return list(self._kept.get(kind, ()))
 
-    def guard_call(self, elapsed_s: float, local_miss: bool, agreed_miss: bool) -> None:
-        """One guard collective (the guard hook, every compiled call): no allocation, no lock."""
+    def guard_call(
+        self, elapsed_s: float, local_miss: bool, agreed_miss: bool, seq: int = 0, started_ns: int = 0
+    ) -> None:
+        """One guard collective (the guard hook, every compiled call): no allocation, no lock.
+
+        ``started_ns``: when the call began, which the hook takes only while a guard reader is
+        registered; a call with one (and only such a call) is offered to the guard reader, with
+        its number ``seq``. 0: counted, offered to nobody."""
         self.guard_time_s += elapsed_s
         self.guard_collectives += 1
         if local_miss:
@@ -254,6 +309,10 @@ class Ledger:
             self.guard_agreed_misses += 1
             if not local_miss:  # this rank hit but another missed: it compiles again
                 self.forced_recompiles += 1
+        if started_ns:
+            reader = self.guard_reader
+            if reader is not None:
+                reader(started_ns, elapsed_s, seq, not local_miss, not agreed_miss)
 
     def store_requests(self, n: int = 1) -> None:
         """``n`` requests to the c10d store, from any thread."""

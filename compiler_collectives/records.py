@@ -6,6 +6,11 @@ counters of ``stats()`` are computed from them by the ledger's one table (``ledg
 so that no module names a counter. A record type the table lacks is a ``KeyError`` the first
 time a test makes one, never a silent zero.
 
+The ledger's readers (the Chrome trace, the structured-trace artifacts) write what they write
+from the records alone, so a record carries what they need too (its number, frame, start,
+every rank's states or summaries); those fields have defaults only so that a test can build a
+record with the counted figures alone.
+
 Plain data, no behaviour: this module imports nothing of the package.
 """
 
@@ -21,7 +26,11 @@ from typing import Any
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompilerExchange:
     """One compiler collective: at the end of a compile's first trace ("trace"), or the input
-    exchange before it ("inputs"); the arrival spread and the last rank from the senders' clocks."""
+    exchange before it ("inputs"); the arrival spread and the last rank from the senders' clocks.
+
+    For the readers: its number, frame, this rank (global) and the group's size, when it began
+    (``time.time_ns``), the compile it ran in, the restart decision (None for the input
+    exchange) and why, and every rank's state in rank order (the artifact's entries)."""
 
     phase: str
     rounds: int
@@ -30,6 +39,15 @@ class CompilerExchange:
     elapsed_s: float
     arrival_spread_s: float
     late_rank: int
+    seq: int = 0
+    frame: str = ""
+    rank: int = 0
+    world_size: int = 1
+    started_ns: int = 0
+    compile_id: str | None = None
+    restart: bool | None = None
+    restart_why: str = ""
+    states: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +100,12 @@ class AuditRecompileWait:
 class AuditExchange:
     """One audit of a graph (``settle``): whether its exchange ran, the levels left out of the
     comparison (produced by some ranks only), its time (fingerprinting included) and the
-    fingerprinting part of it."""
+    fingerprinting part of it.
+
+    For the readers: its number and this rank (global); ``agreed`` when every rank's
+    collectives agreed and the audit let the graph run, and then the levels whose whole graphs
+    differed (report only), this rank's graph fingerprints and every rank's levels as
+    exchanged."""
 
     frame: str
     phase: str
@@ -90,6 +113,12 @@ class AuditExchange:
     levels_not_compared: int
     elapsed_s: float
     fingerprint_s: float
+    seq: int = 0
+    rank: int = 0
+    agreed: bool = False
+    report_only: tuple[str, ...] = ()
+    graphs: tuple[Any, ...] = ()
+    ranks: tuple[tuple[Any, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +147,15 @@ class Failure:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GuardChannelBuilt:
+    """The guard collective's channel was built on this rank (global ``rank``; ``world_size``:
+    its group's size): its calls follow, each through ``ledger.guard_call``."""
+
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PathsDiverged:
     """The ranks took different graph-break paths through one compiled frame: each went on alone
     until its next call from its own code."""
@@ -127,9 +165,22 @@ class PathsDiverged:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReasonsExchange:
-    """The recompile reasons exchanged after an agreed guard miss."""
+    """The recompile reasons exchanged after an agreed guard miss (guard collective ``seq``).
+
+    For the readers: the frame, this rank (global) and the group's size, whether this rank
+    missed, every missing rank's reasons, the reasons this rank records, and the cost."""
 
     seq: int
+    frame: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    this_rank_missed: bool = False
+    missed: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    elapsed_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -152,11 +203,24 @@ class EntryCheck:
 @dataclasses.dataclass(frozen=True, slots=True)
 class OnceGraph:
     """One graph under compile once: its record (``stats()["compile_once"]``'s item), how it
-    ended on this rank (``ended``) and the other ranks that compiled it themselves."""
+    ended on this rank (``ended``) and the other ranks that compiled it themselves.
+
+    For the readers (beside ``record``'s seq, frame, level, key, state, why and source): this
+    rank (global; -1 when no exchange was taken), a loader's outcome and why, every rank's
+    (role, source), the bytes it received, its wait unrounded, and when its compile began and
+    ended (``time.time_ns``)."""
 
     ended: str
     peers_local: int
     record: Mapping[str, Any]
+    rank: int = -1
+    outcome: str = "none"
+    outcome_why: str | None = None
+    roles: Mapping[int, tuple[str, int | None]] = dataclasses.field(default_factory=dict)
+    bytes_in: int = 0
+    waited_s: float = 0.0
+    started_ns: int = 0
+    finished_ns: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

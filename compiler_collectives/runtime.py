@@ -7,6 +7,9 @@ It is the one place that
 
 * reads the settings (``config.load``), once, and warns about a retired
   variable; no module reads a setting before it;
+* registers the ledger's readers: the timing recorder's (``timing.read``:
+  samples and the Chrome trace) here, the structured-trace artifacts'
+  (``tooling.read``) with the Dynamo wiring;
 * patches torch and wires the layers together (``dynamo.install``, which
   runs ``dynamo/wiring.py``), handing the Dynamo seams the moments they run
   at torch's own reset and destroy: the seams may not import this layer;
@@ -38,6 +41,7 @@ from .agreements import generation as agreements_generation
 from .dynamo.bound import Moments
 from .errors import UnsupportedTorchError
 from .health.latch import Latch
+from .instrument import timing
 from .ledger import Ledger
 from .tools import doctor
 from .transport import groups
@@ -63,8 +67,9 @@ class Runtime:
       leave our code (``health.latch``, read anew on each use: a moment that
       ends a generation binds a new one there);
     * ``ledger``: one frozen record per agreement or graph, from which
-      ``stats()`` is computed (``ledger.ledger``: ``reset_stats()`` clears it
-      in place);
+      ``stats()`` is computed and which its readers turn into the Chrome trace
+      and our structured-trace artifacts (``ledger.ledger``: ``reset_stats()``
+      clears it in place, its readers stay);
     * ``generation``: the number of the current generation (``process_state``
       counts it, as the layers below read it, until it moves here);
     * ``agreements``: this generation's agreement state (the compiler, audit
@@ -108,6 +113,7 @@ def install() -> Runtime:
         return _runtime
     warn_retired_variables()
     settings = config.load()  # a ConfigError stops here, before torch is touched
+    ledger.ledger.add_reader(timing.read)  # every trace event of ours comes from a record
     install_error = None
     try:
         dynamo.install(moments())

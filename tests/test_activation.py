@@ -337,6 +337,7 @@ def _wired() -> dict[str, object]:
         setup,
     )
     from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
+    from compiler_collectives.ledger import ledger
     from compiler_collectives.store import calls as store_calls
     from compiler_collectives.transport import groups
 
@@ -352,7 +353,7 @@ def _wired() -> dict[str, object]:
         "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
         "frames": sorted(vars(guard_frames)["_wrapper_locals"].values()),
         "profiler": vars(guard)["_profiler_enabled"](),
-        "artifact_sink": vars(audit_verdict)["_artifact_sink"] is tooling.emit_artifact,
+        "artifacts_reader": ledger.readers().count(tooling.read),
         "group_resolver": vars(fingerprint)["_resolve_group"] is audit_seam.group_text,
         "operators": (vars(fingerprint)["_op_overload"], vars(fingerprint)["_op_overload_packet"]),
         "normalize": vars(fingerprint)["_normalize"] is torch.fx.operator_schemas.normalize_function,
@@ -369,7 +370,7 @@ EVERYTHING_WIRED_ONCE = {
     "compile_id": True,
     "frames": ["fn", "forward_call"],
     "profiler": False,
-    "artifact_sink": True,
+    "artifacts_reader": 1,
     "group_resolver": True,
     "operators": (type(torch.ops.aten.add.Tensor), type(torch.ops.aten.add)),
     "normalize": True,
@@ -387,7 +388,7 @@ def test_install_wires_every_setter_and_registry_once_however_often_it_runs():
     try:
         unwired = _wired()
         # only what holds while we are patched into torch goes with uninstall
-        assert not unwired["artifact_sink"] and not unwired["group_resolver"]
+        assert not unwired["artifacts_reader"] and not unwired["group_resolver"]
     finally:
         cc.install()
     assert _wired() == EVERYTHING_WIRED_ONCE

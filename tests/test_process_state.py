@@ -179,13 +179,14 @@ def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
     assert "compiler_collectives.agreements.guard_state: state" in listed
     # The agreements' sequences and compile once's hosts are one object of the generation's, replaced
     # at each moment that ends one; no agreement module keeps a counter of its own (compile once's
-    # records are the ledger's; its current ticket is the compile scope's; its record hook is wired).
+    # records are the ledger's, read by the ledger's readers; its current ticket is the compile
+    # scope's: no state of its own).
     assert "compiler_collectives.agreements.generation: _current: this generation's agreement state" in listed
     [replaced] = [i for i in process_state.items() if i.owner == f"{TOP}.agreements.generation"]
     assert replaced.moments == process_state.EVERY_GENERATION
     for module in ("compiler", "audit_verdict", "once.protocol", "once.exchanges"):
-        assert process_state.declared(f"{TOP}.agreements.{module}") <= {"_compile_id", "_artifact_sink"}, module
-    assert "_on_record" in process_state.declared(f"{TOP}.agreements.once.ticket")
+        assert process_state.declared(f"{TOP}.agreements.{module}") <= {"_compile_id"}, module
+    assert not process_state.declared(f"{TOP}.agreements.once.ticket")
     before = process_state.generation()
     process_state.run(process_state.STATS)
     assert process_state.generation() == before

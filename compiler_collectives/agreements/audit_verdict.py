@@ -16,19 +16,20 @@ summaries:
 * only whole-graph digests differ: logged at INFO and kept (``reports()``), report only.
 
 A verdict every rank reaches alike is counted and poisons this rank through the failure
-procedure (``failure.fail``, ``VERDICT``), never published: every peer raises it too. The
-audit's sequence number (``sequence``) and its artifact sink live here.
+procedure (``failure.fail``, ``VERDICT``), never published: every peer raises it too. Each
+audit ends in one record (``AuditExchange``): the ledger counts it, and its readers write the
+audit's artifact from it when the audit let the graph run. The audit's sequence number
+(``sequence``) lives here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import health, process_state
+from .. import health
 from ..errors import ProgramDivergenceError, describe, program_divergence, ranks_text
 from ..ledger import ledger
 from ..observations import FrameId
@@ -42,19 +43,10 @@ from .fingerprint import Collective
 
 log = logging.getLogger("compiler_collectives.audit")
 
-_artifact_sink: Callable[[str, Callable[[], str]], None] | None = None
-
 
 def progress() -> dict[str, Any]:
     """What the heartbeat tells of the audit (a progress source, wired at install)."""
     return {"audit_seq": generation.current().audit_seq}
-
-
-@process_state.wired(names=("_artifact_sink",), what="torch's structured trace, for the audit's artifacts")
-def set_artifact_sink(sink: Callable[[str, Callable[[], str]], None] | None) -> None:
-    """Where each audit's JSON summary goes (the seams module points this at torch's structured trace)."""
-    global _artifact_sink
-    _artifact_sink = sink
 
 
 def sequence() -> int:
@@ -79,6 +71,8 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
     started = time.perf_counter()
     summary = wire.AuditSummary(record.phase, failure, record.levels(), record.graph_break)
     exchanged, not_compared = False, 0
+    # Once the audit let the graph run: the levels reported only, and every rank's summary.
+    agreed: tuple[list[str], list[wire.AuditSummary]] | None = None
     try:
         envelopes = _exchange(pg, summary, record.frame, seq, rank, world)
         exchanged = True
@@ -131,11 +125,28 @@ def settle(record: GraphAudit, *, failure: str | None = None, may_recompile: boo
                 record.frame,
                 ", ".join(skipped),
             )
-        _emit(record, seq, rank, summaries, report_only)
+        agreed = report_only, summaries
         return []
     finally:
         elapsed = time.perf_counter() - started
-        ledger.add(AuditExchange(str(record.frame), record.phase, exchanged, not_compared, elapsed, record.spent_s))
+        reported, compared = agreed if agreed is not None else ([], [])
+        # The ledger's readers write the audit's artifact from this record (``agreed`` only).
+        ledger.add(
+            AuditExchange(
+                str(record.frame),
+                record.phase,
+                exchanged,
+                not_compared,
+                elapsed,
+                record.spent_s,
+                seq=seq,
+                rank=rank,
+                agreed=agreed is not None,
+                report_only=tuple(reported),
+                graphs=tuple(record.graphs) if agreed is not None else (),
+                ranks=tuple(tuple(s.levels) for s in compared),
+            )
+        )
         log.debug(
             "audit #%d of %s (%s): %d graph(s), %.3f ms fingerprinting, %.3f ms exchanging",
             seq,
@@ -328,42 +339,3 @@ def _report(record: GraphAudit, levels: list[str], by_rank: list[dict[str, wire.
         ", ".join(levels),
         "; ".join(f"{lv}: {' '.join(d)}" for lv, d in entry["levels"].items()),
     )
-
-
-def _emit(record: GraphAudit, seq: int, rank: int, summaries: list[wire.AuditSummary], report_only: list[str]) -> None:
-    sink = _artifact_sink
-    if sink is None:
-        return
-
-    def payload() -> str:
-        return json.dumps(
-            {
-                "seq": seq,
-                "rank": rank,
-                "frame": str(record.frame),
-                "phase": record.phase,
-                "report_only_levels": report_only,
-                "collectives": {
-                    lv: [c.render() for c in record.collectives(lv)]
-                    for lv in LEVELS
-                    if any(g.level == lv for g in record.graphs)
-                },
-                "ranks": [
-                    {
-                        lv.level: {
-                            "graphs": lv.graphs,
-                            "collectives": lv.collectives,
-                            "collectives_digest": lv.collectives_digest.hex(),
-                            "graph_digest": lv.graph_digest.hex(),
-                        }
-                        for lv in s.levels
-                    }
-                    for s in summaries
-                ],
-            }
-        )
-
-    try:
-        sink("compiler_collectives_audit", payload)
-    except Exception as e:  # noqa: BLE001 - tracing must never fail a compile
-        log.debug("could not emit the audit artifact: %s", e)

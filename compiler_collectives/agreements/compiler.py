@@ -17,7 +17,6 @@ from typing import Any
 
 from .. import config, health, process_state
 from ..errors import describe
-from ..instrument import timing
 from ..ledger import ledger
 from ..observations import DistributedState, FrameId, LocalState
 from ..records import CompilerExchange
@@ -109,33 +108,6 @@ def exchange(
     times = [e.sent_at for e in envelopes]
     spread = max(times) - min(times)
     late_rank = members[max(range(world), key=lambda r: times[r])]
-    ledger.add(
-        CompilerExchange(
-            phase="trace" if state is None else "inputs",
-            rounds=rounds,
-            bytes_sent=len(payload),
-            bytes_received=bytes_in,
-            elapsed_s=elapsed,
-            arrival_spread_s=spread,
-            late_rank=late_rank,
-        )
-    )
-    recorder = timing.recorder if timing.recorder is not None else timing.ensure(rank, world)
-    if recorder is not None:
-        recorder.compiler(
-            start_ns=start_ns,
-            duration_s=elapsed,
-            seq=seq,
-            frame=str(frame),
-            compile_id=_compile_id(),
-            bytes_out=len(payload),
-            bytes_in=bytes_in,
-            rounds=rounds,
-            phase="trace" if state is None else "inputs",
-            restart=restart if state is None else None,
-            arrival_spread_s=spread,
-            last_rank=late_rank,
-        )
     log.debug(
         "%s: %d bytes out, %d in, %d round(s), %.3f ms, arrival spread %.3f ms (last: rank %d)",
         where(),
@@ -146,11 +118,33 @@ def exchange(
         spread * 1e3,
         late_rank,
     )
+    phase = "trace" if state is None else "inputs"
+    # The ledger's readers write its trace event and its artifact from this record.
+    ledger.add(
+        CompilerExchange(
+            phase=phase,
+            rounds=rounds,
+            bytes_sent=len(payload),
+            bytes_received=bytes_in,
+            elapsed_s=elapsed,
+            arrival_spread_s=spread,
+            late_rank=late_rank,
+            seq=seq,
+            frame=str(frame),
+            rank=rank,
+            world_size=world,
+            started_ns=start_ns,
+            compile_id=_compile_id(),
+            restart=restart if state is None else None,
+            restart_why=why,
+            states=tuple(states),
+        )
+    )
     return Exchange(
         envelopes,
         states,
         restart,
-        phase="trace" if state is None else "inputs",
+        phase=phase,
         restart_why=why,
         bytes_sent=len(payload),
         bytes_received=bytes_in,

@@ -59,8 +59,8 @@ from torch.profiler import record_function as _record_function
 
 from .. import health, process_state
 from ..errors import CollectiveError
-from ..instrument import timing
 from ..ledger import ledger
+from ..records import GuardChannelBuilt
 from ..transport import GuardChannel, groups
 
 # The hook's helpers are imported under the private names its body has always used
@@ -152,15 +152,15 @@ def _channel() -> GuardChannel:
     if _state.channel is None:
         channel = _guard_channel()
         _state.channel = channel
-        timing.ensure(dist.get_rank(), channel.pg.size())
+        ledger.add(GuardChannelBuilt(dist.get_rank(), channel.pg.size()))  # the timing reader's rank
     return _state.channel
 
 
 def hook(guard_eval_result: bool) -> bool:
     """Dynamo's guard-complete hook. True: run cached code; False: compile.
 
-    This runs on every call of every compiled frame: keep it lean. Timing and
-    profiler ranges cost one global check each when off.
+    This runs on every call of every compiled frame: keep it lean. Timing (the
+    ledger's guard reader) and profiler ranges cost one check each when off.
     """
     try:
         # First: a new default group (its destroy unseen) ends the old one's failure and channel.
@@ -186,8 +186,9 @@ def hook(guard_eval_result: bool) -> bool:
         _state.seq += 1
         seq = _state.seq
         site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
-        recorder = timing.recorder
-        if recorder is not None:
+        # The clock only while the ledger has a guard reader (timing on): else 0, no allocation.
+        start_ns = 0
+        if ledger.guard_reader is not None:
             start_ns = _time_ns()
         started = _perf_counter()
         if _profiler_enabled():
@@ -197,19 +198,17 @@ def hook(guard_eval_result: bool) -> bool:
             all_hit, in_step = channel.agree(guard_eval_result, seq, site)
         elapsed = _perf_counter() - started
         if not in_step:
-            ledger.guard_call(elapsed, False, False)
+            ledger.guard_call(elapsed, False, False)  # counted, offered to no reader: it raises or goes apart
             everyone = _describe_mismatch(channel, seq, site, sys._getframe(1))
             if paths_diverged(everyone):
                 go_apart(seq - 1)
                 return guard_eval_result
             raise _desync(channel, seq, site, everyone)
-        ledger.guard_call(elapsed, not guard_eval_result, not all_hit)
+        ledger.guard_call(elapsed, not guard_eval_result, not all_hit, seq, start_ns)
         if not all_hit:
             _state.agreed_miss = (seq, not guard_eval_result)
             if guard_eval_result:
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)
-        if recorder is not None:
-            recorder.guard(start_ns=start_ns, duration_s=elapsed, seq=seq, hit=guard_eval_result, agreed=all_hit)
         return all_hit
     except BaseException as e:  # noqa: BLE001 - nothing may escape into C++
         try:

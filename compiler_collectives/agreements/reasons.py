@@ -10,8 +10,9 @@ it (none if it hit) in one all-gather; each rank then records:
 * a rank that missed: its own reasons, then the other ranks that missed.
 
 The seams module calls ``exchange`` where Dynamo computes its recompile
-reasons and records the result where Dynamo records them. The guard
-collective's fast path is untouched.
+reasons and records the result where Dynamo records them; the exchange's
+record (``ReasonsExchange``) carries what the ledger's readers write into the
+``guard_collective`` artifact. The guard collective's fast path is untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from .. import health
@@ -115,7 +117,6 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
     )
     envelopes, payloads, rounds, elapsed = (gathered.envelopes, gathered.payloads, gathered.rounds, gathered.elapsed_s)
     everyone = {e.rank: e.reasons for e in envelopes if e.missed}
-    ledger.add(ReasonsExchange(seq))
     shared = Shared(
         seq=seq,
         rank=rank,
@@ -127,6 +128,22 @@ def exchange(pg: Any, *, seq: int, missed: bool, own: list[str], frame: str | No
         bytes_received=sum(len(p) for p in payloads),
         rounds=rounds,
         elapsed_s=elapsed,
+    )
+    # The ledger's readers write the ``guard_collective`` artifact from this record.
+    ledger.add(
+        ReasonsExchange(
+            seq,
+            frame=frame,
+            rank=rank,
+            world_size=world,
+            this_rank_missed=missed,
+            missed=MappingProxyType({r: tuple(v) for r, v in everyone.items()}),
+            reasons=tuple(shared.reasons),
+            bytes_sent=shared.bytes_sent,
+            bytes_received=shared.bytes_received,
+            rounds=rounds,
+            elapsed_s=elapsed,
+        )
     )
     log.info("%s: recompiling: %s", where(), " | ".join(shared.reasons) or "no reason found")
     return shared

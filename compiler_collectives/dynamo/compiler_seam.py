@@ -39,7 +39,7 @@ from ..agreements import compile_scope, compiler, entry, guard_owner, guard_path
 from ..ledger import ledger
 from ..observations import DYNAMIC, DistributedState, FrameId, InferStride, LocalState, SizeEntry
 from ..records import Restart
-from . import bound, guard_seam, tooling
+from . import bound, guard_seam
 from .convert import entry_from_torch, entry_to_torch
 
 log = logging.getLogger("compiler_collectives.dynamo")
@@ -170,7 +170,6 @@ def new_distributed_state(compile_pg: Any, local_state: LocalState) -> Distribut
     result = compiler.exchange(ds, frame_of(code), state=predicted)
     ds.early_states = result.states
     ds.early_names = frozenset(n for s in result.states for n in s.automatic_dynamic)
-    tooling.trace_exchange(result, ds)
     return ds
 
 
@@ -221,7 +220,6 @@ def run_compiler_collective(self: Any) -> None:
     with bound.originals["dynamo_timed"]("compiler_collective", log_pt2_compile_event=True):
         result = compiler.exchange(ds, frame_of(tx.f_code))
     ds.all_states = result.states
-    tooling.trace_exchange(result, ds)
     if result.restart:
         ledger.add(Restart(taken=True))
         tx.speculation_log.clear()

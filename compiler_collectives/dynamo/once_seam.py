@@ -38,7 +38,7 @@ inside AOTAutograd's own events:
 * ``compile_once_finish`` (``EVENT_FINISH``): every other rank's end of the graph: the serving
   rank collects and sends its artifact; then the result and load-report exchanges (``once.finish``).
 
-Each finished graph also writes a ``compile_once`` artifact (``tooling.trace_once``).
+Each finished graph also writes a ``compile_once`` artifact (``tooling.read``, from its ledger record).
 """
 
 from __future__ import annotations

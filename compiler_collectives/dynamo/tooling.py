@@ -1,8 +1,12 @@
 """What PT2's own tooling shows of us: structured-trace artifacts and recompile reasons.
 
-* ``torch._logging.trace_structured``: our ``compiler_collective``,
-  ``guard_collective`` and ``compile_once`` artifacts in ``TORCH_TRACE``
-  (tlparse shows them), filed under the compile they belong to.
+* ``read``, one of the ledger's readers (``dynamo/wiring.py`` registers it):
+  our ``compiler_collective``, ``guard_collective``, ``compile_once`` and
+  ``compiler_collectives_audit`` artifacts in torch's structured trace
+  (``TORCH_TRACE``; tlparse shows them), each written from its record
+  (``records.py``) as the ledger adds it. The agreements add their records
+  inside the compile they belong to, so torch files each artifact under that
+  compile. No other module writes one (``tests/test_ledger_readers.py``).
 * ``convert_frame.get_and_maybe_log_recompilation_reasons``: after an agreed
   guard miss, every rank's reasons, recorded where Dynamo records its own
   (its ``recompiles`` log, the ``recompile_reasons`` artifact, the metrics).
@@ -12,117 +16,164 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..agreements import compile_scope, guard, once, reasons
+from ..agreements import compile_scope, guard, reasons
+from ..agreements.audit_record import LEVELS
 from ..instrument import artifacts
-from ..observations import DistributedState, FrameId
+from ..observations import FrameId
+from ..records import AuditExchange, CompilerExchange, OnceGraph, ReasonsExchange
 from . import bound
 
 _compiler_log = logging.getLogger("compiler_collectives.compiler")
 _once_log = logging.getLogger("compiler_collectives.once")
+_audit_log = logging.getLogger("compiler_collectives.audit")
 
 
-def structured_artifact(name: str, payload_fn: Callable[[], Any]) -> None:
-    """A JSON artifact in torch's structured trace; ``payload_fn`` runs only if TORCH_TRACE is on.
+def read(record: object) -> None:
+    """The ledger's reader: the artifact ``record`` makes, if any (its payload built only when
+    TORCH_TRACE is on)."""
+    if isinstance(record, CompilerExchange):
+        _compiler_collective(record)
+    elif isinstance(record, ReasonsExchange):
+        _artifact("guard_collective", _json(lambda: _guard_collective(record)))
+    elif isinstance(record, OnceGraph):
+        _compile_once(record)
+    elif isinstance(record, AuditExchange) and record.agreed:
+        _audit(record)
 
-    Inside a compile, torch files it under that compile's id (and attempt).
-    """
+
+def _artifact(name: str, text: Callable[[], str], **options: Any) -> None:
+    """One JSON artifact in torch's structured trace; ``text`` (its JSON) runs only if TORCH_TRACE
+    is on. Inside a compile, torch files it under that compile's id (and attempt)."""
     bound.originals["trace_structured"](
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "json"},
-        payload_fn=lambda: json.dumps(payload_fn(), indent=1),
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": "json"}, payload_fn=text, **options
     )
 
 
-def trace_exchange(result: Any, ds: DistributedState) -> None:
+def _json(payload: Callable[[], Any]) -> Callable[[], str]:
+    return lambda: json.dumps(payload(), indent=1)
+
+
+def _compiler_collective(x: CompilerExchange) -> None:
     """The ``compiler_collective`` artifact and the INFO line for one exchange."""
     built: dict[str, Any] = {}
-    # Read now: the box lets go of its group when the compile ends (``DistributedState.end``).
-    rank = result.envelopes[ds.compile_pg.rank()].rank  # global rank, under a scope too
-    frame, seq = str(ds.frame), ds.seq or 0
 
     def payload() -> dict[str, Any]:
         if not built:
-            times = [e.sent_at for e in result.envelopes]
             built.update(
                 artifacts.compiler_collective(
-                    phase=result.phase,
-                    rank=rank,
-                    frame=frame,
-                    seq=seq,
-                    states=result.states,
-                    restart=None if result.phase == "inputs" else result.restart,
-                    restart_why=result.restart_why,
-                    bytes_sent=result.bytes_sent,
-                    bytes_received=result.bytes_received,
-                    rounds=result.rounds,
-                    elapsed_s=result.elapsed_s,
-                    arrival_spread_s=max(times) - min(times),
-                    last_rank=result.envelopes[max(range(len(times)), key=lambda r: times[r])].rank,
+                    phase=x.phase,
+                    rank=x.rank,
+                    frame=x.frame,
+                    seq=x.seq,
+                    states=x.states,
+                    restart=x.restart,
+                    restart_why=x.restart_why,
+                    bytes_sent=x.bytes_sent,
+                    bytes_received=x.bytes_received,
+                    rounds=x.rounds,
+                    elapsed_s=x.elapsed_s,
+                    arrival_spread_s=x.arrival_spread_s,
+                    last_rank=x.late_rank,
                 )
             )
         return built
 
-    structured_artifact("compiler_collective", payload)
-    level = logging.INFO if result.phase == "trace" else logging.DEBUG
+    _artifact("compiler_collective", _json(payload))
+    level = logging.INFO if x.phase == "trace" else logging.DEBUG
     if _compiler_log.isEnabledFor(level):
-        _compiler_log.log(level, "compiler collective #%s: %s", ds.seq, artifacts.summary_line(payload()))
+        _compiler_log.log(level, "compiler collective #%s: %s", x.seq, artifacts.summary_line(payload()))
 
 
-def trace_once(ticket: once.Ticket, record: dict[str, Any]) -> None:
-    """The ``compile_once`` artifact for one graph this rank finished (``once.set_on_record``)."""
-    # Called as the graph's last exchange ended, inside its compile: torch files it there.
-    rank = ticket.rank if ticket.rank >= 0 else torch.distributed.get_rank()  # -1: no exchange taken
-    finished_ns = time.time_ns()
+def _compile_once(x: OnceGraph) -> None:
+    """The ``compile_once`` artifact for one graph this rank finished."""
+    record = x.record
 
     def payload() -> dict[str, Any]:
         return artifacts.compile_once(
-            rank=rank,
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            level=ticket.level,
-            key=ticket.key,
+            rank=x.rank if x.rank >= 0 else torch.distributed.get_rank(),  # -1: no exchange taken
+            seq=record["seq"],
+            frame=record["frame"],
+            level=record["level"],
+            key=record["key"],
             state=record["state"],
             why=record["why"],
-            outcome=ticket.outcome,
-            outcome_why=ticket.outcome_why,
-            roles={r: (p.role, p.source) for r, p in ticket.plans.items()},
-            bytes_received=ticket.bytes_in,
-            waited_s=ticket.waited_s,
-            elapsed_s=(finished_ns - ticket.started_ns) / 1e9,
+            outcome=x.outcome,
+            outcome_why=x.outcome_why,
+            roles=x.roles,
+            bytes_received=x.bytes_in,
+            waited_s=x.waited_s,
+            elapsed_s=(x.finished_ns - x.started_ns) / 1e9,
         )
 
     try:
-        structured_artifact("compile_once", payload)
+        _artifact("compile_once", _json(payload))
     except Exception as e:  # noqa: BLE001 - the graph is compiled and every exchange taken: only the trace lacks it
-        _once_log.warning("compile once #%s: could not write its compile_once artifact: %s", ticket.seq, e)
+        _once_log.warning("compile once #%s: could not write its compile_once artifact: %s", record["seq"], e)
 
 
-def guard_collective(shared: reasons.Shared, frame: str | None) -> dict[str, Any]:
-    """The ``guard_collective`` artifact for one miss every rank agreed on (emitted on every rank)."""
+def _guard_collective(x: ReasonsExchange) -> dict[str, Any]:
+    """The ``guard_collective`` artifact for one miss every rank agreed on (written on every rank)."""
     return {
         "artifact_version": artifacts.ARTIFACT_VERSION,
         "event": "recompile",
-        "seq": shared.seq,
-        "frame": frame,
-        "rank": shared.rank,
-        "world_size": shared.world_size,
-        "this_rank_missed": shared.this_rank_missed,
+        "seq": x.seq,
+        "frame": x.frame,
+        "rank": x.rank,
+        "world_size": x.world_size,
+        "this_rank_missed": x.this_rank_missed,
         # this rank's own guards passed: it recompiles only because others missed
-        "forced": not shared.this_rank_missed,
-        "missed_ranks": sorted(shared.missed),
-        "reasons_by_rank": {str(r): v for r, v in sorted(shared.missed.items())},
-        "recorded_reasons": shared.reasons,
-        "bytes_sent": shared.bytes_sent,
-        "bytes_received": shared.bytes_received,
-        "rounds": shared.rounds,
-        "time_ms": round(shared.elapsed_s * 1e3, 3),
+        "forced": not x.this_rank_missed,
+        "missed_ranks": sorted(x.missed),
+        "reasons_by_rank": {str(r): list(v) for r, v in sorted(x.missed.items())},
+        "recorded_reasons": list(x.reasons),
+        "bytes_sent": x.bytes_sent,
+        "bytes_received": x.bytes_received,
+        "rounds": x.rounds,
+        "time_ms": round(x.elapsed_s * 1e3, 3),
     }
+
+
+def _audit(x: AuditExchange) -> None:
+    """The ``compiler_collectives_audit`` artifact of one graph the audit let run: every rank's
+    summary of each level, and this rank's collectives."""
+
+    def payload() -> str:
+        return json.dumps(
+            {
+                "seq": x.seq,
+                "rank": x.rank,
+                "frame": x.frame,
+                "phase": x.phase,
+                "report_only_levels": list(x.report_only),
+                "collectives": {
+                    lv: [c.render() for g in x.graphs if g.level == lv for c in g.collectives]
+                    for lv in LEVELS
+                    if any(g.level == lv for g in x.graphs)
+                },
+                "ranks": [
+                    {
+                        lv.level: {
+                            "graphs": lv.graphs,
+                            "collectives": lv.collectives,
+                            "collectives_digest": lv.collectives_digest.hex(),
+                            "graph_digest": lv.graph_digest.hex(),
+                        }
+                        for lv in levels
+                    }
+                    for levels in x.ranks
+                ],
+            }
+        )
+
+    try:
+        _artifact("compiler_collectives_audit", payload, expect_trace_id=False)
+    except Exception as e:  # noqa: BLE001 - tracing must never fail a compile
+        _audit_log.debug("could not emit the audit artifact: %s", e)
 
 
 @compile_scope.boundary
@@ -139,8 +190,7 @@ def recompilation_reasons(cache_entries: Any, frame: Any, backend: Any, skip_log
     # A rank that hit has no failing guard to report; Dynamo would say it
     # cannot find a reason.
     own = original(cache_entries, frame, backend, skip_logging=True) if missed else []
-    shared = reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)
-    structured_artifact("guard_collective", lambda: guard_collective(shared, where))
+    shared = reasons.exchange(pg, seq=seq, missed=missed, own=own, frame=where)  # its record: the artifact
     _record_recompile_reasons(code, shared.reasons)
     agreed: list[str] = shared.reasons
     return agreed
@@ -170,13 +220,3 @@ def _record_recompile_reasons(code: Any, reasons_: list[str]) -> None:
     )
     if bound.current("error_on_recompile"):
         raise torch_of["RecompileError"](message)
-
-
-def emit_artifact(name: str, payload_fn: Callable[[], str]) -> None:
-    """An artifact whose payload is already JSON text (the audit's summaries)."""
-    bound.originals["trace_structured"](
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "json"},
-        payload_fn=payload_fn,
-        expect_trace_id=False,
-    )

@@ -22,19 +22,18 @@ offers setters and registries, and ``wire()`` fills every one of them:
 * agreements.compiler: ``set_compile_id_source``;
 * agreements.guard: ``set_profiler_probe``; agreements.guard_frames:
   ``set_frame_sources``;
-* agreements.audit_verdict: ``set_artifact_sink`` (torch's structured trace);
-* agreements.once: ``set_on_record`` (each finished graph's ``compile_once``
-  artifact in torch's structured trace);
+* the ledger: ``add_reader`` (``tooling.read``: our artifacts in torch's
+  structured trace, each written from the record the ledger adds);
 * agreements.fingerprint: ``set_group_resolver`` and ``set_operators``
   (torch's operator types and ``normalize_function``).
 
 ``wire()`` is idempotent (a source registered twice is kept once).
 ``unwire()`` (uninstall) drops what only makes sense while we are patched
-into torch: the audit's artifact sink and group resolver, and compile once's
-artifact. Nothing wired here is dropped by ``compiler_collectives.reset()``,
-a destroyed default group or a fork: each setter below the seam is declared
+into torch: the artifacts' reader and the audit's group resolver. Nothing
+wired here is dropped by ``compiler_collectives.reset()``, a destroyed
+default group or a fork: each setter below the seam is declared
 ``process_state.wired`` (``process_state.describe()`` lists what each moment
-clears), so none of them wires again.
+clears), and the ledger keeps its readers, so none of them wires again.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from __future__ import annotations
 import functools
 
 from ..agreements import audit_verdict, compiler, failure, fingerprint, guard, guard_frames, scope, setup
-from ..agreements.once import ticket as once_ticket
+from ..ledger import ledger
 from ..store import calls as store_calls
 from ..transport import groups, set_enqueue_context, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
@@ -67,8 +66,7 @@ def wire(moments: bound.Moments) -> None:
     if table.holds("profiler_enabled"):
         owner, attr = table.place(table.named("profiler_enabled"))
         guard.set_profiler_probe(functools.partial(getattr, owner, attr))  # a plain read: the guard hook's path
-    audit_verdict.set_artifact_sink(tooling.emit_artifact)
-    once_ticket.set_on_record(tooling.trace_once)
+    ledger.add_reader(tooling.read)
     fingerprint.set_group_resolver(audit_seam.group_text)
     fingerprint.set_operators(
         originals["OpOverload"],
@@ -80,5 +78,4 @@ def wire(moments: bound.Moments) -> None:
 def unwire() -> None:
     """Uninstall: drop what only holds while we are patched into torch."""
     fingerprint.set_group_resolver(None)
-    audit_verdict.set_artifact_sink(None)
-    once_ticket.set_on_record(None)
+    ledger.remove_reader(tooling.read)

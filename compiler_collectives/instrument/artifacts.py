@@ -13,13 +13,13 @@ Three artifacts, all JSON, each filed under the compile it belongs to:
   the plan (which ranks compiled, served, loaded or compiled locally), this
   rank's role, source and outcome, the bytes it received and its wait.
 
-Plain data in, plain data out: the seams module decides when to emit and
-hands the result to torch's structured trace. ``ARTIFACT_VERSION`` changes
-whenever a field of any of them changes meaning or disappears. The
-``guard_collective`` artifact is built from the agreements' ``reasons.Shared``,
-so it is built above them, in ``dynamo/tooling.py``; this module knows only
-the base modules' types (``compile_once`` takes each rank's plan as plain (role, source)
-pairs for that reason).
+Plain data in, plain data out: the ledger's reader in ``dynamo/tooling.py``
+writes each artifact from its record (``records.py``) into torch's structured
+trace. ``ARTIFACT_VERSION`` changes whenever a field of any of them changes
+meaning or disappears. The ``guard_collective`` and audit artifacts are built
+there, from their records alone; this module knows only the base modules'
+types (``compile_once`` takes each rank's plan as plain (role, source) pairs
+for that reason).
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
 """Recording what each collective cost: in-memory samples, a per-rank Chrome trace, an exit summary.
 
 Off unless ``COMPILER_COLLECTIVES_TIMING=1`` or ``COMPILER_COLLECTIVES_TRACE_DIR``
-is set (or ``set_enabled(True)``). When off, the collectives check one module
-global and record nothing.
+is set (or ``set_enabled(True)``). When off, nothing is recorded.
+
+Everything here is written from the ledger's records (``ledger.py``): ``read``
+is one of the ledger's readers (the composition root registers it), and turns
+each compiler collective (``CompilerExchange``) and each graph under compile
+once (``OnceGraph``) into a sample and an event; the guard channel's record
+(``GuardChannelBuilt``) makes the recorder of its rank. The guard collective's
+calls are too many for a record each: while a recorder exists, its ``guard``
+is the ledger's guard reader (``ledger.read_guards``), so the hook takes its
+clock only then.
 
 Trace files (``DIR/rank{N}.json``) use the Chrome trace event JSON array format
 (Perfetto, chrome://tracing, the format torch.profiler exports): one complete
@@ -30,6 +38,8 @@ import time
 from typing import Any, TextIO
 
 from .. import config, process_state
+from ..ledger import ledger
+from ..records import CompilerExchange, GuardChannelBuilt, OnceGraph
 
 log = logging.getLogger("compiler_collectives.timing")
 
@@ -129,48 +139,35 @@ class Recorder:
 
     # -------------------------------------------------------------- events
 
-    def compiler(
-        self,
-        *,
-        start_ns: int,
-        duration_s: float,
-        seq: int,
-        frame: str,
-        compile_id: str | None,
-        bytes_out: int,
-        bytes_in: int,
-        rounds: int,
-        phase: str,
-        restart: bool | None,
-        arrival_spread_s: float,
-        last_rank: int,
-    ) -> None:
-        self.samples["compiler"].append(duration_s)
-        self.bytes["compiler"] += bytes_out + bytes_in
-        self.late_ranks[last_rank] = self.late_ranks.get(last_rank, 0) + 1
+    def compiler(self, x: CompilerExchange) -> None:
+        """One compiler collective, from its record."""
+        self.samples["compiler"].append(x.elapsed_s)
+        self.bytes["compiler"] += x.bytes_sent + x.bytes_received
+        self.late_ranks[x.late_rank] = self.late_ranks.get(x.late_rank, 0) + 1
         self._emit(
             self._span(
                 "compiler collective",
-                start_ns,
-                duration_s,
+                x.started_ns,
+                x.elapsed_s,
                 {
                     "kind": "compiler",
-                    "seq": seq,
-                    "frame": frame,
-                    "compile_id": compile_id,
-                    "bytes_out": bytes_out,
-                    "bytes_in": bytes_in,
-                    "rounds": rounds,
-                    "phase": phase,
-                    "restart": restart,
-                    "arrival_spread_ms": round(arrival_spread_s * 1e3, 3),
-                    "last_rank": last_rank,
+                    "seq": x.seq,
+                    "frame": x.frame,
+                    "compile_id": x.compile_id,
+                    "bytes_out": x.bytes_sent,
+                    "bytes_in": x.bytes_received,
+                    "rounds": x.rounds,
+                    "phase": x.phase,
+                    "restart": x.restart,
+                    "arrival_spread_ms": round(x.arrival_spread_s * 1e3, 3),
+                    "last_rank": x.late_rank,
                 },
             ),
             flush_now=True,
         )
 
-    def guard(self, *, start_ns: int, duration_s: float, seq: int, hit: bool, agreed: bool) -> None:
+    def guard(self, start_ns: int, duration_s: float, seq: int, hit: bool, agreed: bool) -> None:
+        """One guard collective (the ledger's guard reader while this recorder is the current one)."""
         self.samples["guard"].append(duration_s)
         self.bytes["guard"] += 24
         if self._file is not None:
@@ -184,34 +181,25 @@ class Recorder:
                 flush_now=False,
             )
 
-    def once(
-        self,
-        *,
-        start_ns: int,
-        duration_s: float,
-        seq: int,
-        frame: str,
-        state: str,
-        why: str,
-        source: int | None,
-        bytes_in: int,
-    ) -> None:
-        """One graph under compile once, from its key exchange to its load report."""
+    def once(self, x: OnceGraph) -> None:
+        """One graph under compile once, from its key exchange to its load report, from its record."""
+        record = x.record
+        duration_s = (x.finished_ns - x.started_ns) / 1e9
         self.samples["compile_once"].append(duration_s)
-        self.bytes["compile_once"] += bytes_in
+        self.bytes["compile_once"] += x.bytes_in
         self._emit(
             self._span(
-                f"compile once: {state}",
-                start_ns,
+                f"compile once: {record['state']}",
+                x.started_ns,
                 duration_s,
                 {
                     "kind": "compile_once",
-                    "seq": seq,
-                    "frame": frame,
-                    "state": state,
-                    "why": why,
-                    "source": source,
-                    "bytes_in": bytes_in,
+                    "seq": record["seq"],
+                    "frame": record["frame"],
+                    "state": record["state"],
+                    "why": record["why"] or "",
+                    "source": record["source"],
+                    "bytes_in": x.bytes_in,
                 },
             ),
             flush_now=True,
@@ -278,10 +266,31 @@ def quantiles(values: list[float]) -> dict[int, float]:
     return {p: ordered[min(n - 1, round(p / 100 * (n - 1)))] for p in (50, 90, 99)}
 
 
-# The active recorder, or None when timing is off. Hot paths read this global.
+# The active recorder, or None when timing is off.
 recorder: Recorder | None = None
 _forced: bool | None = None
 _atexit_registered = False
+
+
+def read(record: object) -> None:
+    """The ledger's reader: a compiler collective's or a graph's event and sample, from its record
+    (the first compiler collective, or the guard channel, makes this rank's recorder)."""
+    rec = recorder
+    if isinstance(record, CompilerExchange):
+        rec = rec if rec is not None else ensure(record.rank, record.world_size)
+        if rec is not None:
+            rec.compiler(record)
+    elif isinstance(record, OnceGraph):
+        if rec is not None and record.record["seq"] is not None:  # no seq: no exchange was taken
+            rec.once(record)
+    elif isinstance(record, GuardChannelBuilt):
+        ensure(record.rank, record.world_size)
+
+
+def figures() -> dict[str, dict[str, float]] | None:
+    """The current recorder's figures (``Recorder.figures``), None while timing is off."""
+    rec = recorder
+    return None if rec is None else rec.figures()
 
 
 def _wanted() -> bool:
@@ -303,6 +312,7 @@ def ensure(rank: int, world_size: int) -> Recorder | None:
         if recorder is not None:
             recorder.close()
         recorder = Recorder(rank, world_size, config.settings.trace_dir or None)
+        ledger.read_guards(recorder.guard)
         if not _atexit_registered:
             atexit.register(_at_exit)
             # Forked multiprocessing children leave through os._exit, which
@@ -318,6 +328,7 @@ def set_enabled(enabled: bool | None) -> None:
     global _forced, recorder
     _forced = enabled
     if enabled is False and recorder is not None:
+        ledger.read_guards(None)
         recorder.close()
         recorder = None
     if enabled:
@@ -333,6 +344,7 @@ def _at_exit() -> None:
     if rec is None:
         return
     recorder = None  # atexit and the multiprocessing finalizer may both call us
+    ledger.read_guards(None)
     rec.close()
     if config.settings.timing or _forced:
         if not log.handlers and not logging.getLogger("compiler_collectives").handlers:

@@ -4,8 +4,8 @@ its start to its end, and the record made from it when it ends.
 ``Ticket`` is what every step of the protocol reads and fills (the plan, the offers, the
 outcome, the times); ``Step`` is where it stands. ``keep_record`` makes the graph's frozen
 record (``records()``'s item: how it ended, why, its times) once per ticket, kept and counted
-by the ledger, and hands it to whoever hears of each graph (``set_on_record``: the seam's
-tlparse artifact). ``once_error`` and ``failed`` are compile once's own errors about a ticket's
+by the ledger, whose readers write the graph's trace event and its ``compile_once`` artifact
+from it. ``once_error`` and ``failed`` are compile once's own errors about a ticket's
 graph, counted where they are made; ``where_of`` names the graph and the step in messages.
 """
 
@@ -18,9 +18,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
-from ... import process_state
 from ...errors import CollectiveError, CompileOnceError
-from ...instrument import timing
 from ...ledger import ledger
 from ...observations import FrameId
 from ...records import OnceGraph
@@ -134,17 +132,6 @@ def once_error(ticket: Ticket, message: str, ranks: tuple[int, ...]) -> CompileO
     )
 
 
-# What else hears of each graph this rank finished (the seam's tlparse artifact); set by wiring.
-_on_record: Callable[[Ticket, dict[str, Any]], None] | None = None
-
-
-@process_state.wired(names=("_on_record",), what="each finished graph's artifact in torch's structured trace")
-def set_on_record(fn: Callable[[Ticket, dict[str, Any]], None] | None) -> None:
-    """Call ``fn(ticket, record)`` with each finished graph's record (``records()``'s item)."""
-    global _on_record
-    _on_record = fn
-
-
 def keep_record(ticket: Ticket) -> None:
     """The graph's record (``records()``), once per ticket, kept by the ledger (which counts it)."""
     plan = ticket.plan
@@ -152,13 +139,13 @@ def keep_record(ticket: Ticket) -> None:
         return
     if ticket.level == "aot" and ticket.fx_keys:
         sidecar.write_fx_keys(ticket.cache.root(), ticket.key, ticket.fx_keys)
-    rec = timing.recorder
     if plan.role == LOAD:
         state = "loaded" if ticket.outcome == "hit" else "compiled locally"
         why = (ticket.outcome_why or plan.why) if ticket.outcome == "hit" else f"{ticket.outcome}: {ticket.outcome_why}"
     else:
         state = {COMPILE: "compiled", SERVE: "served", LOCAL: "compiled locally"}[plan.role]
         why = plan.why
+    finished_ns = time.time_ns()
     ticket.record = {
         "seq": ticket.seq,
         "frame": str(ticket.frame),
@@ -173,27 +160,27 @@ def keep_record(ticket: Ticket) -> None:
         "exchange_s": round(ticket.exchange_s, 6),
         "install_s": round(ticket.install_s, 6),
         "transfer_s": round(ticket.transfer_s, 6),
-        "span_s": round((time.time_ns() - ticket.started_ns) / 1e9, 6),
+        "span_s": round((finished_ns - ticket.started_ns) / 1e9, 6),
         "artifact_bytes": ticket.artifact_bytes,
         "posted_at": ticket.posted_at,
         "wait_ended_at": ticket.wait_ended_at,
     }
+    # The ledger's readers write the graph's trace event and its artifact from this record.
     ledger.add(
-        OnceGraph(ticket.record["ended"], len(ticket.record["peers_local"]), MappingProxyType(dict(ticket.record)))
-    )
-    if _on_record is not None:
-        _on_record(ticket, ticket.record)
-    if rec is not None and ticket.seq is not None:
-        rec.once(
-            start_ns=ticket.started_ns,
-            duration_s=(time.time_ns() - ticket.started_ns) / 1e9,
-            seq=ticket.seq,
-            frame=str(ticket.frame),
-            state=state,
-            why=why or "",
-            source=plan.source,
+        OnceGraph(
+            ticket.record["ended"],
+            len(ticket.record["peers_local"]),
+            MappingProxyType(dict(ticket.record)),
+            rank=ticket.rank,
+            outcome=ticket.outcome,
+            outcome_why=ticket.outcome_why,
+            roles=MappingProxyType({r: (p.role, p.source) for r, p in ticket.plans.items()}),
             bytes_in=ticket.bytes_in,
+            waited_s=ticket.waited_s,
+            started_ns=ticket.started_ns,
+            finished_ns=finished_ns,
         )
+    )
 
 
 def records() -> list[dict[str, Any]]:
