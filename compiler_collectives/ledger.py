@@ -28,6 +28,7 @@ All of the ledger's state is on its instance; ``ledger`` is this process's one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -203,6 +204,17 @@ KEEP_BY_KIND: dict[type, int] = {
     r.ReasonsExchange: 16,
 }
 
+
+
+def _without_roles(record: r.OnceGraph) -> r.OnceGraph:
+    return dataclasses.replace(record, roles={}) if record.roles else record
+
+
+# What is kept of a record whose part for the readers grows with the world and is kept as deep as
+# stats() lists it: compile once's graphs, 256 of them, whose every rank's (role, source) would
+# be 256 x the world's ranks. The readers are offered the whole record; the ledger keeps the rest.
+KEPT_AS: dict[type, Callable[[Any], object]] = {r.OnceGraph: _without_roles}
+
 # A reader: offered every record the ledger adds, once counted.
 Reader = Callable[[object], None]
 
@@ -265,7 +277,8 @@ class Ledger:
         kept = self._kept.get(kind)
         if kept is None:
             kept = self._kept[kind] = collections.deque(maxlen=KEEP_BY_KIND.get(kind, KEEP))
-        kept.append(record)
+        trim = KEPT_AS.get(kind)
+        kept.append(record if trim is None else trim(record))
         if kind is r.CompilerExchange:
             self._last = record  # type: ignore[assignment]
         for reader in self._readers:

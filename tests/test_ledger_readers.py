@@ -146,6 +146,19 @@ def test_a_reader_registered_twice_hears_each_record_once_and_a_removed_one_hear
     assert seen == [records.PathsDiverged(1)]
 
 
+def test_a_reader_sees_every_rank_s_role_of_a_graph_and_the_ledger_keeps_the_graph_without_them() -> None:
+    """What the artifact reads grows with the world; 256 graphs of it kept at 8,192 ranks would be
+    two million entries: the ledger keeps the graph's record, not every rank's role."""
+    book = Ledger()
+    seen: list[records.OnceGraph] = []
+    book.add_reader(seen.append)  # type: ignore[arg-type]
+    roles = {r: ("load", 0) for r in range(1, 8192)} | {0: ("compile", None)}
+    book.add(records.OnceGraph("compiled", 0, {"seq": 1}, rank=0, roles=roles))
+    assert len(seen[0].roles) == 8192
+    [kept] = book.kept(records.OnceGraph)
+    assert kept.roles == {} and kept.record == {"seq": 1} and kept.ended == "compiled"
+
+
 def test_reset_stats_keeps_the_readers() -> None:
     book = Ledger()
     seen: list[object] = []
