@@ -205,7 +205,6 @@ KEEP_BY_KIND: dict[type, int] = {
 }
 
 
-
 def _without_roles(record: r.OnceGraph) -> r.OnceGraph:
     return dataclasses.replace(record, roles={}) if record.roles else record
 
