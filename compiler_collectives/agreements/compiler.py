@@ -36,19 +36,12 @@ def progress() -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Exchange:
-    """What one compiler collective produced, identical on every rank (but the cost figures)."""
+    """What one compiler collective produced, identical on every rank (its cost figures are the
+    ``CompilerExchange`` record's, in the ledger)."""
 
     envelopes: list[wire.Envelope]
     states: list[LocalState]
     restart: bool
-    # "inputs" (before the first trace) or "trace" (at its end)
-    phase: str = "trace"
-    # Why a restart is or is not needed; empty for the input exchange.
-    restart_why: str = ""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    rounds: int = 0
-    elapsed_s: float = 0.0
 
 
 def exchange(
@@ -140,17 +133,7 @@ def exchange(
             states=tuple(states),
         )
     )
-    return Exchange(
-        envelopes,
-        states,
-        restart,
-        phase=phase,
-        restart_why=why,
-        bytes_sent=len(payload),
-        bytes_received=bytes_in,
-        rounds=rounds,
-        elapsed_s=elapsed,
-    )
+    return Exchange(envelopes, states, restart)
 
 
 # The compile id of the compile in progress ("0/1"), from the Dynamo seam
