@@ -118,6 +118,9 @@ def when_our_moment_runs(rank: int, world: int, port: int) -> dict:
     # A subgroup's destroy is torch's alone: our generation goes on.
     before = process_state.generation()
     subgroup = dist.new_group([0, 1])
+    # Both ranks out of new_group first: a rank that destroys the subgroup while its peer still
+    # connects gloo's mesh closes that connection under it ("connectFullMesh failed").
+    dist.barrier()
     dist.destroy_process_group(subgroup)
     del subgroup  # (a group the user still holds keeps the store, with torch alone too)
     seen["subgroup_kept_generation"] = process_state.generation() == before and not seen
