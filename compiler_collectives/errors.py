@@ -89,6 +89,22 @@ class PeerFailureError(CollectiveError):
         super().__init__(message, kind=kind, rank=rank, seq=seq, frame=frame, ranks=ranks, reported_by=reported_by)
         self.left = left
 
+    @classmethod
+    def stopped_waiting(
+        cls, where: str, failure: CollectiveError, *, kind: str | None = None, rank: int | None = None
+    ) -> PeerFailureError:
+        """A wait of ours that ended because this rank heard of ``failure`` (its latch's first):
+        says ``where`` it waited, and keeps who failed and who reported it, so that the failure
+        procedure quotes that report."""
+        return cls(
+            f"{where}: {failure}",
+            kind=kind,
+            rank=rank,
+            ranks=failure.ranks,
+            reported_by=failure.reported_by,
+            left=getattr(failure, "left", False),
+        )
+
 
 class CollectiveDesyncError(CollectiveError):
     """Raised when ranks reached the same collective from different places:

@@ -131,12 +131,7 @@ def wait(work: Any, describe: Callable[[], str] | None = None) -> None:
         if failure is not None:
             where = describe() if describe is not None else "a collective"
             # Keeps who reported it: the failure procedure then quotes that report, never re-types it.
-            raise PeerFailureError(
-                f"{where}: stopped waiting: {failure}",
-                ranks=failure.ranks,
-                reported_by=failure.reported_by,
-                left=getattr(failure, "left", False),
-            )
+            raise PeerFailureError.stopped_waiting(f"{where}: stopped waiting", failure)
         now = time.monotonic()
         if deadline is None:
             deadline = now + config.settings.timeout_s + WAIT_MARGIN_S - WAIT_SLICE.total_seconds()

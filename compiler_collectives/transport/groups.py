@@ -250,14 +250,8 @@ def _stopped_by(kind: str, rank: int) -> PeerFailureError | None:
     failure = health.latch.first_failure
     if failure is None:
         return None
-    return PeerFailureError(
-        f"creating the {kind}-collective process group on rank {rank}: stopped waiting for the other ranks: {failure}",
-        kind=kind,
-        rank=rank,
-        ranks=failure.ranks,
-        reported_by=failure.reported_by,
-        left=getattr(failure, "left", False),
-    )
+    where = f"creating the {kind}-collective process group on rank {rank}: stopped waiting for the other ranks"
+    return PeerFailureError.stopped_waiting(where, failure, kind=kind, rank=rank)
 
 
 def _scoped_group(gen: Generation, tag: str, ranks: tuple[int, ...] | list[int]) -> Any:

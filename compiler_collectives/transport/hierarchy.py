@@ -182,12 +182,8 @@ class LeaderExchange:
 
 def _stopped(failure: CollectiveError) -> PeerFailureError:
     # As ``gloo.wait`` says it: keeps who reported it, so the failure procedure quotes that report.
-    return PeerFailureError(
-        f"{describe('guard', None, None, None)}: the exchange between hosts' leaders stopped waiting: {failure}",
-        ranks=failure.ranks,
-        reported_by=failure.reported_by,
-        left=getattr(failure, "left", False),
-    )
+    where = f"{describe('guard', None, None, None)}: the exchange between hosts' leaders stopped waiting"
+    return PeerFailureError.stopped_waiting(where, failure)
 
 
 REPORT_WAIT_HEARTBEATS = 2.5
