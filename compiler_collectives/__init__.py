@@ -181,7 +181,7 @@ def stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
-    """Zero the counters of ``stats()`` and drop its records (``process_state.STATS`` lists them)."""
+    """Zero the counters of ``stats()`` and drop its records (the ledger's)."""
     _runtime.reset_stats()
 
 

@@ -33,7 +33,6 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import process_state
 from . import records as r
 
 # The counters of ``stats()``, in its order, each with its zero. What each counts:
@@ -348,6 +347,5 @@ class Ledger:
 ledger = Ledger()
 
 
-@process_state.clears(process_state.STATS, names=("ledger",), what="every record and counter of stats()")
 def reset_ledger() -> None:
     ledger.clear()

@@ -13,18 +13,22 @@ It is the one place that
 * patches torch and wires the layers together (``dynamo.install``, which
   runs ``dynamo/wiring.py``), handing the Dynamo seams the moments they run
   at torch's own reset and destroy: the seams may not import this layer;
-* registers the fork handler (a forked child, a DataLoader worker, gets a
-  fresh state of its own);
+* registers the fork handler (a forked child, a DataLoader worker, builds a
+  runtime of its own);
 * keeps a torch whose internals changed from killing ``doctor``, which
   reports the broken install instead of dying of it.
 
-It builds the process's ``Runtime``. Every other module only defines when
-imported (``tests/test_import.py``, ``tests/test_layering.py``).
+It builds the process's ``Runtime``, and runs the moments that end a
+generation (``reset()``, ``default_group_destroyed()``, a fork) or clear a
+cache of one (``torch_reset()``, ``default_group_ending()``,
+``reset_stats()``): each moment's steps are written out below, in order, and
+a new generation is built here and handed to each layer (``Runtime.begin``).
+Every other module only defines when imported (``tests/test_import.py``,
+``tests/test_layering.py``).
 
-The moments that clear the process's state (``process_state`` lists what each
-clears; its docstring says who runs which) are run from here: ``reset()``,
-``torch_reset()``, ``default_group_ending()``, ``default_group_destroyed()``,
-``after_fork_in_child()`` and ``reset_stats()``.
+``STATE`` says what global state the package holds, module by module, and
+what renews or clears each piece; ``tests/test_runtime_state.py`` fails on a
+module-level mutable it does not list.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ import os
 import sys
 from typing import Any
 
-from . import config, dynamo, health, ledger, process_state
-from .agreements import audit, compiler, entry, guard, guard_owner, guard_state, once
+from . import config, dynamo, health, ledger, transport
+from .agreements import entry, guard_owner, guard_state
 from .agreements import generation as agreements_generation
 from .dynamo.bound import Moments
 from .errors import UnsupportedTorchError
@@ -44,62 +48,225 @@ from .health.latch import Latch
 from .instrument import timing
 from .ledger import Ledger
 from .tools import doctor
-from .transport import groups
 
 log = logging.getLogger("compiler_collectives")
 
-# Imported so that each has declared its state in process_state before any moment runs.
-DECLARING = (health, ledger, groups, audit, compiler, entry, guard, guard_owner, guard_state, once)
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """One piece of the package's global state: ``names`` of ``module``, and what renews it."""
+
+    module: str  # below the package: "transport.generation"
+    names: tuple[str, ...]
+    what: str
+    # "generation": replaced by each new generation (``Runtime.begin``); "cleared": cleared at
+    # the moments ``at`` names; "wired": set once by install's wiring; "kept": for the process's life.
+    kind: str
+    at: str = ""
+
+
+# The moments, as ``at`` names them.
+RESET = "compiler_collectives.reset()"
+TORCH_RESET = "torch.compiler.reset()"
+ENDING = "the start of destroy_process_group() of the default group"
+DESTROYED = "the end of the default group"
+FORK = "a forked child"
+STATS = "compiler_collectives.reset_stats()"
+NEW_GENERATION = f"{RESET}, {DESTROYED}, {FORK}"
+
+STATE = (
+    Held("runtime", ("_runtime",), "the process's runtime: settings, ledger, the current generation", "kept"),
+    # Each generation's, built by ``Runtime.begin`` and handed to its layer.
+    Held(
+        "health", ("latch",), "the latch: the first failure, each thread's parked error", "generation", NEW_GENERATION
+    ),
+    Held(
+        "transport.generation",
+        ("current",),
+        "our gloo groups, the guard channel, the side channel (its heartbeat thread and StoreCaller) "
+        "and the scope they span; let go of its store at the start of a destroy",
+        "generation",
+        NEW_GENERATION,
+    ),
+    Held(
+        "agreements.generation",
+        ("_current",),
+        "the compiler collective's, audit's and compile once's sequence numbers, the compiler "
+        "collective's last frame, compile once's known cache dirs and ranks by host",
+        "generation",
+        NEW_GENERATION,
+    ),
+    Held(
+        "agreements.guard_state",
+        ("state",),
+        "the guard collective's sequence number, channel, paths and agreed miss (its owner carried "
+        "over, fresh in a fork); its channel dropped at the start of a destroy",
+        "generation",
+        NEW_GENERATION,
+    ),
+    # Cleared at the moments named.
+    Held(
+        "transport.probes",
+        ("_probes", "_probes_lock"),
+        "the pending connection probes, ended (a fork keeps the parent's, unused, and a fresh lock)",
+        "cleared",
+        f"{RESET}, {ENDING}, {DESTROYED}, {FORK}",
+    ),
+    Held(
+        "transport.scope",
+        ("_explicit",),
+        "scope()'s choice, made for the default group that ended",
+        "cleared",
+        DESTROYED,
+    ),
+    Held(
+        "agreements.entry",
+        ("_frames", "_building"),
+        "entry agreement's registry of frames' cache entries",
+        "cleared",
+        f"{RESET}, {TORCH_RESET}",
+    ),
+    Held("agreements.guard_owner", ("_claim_lock",), "the guard collective's claim lock", "cleared", FORK),
+    Held("ledger", ("ledger",), "every record and counter of stats() (its readers stay)", "cleared", STATS),
+    # Set once by install's wiring (``dynamo/wiring.py``).
+    Held(
+        "torch_view",
+        ("view",),
+        "what the layers below may see of torch (the c10d store, no_python_dispatcher, the compile id, "
+        "the profiler's flag, wrapper frames, operator types), from the seam table",
+        "wired",
+    ),
+    Held("transport.groups", ("_first_rendezvous",), "the setup check, a generation's first rendezvous", "wired"),
+    Held("transport.groups", ("_peer_report_handler",), "the agreements' handler of a peer's failure report", "wired"),
+    Held("agreements.setup", ("_sources",), "switches known only at run time", "wired"),
+    # Kept for the process's life.
+    Held("transport.facade", ("groups",), "the agreements' view of the current generation (rebound by adopt)", "kept"),
+    Held("transport.generation", ("_inherited",), "what a forked child inherited: kept alive, never used", "kept"),
+    Held("transport.generation", ("_exit_registered",), "our exit handler is registered once per process", "kept"),
+    Held(
+        "transport.probes", ("_inherited_probes",), "a forked child's copies of its parent's probes: never used", "kept"
+    ),
+    Held(
+        "agreements.audit_record",
+        ("_local",),
+        "the graph audited on this thread, set and restored by its compile",
+        "kept",
+    ),
+    Held(
+        "agreements.compile_scope",
+        ("_current",),
+        "the compile in progress in this context, set and reset by it",
+        "kept",
+    ),
+    Held("agreements.guard_frames", ("_stable_ids",), "a cache of code objects' ids, bounded", "kept"),
+    Held("agreements.guard_frames", ("_code_kinds",), "a cache of code objects' kinds, bounded", "kept"),
+    Held(
+        "agreements.guard_owner", ("_owner_mark",), "each thread's own mark, ending its ownership when it ends", "kept"
+    ),
+    Held(
+        "instrument.timing", ("recorder", "_atexit_registered"), "this rank's timing recorder, closed at exit", "kept"
+    ),
+    Held("instrument.timing", ("_forced",), "timing forced on or off from Python", "kept"),
+)
+
+
+def describe() -> str:
+    """``STATE``, one line each, grouped by kind."""
+    lines = []
+    for kind, title in (
+        ("generation", "each generation's (built by the runtime, handed to its layer)"),
+        ("cleared", "cleared at the moments named"),
+        ("wired", "wired by install"),
+        ("kept", "kept for the process's life"),
+    ):
+        lines.append(f"{title}:")
+        for held in STATE:
+            if held.kind == kind:
+                at = f" ({held.at})" if held.at else ""
+                lines.append(f"  {held.module}: {', '.join(held.names)}: {held.what}{at}")
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
-class Runtime:
-    """The process's runtime, built once by ``install()``.
+class Generation:
+    """One generation of this process: the life of our groups under one default group.
 
-    It holds now:
+    ``number`` names our keys on the c10d store; each layer's part is handed
+    to it when the generation begins, and read there anew on each use.
+    """
+
+    number: int
+    latch: Latch
+    transport: transport.Generation
+    agreements: agreements_generation.Generation
+    guard: guard_state.GuardState
+
+    def hand_over(self) -> None:
+        """Make this the generation every layer reads."""
+        health.adopt(self.latch)
+        transport.adopt(self.transport)
+        agreements_generation.adopt(self.agreements)
+        guard_state.adopt(self.guard)
+
+
+class Runtime:
+    """The process's runtime, built once by ``install()`` (a forked child builds its own).
 
     * ``settings``: every setting, read from the environment once, at install
       (``config.load``; ``config.settings`` is the same object, and
       ``enable()``, ``disable()`` and ``config.override`` change its values);
-    * ``install_error``: what patching torch raised, kept only where
-      ``doctor`` runs (anywhere else install raises it);
-    * ``latch``: the first failure on this rank and any error waiting to
-      leave our code (``health.latch``, read anew on each use: a moment that
-      ends a generation binds a new one there);
     * ``ledger``: one frozen record per agreement or graph, from which
       ``stats()`` is computed and which its readers turn into the Chrome trace
-      and our structured-trace artifacts (``ledger.ledger``: ``reset_stats()``
-      clears it in place, its readers stay);
-    * ``generation``: the number of the current generation (``process_state``
-      counts it, as the layers below read it, until it moves here);
-    * ``agreements``: this generation's agreement state (the compiler, audit
-      and compile-once sequence numbers, compile once's hosts:
-      ``agreements.generation``, read anew on each use: a moment that ends a
-      generation binds a fresh one there).
-
-    Still to move onto it (issue 42): transport's generation (our groups, the
-    store channel), which its moments still clear in place, and the guard
-    collective's state (``guard_state``, read by the guard hook), handed to the
-    layers below as arguments; until then those layers reach the latch, the
-    ledger and the generation through their own modules, and never import
-    this one.
+      and our structured-trace artifacts;
+    * ``install_error``: what patching torch raised, kept only where
+      ``doctor`` runs (anywhere else install raises it);
+    * ``generation``: the current ``Generation``, whose ``latch`` (the first
+      failure on this rank and any error waiting to leave our code),
+      ``agreements`` (sequence numbers, compile once's hosts), ``transport``
+      (our groups, the store side channel) and ``guard`` (the guard
+      collective's state) the layers below read as their own, handed over by
+      ``begin``: they never import this module.
     """
 
-    settings: Any
-    ledger: Ledger
-    install_error: UnsupportedTorchError | None = None
+    __slots__ = ("generation", "install_error", "ledger", "settings")
+
+    def __init__(self, settings: Any, ledger: Ledger, install_error: UnsupportedTorchError | None) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.install_error = install_error
+        self.generation = self._build(0, transport.groups.next_generation(0, default_group_destroyed))
 
     @property
     def latch(self) -> Latch:
-        return health.latch
-
-    @property
-    def generation(self) -> int:
-        return process_state.generation()
+        return self.generation.latch
 
     @property
     def agreements(self) -> agreements_generation.Generation:
-        return agreements_generation.current()
+        return self.generation.agreements
+
+    def _build(self, number: int, groups: transport.Generation, *, forked: bool = False) -> Generation:
+        previous = getattr(self, "generation", None)
+        explainer = health.latch.explainer if previous is None else previous.latch.explainer
+        guard = guard_state.GuardState() if forked or previous is None else previous.guard.next()
+        generation = Generation(number, Latch(explainer=explainer), groups, agreements_generation.Generation(), guard)
+        generation.hand_over()
+        return generation
+
+    def begin(self) -> None:
+        """A new generation, numbered next (after ``reset()`` or a destroyed default group)."""
+        number = self.generation.number + 1
+        self.generation = self._build(number, transport.groups.next_generation(number, default_group_destroyed))
+
+    def forked(self) -> Runtime:
+        """A forked child's own runtime: the same settings and ledger, a generation of its own
+        (the parent's number; its groups kept alive, never used)."""
+        child = Runtime.__new__(Runtime)
+        child.settings, child.ledger, child.install_error = self.settings, self.ledger, self.install_error
+        child.generation = self.generation  # what _build carries over from (the latch's explainer)
+        child.generation = child._build(
+            self.generation.number, transport.forked_child_generation(default_group_destroyed), forked=True
+        )
+        return child
 
 
 _runtime: Runtime | None = None
@@ -122,8 +289,8 @@ def install() -> Runtime:
             raise
         install_error = e
         doctor.set_install_error(e)
-    os.register_at_fork(after_in_child=after_fork_in_child)
     _runtime = Runtime(settings, ledger.ledger, install_error)
+    os.register_at_fork(after_in_child=after_fork_in_child)
     return _runtime
 
 
@@ -159,39 +326,55 @@ def warn_retired_variables() -> None:
 
 
 # ------------------------------------------------------------------ the moments
+# Each moment's steps, in order. Our groups go first: that stops the heartbeat thread, which
+# could otherwise report into the old latch while the next generation is built.
 
 
 def reset() -> None:
     """``compiler_collectives.reset()`` on every rank: a new generation.
 
     Frames whose entries ran different collectives lose their Dynamo entries
-    first (``dynamo.forget_entries``), then the ``RESET`` moment clears the rest.
+    first (``dynamo.forget_entries``); then our groups and probes go, entry
+    agreement forgets its frames, and the next generation begins.
     """
     if dynamo.installed():
         dynamo.forget_entries()
-    process_state.run(process_state.RESET)
+    transport.forget()
+    entry.reset()
+    current().begin()
 
 
 def torch_reset() -> None:
-    """``torch.compiler.reset()`` (the Dynamo seam runs it): Dynamo's caches went."""
-    process_state.run(process_state.TORCH_RESET)
+    """``torch.compiler.reset()`` (the Dynamo seam runs it): Dynamo's caches went, and with them
+    every cache entry entry agreement registered."""
+    entry.reset()
 
 
 def default_group_ending() -> None:
-    """The start of ``destroy_process_group()`` of the default group (the c10d seam runs it)."""
-    process_state.run(process_state.GROUP_ENDING)
+    """The start of ``destroy_process_group()`` of the default group (the c10d seam runs it): let
+    go of its store (``transport.let_go``; the guard collective's channel holds it too)."""
+    transport.let_go()
+    guard_state.let_go()
 
 
 def default_group_destroyed() -> None:
-    """The end of ``destroy_process_group()`` of the default group (the c10d seam runs it)."""
-    process_state.run(process_state.GROUP_DESTROYED)
+    """The end of the default group: ``destroy_process_group()`` (the c10d seam runs it), or a new
+    default group that ``transport``'s ``notice()`` found. What is left of our groups goes, with
+    ``scope()``'s choice, and the next generation begins."""
+    transport.default_group_destroyed()
+    if _runtime is not None:
+        _runtime.begin()
 
 
 def after_fork_in_child() -> None:
-    """A forked child gets a fresh state of its own (the fork handler install registers)."""
-    process_state.run(process_state.FORK)
+    """A forked child builds its own runtime (the fork handler install registers)."""
+    global _runtime
+    guard_owner.after_fork_in_child()
+    if _runtime is not None:
+        _runtime = _runtime.forked()
 
 
 def reset_stats() -> None:
-    """``compiler_collectives.reset_stats()``."""
-    process_state.run(process_state.STATS)
+    """``compiler_collectives.reset_stats()``: every record and counter of ``stats()`` (the
+    ledger's readers stay)."""
+    ledger.reset_ledger()

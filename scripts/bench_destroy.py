@@ -47,26 +47,27 @@ def _profiled() -> dict[str, list[float]]:
     """Wrap each clear of the moments of a destroy, and each moment, with a timer (ms per call)."""
     import dataclasses
 
-    from compiler_collectives import process_state
+    from compiler_collectives import runtime, transport
+    from compiler_collectives.agreements import guard_state
     from compiler_collectives.dynamo import bound
 
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn):  # type: ignore[no-untyped-def]
-        def run():  # type: ignore[no-untyped-def]
+        def run(*args):  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
             try:
-                return fn()
+                return fn(*args)
             finally:
                 times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
 
         return run
 
-    moments = (process_state.GROUP_ENDING, process_state.GROUP_DESTROYED)
-    for i, item in enumerate(process_state._items):
-        if any(m in item.moments for m in moments) and item.clear is not None:
-            owner = f"{item.owner.removeprefix('compiler_collectives.')}:{getattr(item.clear, '__name__', '?')}"
-            process_state._items[i] = type(item)(**{**item.__dict__, "clear": timed(owner, item.clear)})
+    # Each step of the runtime's moments of a destroy (it calls them through their modules).
+    for owner, name in ((transport, "let_go"), (guard_state, "let_go"), (transport, "default_group_destroyed")):
+        label = f"{owner.__name__.removeprefix('compiler_collectives.')}:{name}"
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    runtime.Runtime.begin = timed("runtime:begin (the next generation)", runtime.Runtime.begin)
     # The moments the c10d seam runs around torch's destroy (the runtime's, handed in at install).
     bound.moments = dataclasses.replace(
         bound.moments,

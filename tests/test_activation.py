@@ -325,23 +325,14 @@ def _wired() -> dict[str, object]:
     """What ``dynamo/wiring.py`` connected, as the layers below hold it."""
     import sys
 
-    from compiler_collectives import dynamo, health
-    from compiler_collectives.agreements import (
-        audit_verdict,
-        compiler,
-        failure,
-        fingerprint,
-        guard,
-        guard_frames,
-        scope,
-        setup,
-    )
+    from compiler_collectives import dynamo, health, torch_view
+    from compiler_collectives.agreements import audit_verdict, compiler, failure, guard, scope, setup
     from compiler_collectives.dynamo import audit_seam, compiler_seam, guard_seam, tooling
     from compiler_collectives.ledger import ledger
-    from compiler_collectives.store import calls as store_calls
     from compiler_collectives.transport import groups
 
     transport_groups = sys.modules["compiler_collectives.transport.groups"]  # the module, not the instance
+    view = torch_view.view
     sources = groups.progress_sources
     return {
         "explainer": health.latch.explainer is failure.explain_report,
@@ -349,14 +340,14 @@ def _wired() -> dict[str, object]:
         "first_rendezvous": vars(transport_groups)["_first_rendezvous"] is scope.first_rendezvous,
         "progress": [sources.count(s) for s in (compiler.progress, guard.progress, audit_verdict.progress)],
         "setup": vars(setup)["_sources"].count(guard_seam.setup_items),
-        "store": vars(store_calls)["_default_store"] is dynamo.torch_original("get_default_store"),
-        "compile_id": vars(compiler)["_compile_id"] is compiler_seam.current_compile_id,
-        "frames": sorted(vars(guard_frames)["_wrapper_locals"].values()),
-        "profiler": vars(guard)["_profiler_enabled"](),
+        "store": view.default_store is dynamo.torch_original("get_default_store"),
+        "compile_id": view.compile_id is compiler_seam.current_compile_id,
+        "frames": sorted(view.wrapper_locals.values()),
+        "profiler": view.profiler_enabled(),
         "artifacts_reader": ledger.readers().count(tooling.read),
-        "group_resolver": vars(fingerprint)["_resolve_group"] is audit_seam.group_text,
-        "operators": (vars(fingerprint)["_op_overload"], vars(fingerprint)["_op_overload_packet"]),
-        "normalize": vars(fingerprint)["_normalize"] is torch.fx.operator_schemas.normalize_function,
+        "group_resolver": view.resolve_group is audit_seam.group_text,
+        "operators": (view.op_overload, view.op_overload_packet),
+        "normalize": view.normalize is torch.fx.operator_schemas.normalize_function,
     }
 
 
@@ -419,6 +410,38 @@ def test_a_forked_child_keeps_the_wiring():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_builds_its_own_runtime_under_its_parents_number():
+    import os
+
+    from compiler_collectives import health, runtime, transport
+    from compiler_collectives.agreements import generation, guard_state
+
+    parent = runtime.current()
+    before = parent.generation
+    pid = os.fork()
+    if pid == 0:  # the child: the fork handler built the child's runtime
+        code = 1
+        try:
+            child = runtime.current()
+            now = child.generation
+            checks = [
+                child is not parent,
+                child.settings is parent.settings and child.ledger is parent.ledger,
+                now.number == before.number,
+                all(getattr(now, part) is not getattr(before, part) for part in ("latch", "transport", "agreements")),
+                now.guard is not before.guard,
+                health.latch is now.latch and generation.current() is now.agreements,
+                guard_state.state is now.guard and transport.groups.number == now.number,
+            ]
+            code = 0 if all(checks) else 10 + checks.index(False)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert runtime.current() is parent and parent.generation is before  # the parent's is untouched
 
 
 def test_the_optional_audit_levels_are_patched_through_the_table_and_put_back_at_uninstall():

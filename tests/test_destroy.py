@@ -99,16 +99,23 @@ def test_generations_on_the_same_port_back_to_back_never_hang(tmp_path):
 
 
 def when_our_moment_runs(rank: int, world: int, port: int) -> dict:
+    import dataclasses
+
     import compiler_collectives as cc
-    from compiler_collectives import process_state
+    from compiler_collectives import runtime
+    from compiler_collectives.dynamo import bound
 
     seen: dict[str, bool] = {}
 
-    # A clear of the moment that ends our generation, as any module declares one: it runs
-    # with the rest of our teardown, and looks whether the old store's port is still open.
-    @process_state.clears(process_state.GROUP_DESTROYED, names=("seen",), what="a probe of the store's port")
-    def probe() -> None:
+    # The moment that ends our generation, as the c10d seam runs it, looks first whether the old
+    # store's port is still open.
+    ours = bound.moments.default_group_destroyed
+
+    def probed() -> None:
         seen.setdefault("open_during_our_moment", _accepts(port))
+        ours()
+
+    bound.moments = dataclasses.replace(bound.moments, default_group_destroyed=probed)
 
     cc.enable(guards=True)
     f = torch.compile(_tiny, backend="eager")
@@ -116,19 +123,19 @@ def when_our_moment_runs(rank: int, world: int, port: int) -> dict:
     f(torch.ones(2))
     f(torch.ones(2))
     # A subgroup's destroy is torch's alone: our generation goes on.
-    before = process_state.generation()
+    before = runtime.current().generation.number
     subgroup = dist.new_group([0, 1])
     # Both ranks out of new_group first: a rank that destroys the subgroup while its peer still
     # connects gloo's mesh closes that connection under it ("connectFullMesh failed").
     dist.barrier()
     dist.destroy_process_group(subgroup)
     del subgroup  # (a group the user still holds keeps the store, with torch alone too)
-    seen["subgroup_kept_generation"] = process_state.generation() == before and not seen
+    seen["subgroup_kept_generation"] = runtime.current().generation.number == before and not seen
     f(torch.ones(2))
     dist.barrier()
     dist.destroy_process_group()
     seen["open_after_destroy"] = _accepts(port)
-    seen["new_generation"] = process_state.generation() == before + 1
+    seen["new_generation"] = runtime.current().generation.number == before + 1
     return seen
 
 

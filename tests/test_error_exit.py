@@ -25,7 +25,7 @@ below keep every other route closed, each shown failing on a mutation (as
   Ctrl-C or a signal handler's exit, which ``fail()`` is told of as such;
 * the agreements, ``scope()`` and ``doctor`` make our groups through ``our_groups`` only, so
   that a failed build poisons this rank;
-* nobody keeps the latch: a new generation binds a new one (``health.renew``), so each use
+* nobody keeps the latch: a new generation binds a new one (``health.adopt``), so each use
   reads ``health.latch`` anew (no ``from ..health import latch``, no module-level copy).
 
 The behaviour itself (our error reaching the user's call as itself, by each route) is tested

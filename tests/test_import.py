@@ -7,7 +7,7 @@
   and of ``config.load_from_env`` are counted. One install, one reading of the
   settings, inside it, and the fork handler registered there only.
 * The composition root and the package's ``__init__`` hold no module-level
-  state but the runtime (the layers below declare theirs: test_process_state),
+  state but the runtime (which lists every other module's: test_runtime_state),
   shown able to fail on a mutation; ``tests/test_layering.py`` checks that no
   module calls anything when imported but the root's one ``install()``.
 * Two gloo ranks with different shapes compile the same graphs, and recompile
@@ -29,7 +29,7 @@ from tests.fixtures import REPO, clean_env
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder
 from tests.test_layering import TOP, TREE
-from tests.test_process_state import module_mutables
+from tests.test_runtime_state import module_mutables
 
 # The multi-process tests here: torch seam (tests/tiers.py).
 pytestmark = pytest.mark.torch_seam

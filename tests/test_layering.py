@@ -245,7 +245,7 @@ def _reads(tree: Tree, module: str) -> Iterator[tuple[str, str, int]]:
 
 # ---------------------------------------------------------------- the layers
 
-BASE = ("config", "errors", "ledger", "observations", "process_state", "records", "version")
+BASE = ("config", "errors", "ledger", "observations", "records", "torch_view", "version")
 RANKS = {
     # the root package's __init__ (the public API), __main__ and runtime (the composition root)
     "package": 8,
@@ -260,7 +260,7 @@ RANKS = {
     "store": 2,
     # timing and the artifacts' plain data: what every layer records into
     "instrument": 1,
-    # config, errors, observations, process_state, stats, version
+    # config, errors, observations, stats, torch_view, version
     "base": 0,
 }
 

@@ -91,7 +91,7 @@ def test_destroy_then_init_on_the_same_port_works_again_and_again(transport, tmp
 def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int]) -> dict:
 
     import compiler_collectives as cc
-    from compiler_collectives import health, process_state
+    from compiler_collectives import health, runtime
 
     cc.enable(guards=True)
     # Torch's own destroy, as code that held it from before our import calls it: our seam never runs.
@@ -108,9 +108,9 @@ def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int
         failed = caught(lambda fn=fn: fn(ones))["type"]
         if failed:
             break
-    before = process_state.generation()
+    before = runtime.current().generation.number
     torch_destroy()
-    unseen = process_state.generation() == before and health.latch.first_failure is not None
+    unseen = runtime.current().generation.number == before and health.latch.first_failure is not None
     init_gloo(rank, world, f"tcp://127.0.0.1:{ports[1]}")
     values = [float(f(ones).sum()) for _ in range(3)] + [float(g(ones).sum())]
     out = {
@@ -118,7 +118,7 @@ def reinit_after_a_destroy_we_did_not_see(rank: int, world: int, ports: list[int
         "unseen": unseen,
         "values": values,
         "poisoned": health.latch.first_failure is not None,
-        "generations": process_state.generation() - before,
+        "generations": runtime.current().generation.number - before,
     }
     dist.destroy_process_group()
     return out

@@ -19,7 +19,8 @@
   through ``wire.codec``'s bounded reader.
 
 Reset, a destroyed default group and a forked child are moments the package's
-runtime (``runtime.py``) runs over ``process_state``.
+runtime (``runtime.py``) runs: it builds each generation's state and hands
+each layer its part.
 
 Plain Python over ``torch.distributed``; the Dynamo seam (``dynamo/``) calls in,
 and connects them at install (``dynamo/wiring.py``): no module here registers

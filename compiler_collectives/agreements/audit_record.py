@@ -21,7 +21,6 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import process_state
 from ..ledger import ledger
 from ..observations import FrameId
 from ..records import Fingerprinted
@@ -115,7 +114,6 @@ def stage() -> str | None:
     return getattr(_local, "stage", None)
 
 
-@process_state.kept(names=("_local",), why="the graph audited on this thread, set and restored by its compile")
 @contextlib.contextmanager
 def opened(record: GraphAudit | None, stage: str | None) -> Iterator[None]:
     """``record`` open on this thread (under AOTAutograd's ``stage`` compiler), restored after."""

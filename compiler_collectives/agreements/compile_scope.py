@@ -31,7 +31,6 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .. import process_state
 from ..errors import CollectiveError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -80,7 +79,6 @@ _current: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar(
 )
 
 
-@process_state.kept(names=("_current",), why="the compile in progress in this context, set and reset by it")
 def current() -> CompileScope | None:
     """The scope of the Dynamo compile in progress here, None outside one."""
     return _current.get()

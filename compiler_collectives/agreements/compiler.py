@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import config, health, process_state
+from .. import config, health, torch_view
 from ..errors import describe
 from ..ledger import ledger
 from ..observations import DistributedState, FrameId, LocalState
@@ -127,29 +127,13 @@ def exchange(
             rank=rank,
             world_size=world,
             started_ns=start_ns,
-            compile_id=_compile_id(),
+            compile_id=torch_view.view.compile_id(),
             restart=restart if state is None else None,
             restart_why=why,
             states=tuple(states),
         )
     )
     return Exchange(envelopes, states, restart)
-
-
-# The compile id of the compile in progress ("0/1"), from the Dynamo seam
-# (torch keeps it in an internal context); None outside a compile.
-def _no_compile_id() -> str | None:
-    return None
-
-
-_compile_id: Callable[[], str | None] = _no_compile_id
-
-
-@process_state.wired(names=("_compile_id",), what="the id of the compile in progress")
-def set_compile_id_source(source: Callable[[], str | None]) -> None:
-    """Called by the Dynamo seam at install: how to read the current compile's id."""
-    global _compile_id
-    _compile_id = source
 
 
 # Every rank compiled the same frame at the same step.

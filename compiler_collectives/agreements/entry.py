@@ -51,7 +51,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import process_state
 from ..observations import FrameId
 from .entry_check import check_entry
 from .entry_program import Entry, Frame, GraphProgram
@@ -63,12 +62,6 @@ _frames: weakref.WeakKeyDictionary[Any, Frame] = weakref.WeakKeyDictionary()
 _building: dict[Any, Entry] = {}  # code object -> the entry its running compile is building
 
 
-@process_state.clears(
-    process_state.RESET,
-    process_state.TORCH_RESET,
-    names=("_frames", "_building"),
-    what="entry agreement's registry of every frame's cache entries",
-)
 def reset() -> None:
     """Forget every frame (with ``torch._dynamo.reset()``, whose caches this mirrors)."""
     _frames.clear()

@@ -24,7 +24,7 @@ only the number of splits and the non-leading dims are compared.
 Plain ``torch.fx``: nothing here reads torch's internals. What it needs of
 them (the operator types, ``normalize_function``, resolving a group name to
 its ranks) are rows of the seam table, handed over at install
-(``set_operators``, ``set_group_resolver``).
+(``torch_view``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import dataclasses
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
-from .. import process_state
+from .. import torch_view
 
 # Namespaces whose ops move data between ranks. Each has a row in the seam table
 # (``ops.<namespace>``) but ``c10d_functional``, which registers no op in the
@@ -51,38 +51,6 @@ COMM_NAMESPACES = frozenset(
 _SILENT = frozenset({"wait_tensor", "wait", "name"})
 
 _DIGEST = 8  # bytes
-
-
-def _default_group(name: Any) -> str:
-    return f"group {name!r}"
-
-
-_resolve_group: Callable[[Any], str] = _default_group
-
-
-@process_state.wired(names=("_resolve_group",), what="how a group is named in a fingerprint")
-def set_group_resolver(resolver: Callable[[Any], str] | None) -> None:
-    """How a ``group_name`` argument is shown and compared (default: the name itself)."""
-    global _resolve_group
-    _resolve_group = resolver or _default_group
-
-
-# The operator types (``torch.ops.aten.add.Tensor``'s and ``torch.ops.aten.add``'s) and
-# torch.fx's ``normalize_function``, from the seam table; until then nothing is an operator.
-_op_overload: type | tuple[type, ...] = ()
-_op_overload_packet: type | tuple[type, ...] = ()
-_normalize: Callable[..., Any] | None = None
-
-
-@process_state.wired(
-    names=("_op_overload", "_op_overload_packet", "_normalize"),
-    what="torch's operator types and normalize_function",
-)
-def set_operators(overload: type, packet: type, normalize: Callable[..., Any] | None) -> None:
-    """Called at install: torch's operator types, and how to bind an op's arguments to its
-    schema's names (None: compare them by position)."""
-    global _op_overload, _op_overload_packet, _normalize
-    _op_overload, _op_overload_packet, _normalize = overload, packet, normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +176,9 @@ def user_line(stack_trace: str | None) -> str:
 
 def _op_name(target: Any) -> str | None:
     """'namespace.op.overload' for an operator, None for anything else."""
-    if isinstance(target, _op_overload):
+    if isinstance(target, torch_view.view.op_overload):
         return str(target)
-    if isinstance(target, _op_overload_packet):
+    if isinstance(target, torch_view.view.op_overload_packet):
         packet: Any = target
         name = str(packet)
         return f"{name}.default" if "default" in packet.overloads() else name
@@ -280,7 +248,7 @@ class _Walk:
 
     def collective(self, node: torch.fx.Node, op: str) -> Collective:
         bound = None
-        normalize = _normalize
+        normalize = torch_view.view.normalize
         try:
             if normalize is not None:
                 bound = normalize(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
@@ -298,7 +266,7 @@ class _Walk:
         rest: list[str] = []
         for key, value in items.items():
             if key == "group_name":
-                group = _resolve_group(value)
+                group = torch_view.view.resolve_group(value)
             elif key == "ranks" and isinstance(value, (list, tuple)):
                 group = f"ranks {list(value)}"
             elif key == "tag":

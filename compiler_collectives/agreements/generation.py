@@ -1,7 +1,7 @@
 """This generation's agreement state: one object, replaced whole when a new generation starts.
 
 What the agreements keep from one exchange to the next within a generation (the life of our
-groups under one default group: ``process_state``) lives in one ``Generation``, not in module
+groups under one default group, which the runtime numbers) lives in one ``Generation``, not in module
 globals of each agreement:
 
 * the compiler collective's sequence number and the frame of its latest exchange (``compiler``);
@@ -9,11 +9,11 @@ globals of each agreement:
 * compile once's graph number, what its last full key exchange saw, and the compile group's
   ranks by host (``once.protocol``, ``once.exchanges``).
 
-Every moment that ends a generation (``RESET``, ``GROUP_DESTROYED``, ``FORK``) binds a fresh
-instance (``replace``); nothing is zeroed in place, so an instance a caller still holds keeps
-the numbers of the generation it belonged to, and the new generation's first exchanges start
-from 1 again on every rank together. Callers ask ``current()`` at the moment they need it,
-after anything that could notice a new default group (``groups.compile_pg()``,
+Every moment that ends a generation (``reset()``, a destroyed default group, a fork) has the
+runtime build a fresh instance and bind it here (``adopt``); nothing is zeroed in place, so an
+instance a caller still holds keeps the numbers of the generation it belonged to, and the new
+generation's first exchanges start from 1 again on every rank together. Callers ask
+``current()`` at the moment they need it, after anything that could notice a new default group (``groups.compile_pg()``,
 ``groups.member_ranks``), never at import. The guard collective's state is its own
 (``guard_state``): its hook reads it on every compiled call.
 """
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
-
-from .. import process_state
 
 if TYPE_CHECKING:
     from ..transport import HostTree
@@ -55,17 +53,9 @@ def current() -> Generation:
     return _current
 
 
-@process_state.clears(
-    *process_state.EVERY_GENERATION,
-    names=("_current",),
-    what=(
-        "this generation's agreement state, replaced by a fresh Generation: the compiler collective's, "
-        "the audit's and compile once's sequence numbers, the compiler collective's last frame, and the "
-        "cache dirs compile once's last key exchange saw and its ranks by host"
-    ),
-)
-def replace() -> None:
-    """A new generation starts from a fresh instance (its exchanges number from 1 again, and compile
-    once learns its hosts and gathers every offer at its first graph, every rank together)."""
+def adopt(new: Generation) -> None:
+    """A new generation (the runtime built it) starts from a fresh instance (its exchanges number
+    from 1 again, and compile once learns its hosts and gathers every offer at its first graph,
+    every rank together)."""
     global _current
-    _current = Generation()
+    _current = new

@@ -32,8 +32,9 @@ Process models:
   itself; this rank refuses later collectives, and the peers are told that it
   left (not that a collective failed). ``KeyboardInterrupt`` stays itself and
   is told to nobody (Ctrl-C usually reaches every rank at once).
-* Fork: a forked child starts from a fresh state (``after_fork_in_child`` of
-  ``guard_state`` and ``guard_owner``).
+* Fork: a forked child starts from a fresh state (its runtime's generation
+  has a guard state of its own; ``guard_owner.after_fork_in_child``: a fresh
+  claim lock).
 
 Where the rest lives (each module's docstring says more):
 
@@ -51,17 +52,17 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
-from .. import health, process_state
+from .. import health, torch_view
 from ..errors import CollectiveError
 from ..ledger import ledger
 from ..records import GuardChannelBuilt
 from ..transport import GuardChannel, groups
+from . import guard_state
 
 # The hook's helpers are imported under the private names its body has always used
 # (the body stays as it was; each is one global lookup, as before).
@@ -75,7 +76,6 @@ from .guard_frames import frame_identity
 from .guard_owner import claim_or_park as _claim_or_park
 from .guard_paths import apart_call as _apart_call
 from .guard_paths import go_apart, paths_diverged
-from .guard_state import state as _state
 from .guard_state import with_peers as _with_peers
 from .our_groups import guard_channel as _guard_channel
 
@@ -86,25 +86,9 @@ _time_ns = time.time_ns
 _get_ident = threading.get_ident
 
 
-def _off() -> bool:
-    return False
-
-
-# Whether torch's profiler is on (then each call gets a record_function range);
-# the Dynamo seam supplies the probe, since the flag is a torch internal.
-_profiler_enabled: Callable[[], bool] = _off
-
-
-@process_state.wired(names=("_profiler_enabled",), what="whether torch's profiler is on")
-def set_profiler_probe(probe: Callable[[], bool]) -> None:
-    """Called by the Dynamo seam at install: a cheap read of whether torch's profiler is on."""
-    global _profiler_enabled
-    _profiler_enabled = probe
-
-
 def progress() -> dict[str, Any]:
     """What the heartbeat tells of the guard collective (a progress source, wired at install)."""
-    return {"guard_seq": _state.seq}
+    return {"guard_seq": guard_state.state.seq}
 
 
 def take_agreed_miss() -> tuple[int, bool, Any] | None:
@@ -115,16 +99,17 @@ def take_agreed_miss() -> tuple[int, bool, Any] | None:
     eagerly after the recompile limit) and is stale. Every rank gets the same
     answer, so the exchange that follows pairs up.
     """
-    miss, _state.agreed_miss = _state.agreed_miss, None
-    if miss is None or miss[0] != _state.seq or _state.channel is None:
+    state = guard_state.state
+    miss, state.agreed_miss = state.agreed_miss, None
+    if miss is None or miss[0] != state.seq or state.channel is None:
         return None
-    return miss[0], miss[1], _state.channel.pg
+    return miss[0], miss[1], state.channel.pg
 
 
 def use_channel(channel: Any) -> None:
     """Make the hook use ``channel`` from its next call (benchmarks comparing mechanisms)."""
-    groups.notice()  # a new default group noticed later would clear it
-    _state.channel = channel
+    groups.notice()  # a new default group noticed later starts a generation without it
+    guard_state.state.channel = channel
 
 
 def entry_check_channel() -> tuple[GuardChannel, int] | None:
@@ -135,11 +120,12 @@ def entry_check_channel() -> tuple[GuardChannel, int] | None:
     in step and there is nothing to check an entry against. None too while
     this rank is apart (``guard_paths.paths_diverged``): its peers run other frames.
     """
-    groups.notice()  # a new default group clears the channel
-    channel = _state.channel
-    if channel is None or _state.seq == 0 or _state.apart:
+    groups.notice()  # a new default group starts a generation, whose state has no channel yet
+    state = guard_state.state
+    channel = state.channel
+    if channel is None or state.seq == 0 or state.apart:
         return None
-    return channel, _state.seq
+    return channel, state.seq
 
 
 def group() -> Any:
@@ -149,11 +135,12 @@ def group() -> Any:
 
 def _channel() -> GuardChannel:
     """The guard channel of the current default group (built on first use: a collective)."""
-    if _state.channel is None:
+    state = guard_state.state
+    if state.channel is None:
         channel = _guard_channel()
-        _state.channel = channel
+        state.channel = channel
         ledger.add(GuardChannelBuilt(dist.get_rank(), channel.pg.size()))  # the timing reader's rank
-    return _state.channel
+    return state.channel
 
 
 def hook(guard_eval_result: bool) -> bool:
@@ -165,33 +152,34 @@ def hook(guard_eval_result: bool) -> bool:
     try:
         # First: a new default group (its destroy unseen) ends the old one's failure and channel.
         groups.notice()
+        state = guard_state.state  # after notice(): a new generation's, if it started one
         if health.latch.first_failure is not None:
             try:
                 health.latch.check("guard")
             except CollectiveError as e:
                 health.latch.park(e)
             return False
-        channel = _state.channel
+        channel = state.channel
         if channel is None:
             if not _with_peers():  # not distributed, or one rank: nothing to agree with
                 return guard_eval_result
             # Refuse another thread before it builds the channel: that is a collective too.
-            if _get_ident() != _state.owner and not _claim_or_park():
+            if _get_ident() != state.owner and not _claim_or_park():
                 return False
             channel = _channel()
-        elif _get_ident() != _state.owner and not _claim_or_park():
+        elif _get_ident() != state.owner and not _claim_or_park():
             return False  # another thread owns this rank's collectives: parked an error
-        if _state.apart and _apart_call(sys._getframe(1)):
+        if state.apart and _apart_call(sys._getframe(1)):
             return guard_eval_result
-        _state.seq += 1
-        seq = _state.seq
+        state.seq += 1
+        seq = state.seq
         site = frame_identity(sys._getframe(1)) if channel.check_desync else 0
         # The clock only while the ledger has a guard reader (timing on): else 0, no allocation.
         start_ns = 0
         if ledger.guard_reader is not None:
             start_ns = _time_ns()
         started = _perf_counter()
-        if _profiler_enabled():
+        if torch_view.view.profiler_enabled():  # torch's flag, through the seam table
             with _record_function("compiler_collectives.guard_collective"):
                 all_hit, in_step = channel.agree(guard_eval_result, seq, site)
         else:
@@ -206,7 +194,7 @@ def hook(guard_eval_result: bool) -> bool:
             raise _desync(channel, seq, site, everyone)
         ledger.guard_call(elapsed, not guard_eval_result, not all_hit, seq, start_ns)
         if not all_hit:
-            _state.agreed_miss = (seq, not guard_eval_result)
+            state.agreed_miss = (seq, not guard_eval_result)
             if guard_eval_result:
                 log.debug("guard collective #%d: this rank hit but another missed; recompiling", seq)
         return all_hit

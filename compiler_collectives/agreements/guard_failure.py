@@ -29,10 +29,9 @@ import torch.distributed as dist
 from .. import health
 from ..errors import SCOPE_HINT, CollectiveDesyncError, CollectiveError, describe
 from ..transport import GuardChannel, groups
-from . import failure
+from . import failure, guard_state
 from .guard_frames import TORCH_DIR, in_compiled_code
 from .guard_paths import EMPTY, NESTED
-from .guard_state import state
 
 
 def describe_mismatch(channel: GuardChannel, seq: int, site: int, caller: Any) -> list[tuple[int, int]]:
@@ -114,7 +113,7 @@ def translate_entry_failure(error: BaseException, *, seq: int, frame: str | None
 
 def park_failure(error: BaseException) -> None:
     """The hook's collective failed: through the failure procedure, parked for this thread's compile."""
-    health.latch.park(_fail_on_guard_channel(error, kind="guard", seq=state.seq, frame=None))
+    health.latch.park(_fail_on_guard_channel(error, kind="guard", seq=guard_state.state.seq, frame=None))
 
 
 def park_interrupt(interrupt: BaseException) -> None:
@@ -127,11 +126,11 @@ def park_interrupt(interrupt: BaseException) -> None:
     """
     rank = dist.get_rank() if dist.is_initialized() else None
     note = CollectiveError(
-        f"{describe('guard', rank, state.seq, None)} was interrupted ({type(interrupt).__name__}); "
+        f"{describe('guard', rank, guard_state.state.seq, None)} was interrupted ({type(interrupt).__name__}); "
         "this rank is no longer in step with the others",
         kind="guard",
         rank=rank,
-        seq=state.seq,
+        seq=guard_state.state.seq,
     )
     note.__cause__ = interrupt
     failure.fail(note, kind="guard", cause=failure.INTERRUPTED)
@@ -165,7 +164,7 @@ def park_left(error: BaseException) -> None:
     waiting for it within about a heartbeat.
     """
     rank = dist.get_rank() if dist.is_initialized() else None
-    seq = state.seq
+    seq = guard_state.state.seq
     what = (
         f"its own code raised {type(error).__name__}: {error} from a signal handler while it "
         f"waited in guard collective #{seq}"

@@ -6,7 +6,7 @@ the Python stack yet. Its caller is: torch's compile wrapper (whose local
 ``forward_call`` is the forward being compiled), or plain Python code that
 calls the compiled frame directly (a resume function after a graph break, a
 nested function). The Dynamo seam names the first two, and which code objects
-are Dynamo's output, through ``set_frame_sources``.
+are Dynamo's output, through ``torch_view``.
 
 ``frame_identity`` runs on the hook's path whenever the channel checks for a
 desync: each code object is classified once and cached (bounded).
@@ -17,35 +17,14 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import process_state
+from .. import torch_view
 
 # Frames under torch's own directory are torch's: skipped when looking for the caller.
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_wrapper_locals: dict[Any, str] = {}  # wrapper code object -> name of the local holding the target
-
-
-def _never(code: Any) -> bool:
-    return False
-
-
-_is_dynamo_output_code: Callable[[Any], bool] = _never
-
-
-@process_state.wired(
-    names=("_wrapper_locals", "_is_dynamo_output_code"),
-    what="torch's wrapper frames and the test for Dynamo's output code",
-)
-def set_frame_sources(wrapper_locals: dict[Any, str], is_dynamo_output_code: Callable[[Any], bool]) -> None:
-    """Called by the Dynamo seam at install: torch's wrapper frames, and a test for Dynamo's output code."""
-    global _is_dynamo_output_code
-    _wrapper_locals.update(wrapper_locals)
-    _is_dynamo_output_code = is_dynamo_output_code
-    _code_kinds.clear()
 
 
 # code -> ("wrapper", local name) | ("torch", None) | ("code", (crc, use f_lasti))
@@ -55,7 +34,6 @@ _code_kinds: dict[Any, tuple[str, Any]] = {}
 _stable_ids: dict[Any, int] = {}
 
 
-@process_state.kept(names=("_stable_ids",), why="a cache of code objects' ids, bounded")
 def _stable_id(code: Any) -> int:
     ident = _stable_ids.get(code)
     if ident is None:
@@ -67,16 +45,16 @@ def _stable_id(code: Any) -> int:
     return ident
 
 
-@process_state.kept(names=("_code_kinds",), why="a cache of code objects' kinds, bounded")
 def _classify(code: Any) -> tuple[str, Any]:
-    if code in _wrapper_locals:
-        kind: tuple[str, Any] = ("wrapper", _wrapper_locals[code])
+    wrapper_locals = torch_view.view.wrapper_locals
+    if code in wrapper_locals:
+        kind: tuple[str, Any] = ("wrapper", wrapper_locals[code])
     elif code.co_filename.startswith(TORCH_DIR):
         kind = ("torch", None)
     else:
         # Dynamo's rewritten bytecode may differ between cache entries: leave
         # f_lasti out for it and keep only the function's identity.
-        kind = ("code", (_stable_id(code), not _is_dynamo_output_code(code)))
+        kind = ("code", (_stable_id(code), not torch_view.view.is_dynamo_output_code(code)))
     if len(_code_kinds) > 4096:
         _code_kinds.clear()
     _code_kinds[code] = kind
@@ -111,7 +89,7 @@ def in_compiled_code(frame: Any) -> bool:
     """Whether ``frame`` or a frame below it runs Dynamo's output code (a compiled frame's bytecode)."""
     depth = 0
     while frame is not None and depth < 512:
-        if _is_dynamo_output_code(frame.f_code):
+        if torch_view.view.is_dynamo_output_code(frame.f_code):
             return True
         frame = frame.f_back
         depth += 1

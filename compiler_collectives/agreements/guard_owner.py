@@ -19,9 +19,10 @@ import threading
 
 import torch.distributed as dist
 
-from .. import health, process_state
+from .. import health
 from ..errors import ConcurrentThreadsError
-from .guard_state import state, with_peers
+from . import guard_state
+from .guard_state import with_peers
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -29,7 +30,6 @@ _get_ident = threading.get_ident
 _claim_lock = threading.Lock()
 
 
-@process_state.clears(process_state.FORK, names=("_claim_lock",), what="the guard collective's claim lock")
 def after_fork_in_child() -> None:
     """A forked child: a fresh lock (the parent's may have been held by a thread the child lacks)."""
     global _claim_lock
@@ -54,9 +54,9 @@ class _OwnerMark:
 
     def __del__(self) -> None:
         try:
-            if state.owner_thread is self.thread:
-                state.owner = 0
-                state.owner_thread = None
+            if guard_state.state.owner_thread is self.thread:
+                guard_state.state.owner = 0
+                guard_state.state.owner_thread = None
         except Exception:  # noqa: BLE001 - at interpreter exit our globals may be gone
             pass
 
@@ -64,12 +64,12 @@ class _OwnerMark:
 _owner_mark = threading.local()
 
 
-@process_state.kept(names=("_owner_mark",), why="each thread's own mark, ending its ownership when it ends")
 def _claim() -> threading.Thread | None:
     """Slow path: this thread is not the owner. It becomes it if there is none (or the
     owner ended); otherwise returns the owner, whose collectives this thread must not join."""
     me = threading.current_thread()
     with _claim_lock:
+        state = guard_state.state
         owner = state.owner_thread
         if owner is None or owner is me or not owner.is_alive():
             if owner is not None and owner is not me:
@@ -101,7 +101,7 @@ def claim_or_park() -> bool:
             "(COMPILER_COLLECTIVES_GUARDS=0).",
             kind="guard",
             rank=rank,
-            seq=state.seq,
+            seq=guard_state.state.seq,
         )
     )
     return False
@@ -115,7 +115,7 @@ def claim_for_compile(frame: str) -> None:
     collectives. Raises ``ConcurrentThreadsError`` in any other thread; the
     caller decides whether this compile runs collectives at all.
     """
-    if _get_ident() == state.owner or not with_peers():
+    if _get_ident() == guard_state.state.owner or not with_peers():
         return
     owner = _claim()
     if owner is None:

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..ledger import ledger
 from ..records import PathsDiverged
+from . import guard_state
 from .guard_frames import in_compiled_code
-from .guard_state import state
 
 log = logging.getLogger("compiler_collectives.guard")
 
@@ -34,7 +34,7 @@ EMPTY = 1 << 40  # above any entry index
 
 def apart() -> bool:
     """Whether this rank is on its own path through a call (``paths_diverged``): no collective runs."""
-    return state.apart
+    return guard_state.state.apart
 
 
 def paths_diverged(everyone: Sequence[tuple[int, int]]) -> bool:
@@ -62,8 +62,8 @@ def paths_diverged(everyone: Sequence[tuple[int, int]]) -> bool:
 
 def go_apart(parent_seq: int) -> None:
     """Every rank agreed that their paths through this call differ: go on alone (``paths_diverged``)."""
-    state.seq = parent_seq  # where every rank stands: the next call of the user's own code is #p+1
-    state.apart = True
+    guard_state.state.seq = parent_seq  # where every rank stands: the next call of the user's own code is #p+1
+    guard_state.state.apart = True
     ledger.add(PathsDiverged(parent_seq))
     log.debug(
         "after guard collective #%d the ranks run different compiled frames of one call; "
@@ -76,11 +76,11 @@ def apart_call(caller: Any) -> bool:
     """While apart: True for a call from inside compiled code (decided alone); else the ranks meet here again."""
     if in_compiled_code(caller):
         return True
-    state.apart = False
+    guard_state.state.apart = False
     return False
 
 
 def at_compile(caller: Any) -> None:
     """A frame compile starts: one called from the user's own code ends going apart (all ranks meet there)."""
-    if state.apart:
+    if guard_state.state.apart:
         apart_call(caller)

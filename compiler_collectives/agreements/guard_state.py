@@ -1,17 +1,19 @@
-"""The guard collective's state: one object, and the moments that clear it.
+"""The guard collective's state of one generation: one object, replaced by the next generation's.
 
 ``state`` holds what the guard hook (``guard``) and the modules it calls read
 and write: the number of the last guard collective, this generation's guard
 channel, whether this generation has peers at all, whether this rank is apart
 from its peers inside one call (``guard_paths``), the miss every rank last
 agreed on, and the thread that owns this rank's collectives
-(``guard_owner``). The hook reads it as a module global of its own (it imports
-``state``), so keeping it here costs the hook's fast path nothing.
+(``guard_owner``). Readers read ``guard_state.state`` anew (the hook once
+per call, after ``groups.notice()``, which may start a new generation):
+nobody keeps it across a moment.
 
-What clears it: each moment that ends a generation clears the generation's
-part (``reset_sequence``); the owning thread is kept across them, since
-releasing it would let each rank's threads race for it anew; a forked child
-starts from a fresh state (``after_fork_in_child``).
+The runtime builds each generation's (``GuardState.next``: the owning thread
+is carried over, since releasing it would let each rank's threads race for it
+anew; a forked child's starts fresh) and hands it over with ``adopt``.
+Nothing is zeroed in place but the guard channel at ``let_go`` (the default
+group is about to go: its store must go with it).
 """
 
 from __future__ import annotations
@@ -20,32 +22,41 @@ import threading
 
 import torch.distributed as dist
 
-from .. import process_state
 from ..transport import GuardChannel, groups
 
 
 class GuardState:
     __slots__ = ("agreed_miss", "apart", "channel", "owner", "owner_thread", "seq", "solo")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: int = 0, owner_thread: threading.Thread | None = None) -> None:
         self.seq = 0
         # Ranks took different graph-break paths through one call of a frame (see
         # ``guard_paths.paths_diverged``): calls made from inside compiled code decide
         # alone until this rank is back at a call from the user's own code.
         self.apart = False
-        # This generation's channel; the moments that end a generation clear it, and
-        # ``groups.notice()`` runs theirs when it finds a new default group.
+        # This generation's channel (``groups.notice()`` ends the generation when it finds a new
+        # default group, and the next generation's state has none yet).
         self.channel: GuardChannel | None = None
         # The thread that runs compiled code with guards on (see ``guard``'s docstring); 0: none yet.
-        self.owner = 0
-        self.owner_thread: threading.Thread | None = None
+        self.owner = owner
+        self.owner_thread = owner_thread
         self.solo = False  # this generation's default group has one rank: no collective
         # (seq, this rank missed) of the last call where some rank missed;
         # the compile that follows exchanges why (guard.take_agreed_miss).
         self.agreed_miss: tuple[int, bool] | None = None
 
+    def next(self) -> GuardState:
+        """The next generation's state: nothing of this one's but the owning thread."""
+        return GuardState(self.owner, self.owner_thread)
+
 
 state = GuardState()
+
+
+def adopt(new: GuardState) -> None:
+    """Make ``new`` (the runtime built it) the state every reader reads from now on."""
+    global state
+    state = new
 
 
 def with_peers() -> bool:
@@ -60,30 +71,7 @@ def with_peers() -> bool:
     return True
 
 
-@process_state.clears(
-    process_state.RESET,
-    process_state.GROUP_DESTROYED,
-    names=("state",),
-    what="the guard collective's sequence number, channel and default group",
-)
-def reset_sequence() -> None:
-    state.seq = 0
-    state.apart = False
-    state.channel = None
-    state.agreed_miss = None
-    state.solo = False
-
-
-@process_state.clears(process_state.GROUP_ENDING, names=("state",), what="the guard channel (it holds the store)")
 def let_go() -> None:
-    """The default group is about to go: drop what holds its store (the rest goes after)."""
+    """The default group is about to go: drop what holds its store (the rest goes with the
+    generation, once the group ended)."""
     state.channel = None
-
-
-@process_state.clears(process_state.FORK, names=("state",), what="the guard collective's state and its owning thread")
-def after_fork_in_child() -> None:
-    """A forked child: a fresh state. The parent's channel (its segment mapping, its
-    gloo group) stays referenced by ``groups`` and is never used here."""
-    reset_sequence()
-    state.owner = 0
-    state.owner_thread = None

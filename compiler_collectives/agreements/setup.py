@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import config, health, process_state
+from .. import config, health
 from ..errors import SCOPE_HINT, CollectiveTimeoutError, PeerFailureError, SetupMismatchError, WireFormatError
 from . import wire
 
@@ -55,7 +55,6 @@ _SHOWN_MISMATCHES = 32  # records read and shown when many ranks differ from ran
 _sources: list[Callable[[], dict[str, Any]]] = []
 
 
-@process_state.wired(names=("_sources",), what="switches known only at run time")
 def register_source(source: Callable[[], dict[str, Any]]) -> None:
     """Add items only known at run time (idempotent per function)."""
     if source not in _sources:

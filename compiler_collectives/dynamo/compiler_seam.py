@@ -307,8 +307,7 @@ def forget_entries() -> None:
     entries too (``reset_code``), on every rank, since every rank resets
     together: the registry must mirror the cache, and a frame whose old
     entries kept checking beside new ones that do not would desync. The
-    registry itself goes with the ``RESET`` moment that follows
-    (``process_state``).
+    registry itself goes in the runtime's ``reset()``, right after.
     """
     reset_code = bound.originals["reset_code"]
     for code in entry.mixed_codes():

@@ -7,29 +7,22 @@ guard hook parked for its thread's next compile to raise. Only the failure
 procedure (``agreements/failure.py``) poisons it; everyone else checks it,
 reads ``latch.first_failure`` or parks on it.
 
-One latch per generation: the moments that end a generation bind a new one
-here (``renew``), which takes over the explainer that install wired
-(``failure.connect``). So nobody keeps a latch: each use reads
+One latch per generation: the runtime builds each generation's, taking over
+the explainer that install wired (``failure.connect``), and binds it here
+(``adopt``). So nobody keeps a latch: each use reads
 ``health.latch`` anew, as the guard hook does on every call (a module
 attribute and a plain attribute read on its fast path, as before).
 """
 
 from __future__ import annotations
 
-from .. import process_state
 from .latch import Latch
 
 # The latch of this generation: its first failure and each thread's parked error.
 latch = Latch()
 
 
-@process_state.clears(
-    *process_state.EVERY_GENERATION,
-    names=("latch",),
-    what="the latch (the first failure on this rank and every thread's parked error): a new one "
-    "replaces it, keeping the explainer install wired",
-)
-def renew() -> None:
-    """A new generation's latch: healthy, nothing parked, the same explainer."""
+def adopt(new: Latch) -> None:
+    """Make ``new`` (the runtime built it for a new generation) the latch every use reads."""
     global latch
-    latch = Latch(explainer=latch.explainer)
+    latch = new

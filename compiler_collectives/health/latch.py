@@ -23,9 +23,9 @@ refusal of a report heard through the store asks ``explainer`` (wired at
 install) to name the failed rank where the report itself names nobody.
 
 Everything is held on the instance: whoever owns a ``Latch`` owns this state.
-A latch lives as long as its generation: the moment that starts a new one
-replaces it (``health.renew``) with a healthy latch, no thread's error parked,
-that takes over the explainer. Nothing empties a latch in place.
+A latch lives as long as its generation: the runtime builds the next
+generation's (a healthy latch, no thread's error parked, that takes over the
+explainer) and binds it (``health.adopt``). Nothing empties a latch in place.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from .. import config, process_state
+from .. import config
 from ..ledger import ledger
 from ..records import CompilerExchange, GuardChannelBuilt, OnceGraph
 
@@ -299,10 +299,6 @@ def _wanted() -> bool:
     return config.settings.timing or bool(config.settings.trace_dir)
 
 
-@process_state.kept(
-    names=("recorder", "_atexit_registered"),
-    why="this rank's timing recorder, replaced when the rank changes, closed at exit",
-)
 def ensure(rank: int, world_size: int) -> Recorder | None:
     """Create the recorder for this rank if timing is wanted (called when groups exist)."""
     global recorder, _atexit_registered
@@ -322,7 +318,6 @@ def ensure(rank: int, world_size: int) -> Recorder | None:
     return recorder
 
 
-@process_state.kept(names=("_forced",), why="timing forced on or off from Python")
 def set_enabled(enabled: bool | None) -> None:
     """Force timing on/off from Python (None: follow the settings)."""
     global _forced, recorder

@@ -9,7 +9,7 @@ long-lived thread. ``count_requests`` counts every request the store layer
 sends (``stats()["store_requests"]``).
 
 ``default_store`` reaches the default group's c10d store through the source
-install wires (``set_default_store_source``): torch offers no public accessor,
+install wires (``torch_view``): torch offers no public accessor,
 so the Dynamo seam supplies it, checked by the seam table.
 """
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import process_state
+from .. import torch_view
 from ..errors import StoreUnresponsive
 from ..ledger import ledger
 
@@ -183,20 +183,10 @@ class StoreCaller:
         return worker.thread
 
 
-# How to reach the default group's c10d store. Torch offers no public
-# accessor; the Dynamo seam (the one place that touches torch internals)
-# supplies it at install, checked by the seam table.
-_default_store: Callable[[], Any] | None = None
-
-
-@process_state.wired(names=("_default_store",), what="how to reach the c10d store")
-def set_default_store_source(source: Callable[[], Any]) -> None:
-    global _default_store
-    _default_store = source
-
-
 def default_store() -> Any:
-    """The default process group's c10d store."""
-    if _default_store is None:
+    """The default process group's c10d store (torch offers no public accessor: the Dynamo seam
+    supplies one at install, checked by the seam table, in ``torch_view``)."""
+    source = torch_view.view.default_store
+    if source is None:
         raise RuntimeError("compiler_collectives is not installed: no way to reach the c10d store")
-    return _default_store()
+    return source()

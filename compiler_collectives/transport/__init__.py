@@ -21,15 +21,18 @@ One module per concern:
 * ``hosttree``: a tree over a group's ranks by host (host leaders, recursive
   doubling between them; a MIN and a gather, each telling a peer in another
   exchange at its first message): a caller's exchanges in O(log hosts) steps;
-* ``generation``: the current generation's groups and its lifecycle
-  (``notice()`` of a new default group, reset, destroy, fork, exit);
+* ``generation``: a generation's groups and its lifecycle (``notice()`` of
+  a new default group, reset, destroy, fork, exit); the runtime builds each
+  one and hands it over (``adopt``);
 * ``groups``: building our groups into the generation (after the first
   rendezvous, the agreements layer's setup check, wired at install), the store
   side channel, a scope's own groups;
 * ``facade``: ``groups``, the one object the agreements call: our groups,
   ``scope()``'s choice and setup check, and what they do with peers over the
   side channel (a failure to build raises; the agreements' ``our_groups``
-  puts it through their failure procedure);
+  puts it through their failure procedure); and this layer's steps of the
+  runtime's moments (``forget``, ``let_go``, ``default_group_destroyed``,
+  ``forked_child_generation``);
 * ``scope``: which ranks our groups span.
 
 Transport reports what it saw; what a failure means for the job is decided
@@ -42,7 +45,16 @@ The layer above (the agreements) imports only what this module exports
 """
 
 from .channel import GuardChannel
-from .facade import Groups, groups
+from .facade import (
+    Groups,
+    adopt,
+    default_group_destroyed,
+    forget,
+    forked_child_generation,
+    groups,
+    let_go,
+)
+from .generation import Generation
 from .gloo import (
     PROTOCOL_VERSION,
     GlooGuardChannel,
@@ -51,7 +63,6 @@ from .gloo import (
     byte_tensor,
     guard_key,
     is_connection_failure,
-    set_enqueue_context,
     start_recv,
     start_send,
     tensor_view,
@@ -69,6 +80,7 @@ from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
 __all__ = [
     "PROTOCOL_VERSION",
     "SHM_LAYOUT_VERSION",
+    "Generation",
     "GlooGuardChannel",
     "Groups",
     "GuardChannel",
@@ -77,15 +89,19 @@ __all__ = [
     "Phases",
     "Scope",
     "ShmGuardChannel",
+    "adopt",
     "all_gather_bytes",
     "broken_connection",
     "broken_peers",
     "byte_tensor",
+    "default_group_destroyed",
+    "forget",
+    "forked_child_generation",
     "groups",
     "guard_key",
     "is_connection_failure",
+    "let_go",
     "run_p2p",
-    "set_enqueue_context",
     "set_first_rendezvous",
     "set_peer_report_handler",
     "start_recv",

@@ -1,8 +1,9 @@
 """``groups``: the one object the agreements (and the seams, tools and tests) call for our groups.
 
-It holds nothing of its own: each call goes to the current generation
-(``generation.current``: what it built, and ``notice()``, which ends it when a
-new default group appears) or to the builders (``groups.py``: the compile
+It holds nothing of a generation's own: each call goes to the current
+generation (``generation.current``, which the runtime builds and hands over
+through ``adopt``: what it built, and ``notice()``, which ends it when a new
+default group appears) or to the builders (``groups.py``: the compile
 group, the guard channel, the side channel, ``scope()``'s setup check). What
 the agreements do with peers over the side channel is here too: leave a
 notice, read and wait for one, watch peers, read a peer's failure report, say
@@ -18,15 +19,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import process_state
 from ..health.liveness import COMPILE_WAIT, WaitPolicy
 from ..health.watch import watch_peer
 from ..store.board import PeerRecords, SideChannel
 from ..store.mailbox import NoticeWait
+from . import generation as generation_mod
 from . import groups as build
+from . import probes
 from . import scope as scope_mod
 from .channel import GuardChannel
-from .generation import Generation, current
+from .generation import Generation
 from .probes import broken_connection, broken_peers, connections_can_be_looked_at
 
 log = logging.getLogger("compiler_collectives.transport")
@@ -36,11 +38,29 @@ class Groups:
     """Our gloo groups and their side channel, as the agreements see them (see the module docstring)."""
 
     def __init__(self, generation: Generation) -> None:
+        # The heartbeat's progress sources, wired at install: every generation shares this list.
+        self.progress_sources: list[Callable[[], dict[str, Any]]] = generation.progress_sources
+        self.bind(generation)
+
+    def bind(self, generation: Generation) -> None:
+        """Call ``generation`` from now on (``adopt``)."""
         self._gen = generation
-        # Bound once: the guard hook calls ``notice()`` on every call (one attribute read and one
-        # comparison), and ``available()`` where it decides whether it has peers.
+        # Bound once per generation: the guard hook calls ``notice()`` on every call (one
+        # attribute read and one comparison), and ``available()`` where it decides whether it
+        # has peers.
         self.notice: Callable[[], None] = generation.notice
         self.available: Callable[[], bool] = generation.available
+
+    def _noticed(self) -> Generation:
+        """The current generation, once ``notice()`` looked for a new default group (which
+        ends this one: the runtime's moment then hands over the next)."""
+        self.notice()
+        return self._gen
+
+    @property
+    def number(self) -> int:
+        """The current generation's number (our keys on the c10d store carry it)."""
+        return self._gen.number
 
     ends_the_default_group = staticmethod(Generation.ends_the_default_group)
 
@@ -49,20 +69,35 @@ class Groups:
         """The side channel of this generation, or None before one is built (never builds)."""
         return self._gen.side
 
-    @property
-    def progress_sources(self) -> list[Callable[[], dict[str, Any]]]:
-        return self._gen.progress_sources
-
     def add_progress_source(self, source: Callable[[], dict[str, Any]]) -> None:
         """What the heartbeat tells of this rank's progress, merged from every source (idempotent per function)."""
-        self._gen.add_progress_source(source)
+        if source not in self.progress_sources:
+            self.progress_sources.append(source)
+
+    def next_generation(self, number: int, on_new_world: Callable[[], None]) -> Generation:
+        """A new generation numbered ``number``, sharing the heartbeat's progress sources, for
+        the runtime to hand over (``adopt``); ``on_new_world``: its moment of a destroyed
+        default group, which ``notice()`` runs when it finds a new one."""
+        return Generation(number, on_new_world=on_new_world, progress_sources=self.progress_sources)
+
+    def child_generation(self, on_new_world: Callable[[], None]) -> Generation:
+        """A forked child's generation: the parent's kept alive and never used, the inherited
+        default group seen (our collectives do not run on it), the parent's number."""
+        parent = self._gen
+        inherited = parent.inherited_in_child()
+        return Generation(
+            parent.number,
+            on_new_world=on_new_world,
+            progress_sources=self.progress_sources,
+            inherited_world=inherited,
+        )
 
     def compile_pg(self) -> dist.ProcessGroup:
-        return build.compile_pg(self._gen)
+        return build.compile_pg(self._noticed())
 
     def guard_channel(self) -> GuardChannel:
         """The guard channel of this generation, built on every rank together at first use."""
-        return build.guard_channel(self._gen)
+        return build.guard_channel(self._noticed())
 
     def built_guard_channel(self) -> GuardChannel | None:
         """The guard channel if this generation built one already, else None (never builds)."""
@@ -79,11 +114,11 @@ class Groups:
     def choose_scope(self, chosen: scope_mod.Scope | None) -> bool:
         """``compiler_collectives.scope()``'s choice: refused after a compile; True where its setup
         check is due (``agree_scope``; see ``groups.choose_scope``)."""
-        return build.choose_scope(self._gen, chosen)
+        return build.choose_scope(self._noticed(), chosen)
 
     def agree_scope(self) -> None:
         """The setup check of ``scope()``'s choice, now (see ``groups.agree_scope``)."""
-        build.agree_scope(self._gen)
+        build.agree_scope(self._noticed())
 
     def scope(self) -> scope_mod.Scope | None:
         """The scope our groups of this generation span (None: every rank, or none agreed yet)."""
@@ -206,12 +241,44 @@ class Groups:
         return None if report is None else (peer, report)
 
 
-@process_state.kept(
-    names=("groups",),
-    why="the agreements' view of the current generation: holds nothing of its own, so nothing clears it",
-)
-def _view_of(generation: Generation) -> Groups:
-    return Groups(generation)
+# What the runtime's moments do to this layer's generation; each new one is handed over
+# with ``adopt``. Our groups go first: that stops the heartbeat thread, which could
+# otherwise report into the old latch while the runtime builds the next one.
 
 
-groups = _view_of(current)
+def forget() -> None:
+    """``compiler_collectives.reset()``: drop our groups and end the pending connection probes."""
+    generation_mod.current.forget()
+    probes.end_probes()
+
+
+def let_go() -> None:
+    """The start of ``destroy_process_group()`` of the default group: let go of every reference
+    to its store (our threads told to stop, not waited for; see ``Generation.let_go``)."""
+    generation_mod.current.let_go()
+    probes.end_probes()
+
+
+def default_group_destroyed() -> None:
+    """The default group ended: drop what is left of its generation, and ``scope()``'s choice,
+    which was made for it."""
+    generation_mod.current.default_group_destroyed()
+    scope_mod.forget_choice()
+    probes.end_probes()
+
+
+def forked_child_generation(on_new_world: Callable[[], None]) -> Generation:
+    """In a forked child: the parent's generation and probes kept alive and never used, and the
+    child's own generation (``Groups.child_generation``), for the runtime to hand over."""
+    probes.after_fork_in_child()
+    return groups.child_generation(on_new_world)
+
+
+def adopt(generation: Generation) -> None:
+    """Make ``generation`` (the runtime built it: ``next_generation``, ``child_generation``) the
+    current one, for ``groups`` and for the exit handler alike."""
+    generation_mod.adopt(generation)
+    groups.bind(generation)
+
+
+groups = Groups(generation_mod.current)

@@ -1,10 +1,12 @@
 """The current generation of our groups, and its lifecycle.
 
-A *generation* is the life of our groups under one default group
-(``process_state.generation()`` numbers it). ``Generation`` holds what one
-generation built (the compile group, the guard group and its channel, the
-store side channel with its heartbeat, the scope they span: ``groups.py``
-builds them into it) and ends it; ``current`` is this process's one.
+A *generation* is the life of our groups under one default group; the
+runtime numbers it and builds each one (``Generation(number, ...)``), and
+hands it to this layer (``facade.adopt``): ``current`` is this process's one.
+``Generation`` holds what one generation built (the compile group, the guard
+group and its channel, the store side channel with its heartbeat, the scope
+they span: ``groups.py`` builds them into it) and ends it. An ended
+generation is not reused: the runtime builds the next one.
 
 ``notice()`` is the one place that notices a new default group; every other
 module calls it (the guard hook on every call: one attribute read and one
@@ -19,16 +21,18 @@ Two changes of process model drop everything of a generation at once:
   ``destroy_process_group()``, once torch's destroy returned, and before it
   ``let_go`` (its own moment): every reference to the store goes and the
   heartbeat is told to stop, so that the store's server closes within
-  torch's destroy; ``notice()`` runs the moment when it finds a default
-  group other than the last one it saw (a destroy the seam did not see: code
-  that held torch's own function).
-* ``after_fork_in_child``: a forked child (a DataLoader worker) inherits the
+  torch's destroy; ``notice()`` runs the moment (``on_new_world``, which the
+  runtime passes in) when it finds a default group other than the last one
+  it saw (a destroy the seam did not see: code that held torch's own
+  function).
+* ``inherited_in_child``: a forked child (a DataLoader worker) inherits the
   parent's groups, segment mapping, store and heartbeat object, but none of
   its threads. The child is not a rank: it keeps those objects alive (so
   their destructors never run here, against the parent's sockets and
-  segment) but never uses them, and our collectives do not run on the
-  inherited default group (``available`` is False); compiled code in the
-  child decides alone. A default group the child creates itself is its own.
+  segment) but never uses them, and its runtime builds a generation of its
+  own on the inherited default group, where our collectives do not run
+  (``available`` is False); compiled code in the child decides alone. A
+  default group the child creates itself is its own.
 
 At interpreter exit our heartbeat thread is stopped and our groups destroyed
 (``shutdown``), so nothing of ours is left running while Python finalizes.
@@ -45,7 +49,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import process_state
 from ..store.board import SideChannel
 from . import scope as scope_mod
 from .channel import GuardChannel
@@ -59,28 +62,45 @@ _inherited: list[Any] = []
 
 
 class Generation:
-    """What the current generation built (``groups.py`` fills it), and the moments that end it.
+    """What one generation built (``groups.py`` fills it), and the moments that end it.
 
-    ``lock`` guards building and dropping; ``groups.py`` builds under it.
+    ``number`` names our keys on the c10d store; ``on_new_world`` is what
+    ``notice()`` runs when it finds a new default group (the runtime's moment
+    of a destroyed one); ``progress_sources`` is the heartbeat's, wired at
+    install and shared from one generation to the next; ``inherited_world``:
+    a forked child's, the parent's default group. ``lock`` guards building
+    and dropping; ``groups.py`` builds under it.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        number: int = 0,
+        *,
+        on_new_world: Callable[[], None] | None = None,
+        progress_sources: list[Callable[[], dict[str, Any]]] | None = None,
+        inherited_world: object | None = None,
+    ) -> None:
+        self.number = number
+        self._on_new_world = on_new_world
         self.lock = threading.Lock()
         # The default group ``notice()`` last saw, and the lock of its slow path (a new one).
-        self._world: object | None = None
+        self._world: object | None = inherited_world
         self._noticing = threading.Lock()
         self.compile_pg: dist.ProcessGroup | None = None
         self.guard_pg: dist.ProcessGroup | None = None
         self.guard_channel: GuardChannel | None = None
         self.agreed = False  # the setup agreement of this generation passed
         self.scope: scope_mod.Scope | None = None  # the ranks our groups of this generation span
-        self._on_inherited = False  # a forked child whose default group is still its parent's
+        # A forked child whose default group is still its parent's.
+        self._on_inherited = inherited_world is not None
         self._told_child = False
         self.side: SideChannel | None = None
         # Joins of the threads of a side channel let go of (``let_go``), waited for by the moment.
         self._stopping: list[Callable[[float], bool]] = []
         # Callables returning this rank's progress for the heartbeat (``add_progress_source``).
-        self.progress_sources: list[Callable[[], dict[str, Any]]] = []
+        self.progress_sources: list[Callable[[], dict[str, Any]]] = (
+            progress_sources if progress_sources is not None else []
+        )
 
     def notice(self) -> None:
         """Notice a new default group: the one place that does (see the module docstring).
@@ -105,8 +125,12 @@ class Generation:
                     "a new default process group replaced the one our groups were made under "
                     "(its destroy_process_group was not seen): a new generation starts"
                 )
-                # Outside ``self.lock``: this moment's clear of our groups takes it.
-                process_state.run(process_state.GROUP_DESTROYED)
+                # Outside ``self.lock``: this moment's clear of our groups takes it. The runtime
+                # builds the next generation, which notices ``world`` itself.
+                self._world = world
+                if self._on_new_world is not None:
+                    self._on_new_world()
+                return
             self._world = world
 
     @staticmethod
@@ -115,10 +139,10 @@ class Generation:
         while there is one; a subgroup's destroy is not."""
         return dist.is_initialized() and (group is None or group is dist.group.WORLD)
 
-    def is_current(self, generation: int) -> bool:
-        """Whether ``generation`` is still the current one, for another thread (the heartbeat):
+    def is_current(self) -> bool:
+        """Whether this is still the current generation, for another thread (the heartbeat):
         it reads, and runs no moment; the rank's own next call of ``notice()`` does that."""
-        return process_state.generation() == generation and dist.group.WORLD is self._world
+        return current is self and dist.group.WORLD is self._world
 
     def _drop(self) -> None:
         if self.side is not None:
@@ -146,21 +170,12 @@ class Generation:
             return False
         return True
 
-    def after_fork_in_child(self) -> None:
-        """In a forked child: forget the parent's generation without touching any of it."""
+    def inherited_in_child(self) -> object | None:
+        """In a forked child: keep the parent's generation alive without touching any of it, and
+        return the default group the child inherited (its runtime's new generation sees it as
+        seen, so one the child makes itself is noticed as new)."""
         _inherited.append((self._world, self.compile_pg, self.guard_pg, self.guard_channel, self.side))
-        # Another thread of the parent may have held these at the fork.
-        self.lock = threading.Lock()
-        self._noticing = threading.Lock()
-        # The parent's default group is the one seen (no moment: the fork's has run), so
-        # one the child makes itself is noticed as new and starts a generation of its own.
-        self._world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        self._on_inherited = self._world is not None
-        self.side = None
-        self._stopping = []
-        self.compile_pg = self.guard_pg = self.guard_channel = None
-        self.agreed = False
-        self._told_child = False
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     def let_go(self) -> None:
         """``destroy_process_group()`` of the default group is about to run: let go of its store.
@@ -253,7 +268,6 @@ class Generation:
 _exit_registered = False
 
 
-@process_state.kept(names=("_exit_registered",), why="our exit handler is registered once per process")
 def register_exit() -> None:
     """Shut the current generation down at interpreter exit (once per process; ``groups.py``
     calls it when it starts a side channel, whose heartbeat thread must end first)."""
@@ -270,41 +284,10 @@ def _at_exit() -> None:
         log.debug("shutdown at exit: %s", e)
 
 
-# Every moment drops our groups. The groups go first: that stops the heartbeat
-# thread, which could otherwise poison ``health`` after it was cleared.
-_GROUPS = (
-    "our gloo groups, the guard channel, the side channel (its heartbeat thread and "
-    "StoreCaller: store.board and store.calls) and the scope they span; the "
-    "heartbeat's progress sources are wired by install and kept"
-)
-
-
-@process_state.clears(process_state.RESET, names=("current",), what=_GROUPS, first=True)
-def forget() -> None:
-    current.forget()
-
-
-@process_state.clears(
-    process_state.GROUP_ENDING,
-    names=("current",),
-    what="every reference to the store: our groups, the guard channel, the side channel (its threads told to stop)",
-    first=True,
-)
-def let_go() -> None:
-    current.let_go()
-
-
-@process_state.clears(process_state.GROUP_DESTROYED, names=("current",), what=_GROUPS, first=True)
-def default_group_destroyed() -> None:
-    current.default_group_destroyed()
-
-
-@process_state.clears(
-    process_state.FORK, names=("current",), what=_GROUPS + " (the parent's are kept in _inherited)", first=True
-)
-@process_state.kept(names=("_inherited",), why="what a forked child inherited: kept alive, never used")
-def after_fork_in_child() -> None:
-    current.after_fork_in_child()
+def adopt(generation: Generation) -> None:
+    """Make ``generation`` (the runtime built it) the current one (``facade.adopt`` calls it)."""
+    global current
+    current = generation
 
 
 current = Generation()

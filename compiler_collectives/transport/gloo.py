@@ -29,7 +29,7 @@ and the fallback where shared memory cannot be used).
   the GIL while gloo's ``enqueue`` waits for the queue's lock, which a gloo
   worker holds while it waits for the GIL to free the previous operation's
   tensors: a deadlock (seen in torch's own ``_sync_decision_cross_ranks``). The Dynamo seam hands
-  torch's ``no_python_dispatcher`` at install (``set_enqueue_context``). The
+  torch's ``no_python_dispatcher`` at install (``torch_view``). The
   guard collective starts at a compiled call, never inside a compile, and
   allocates nothing: it does not take it.
 
@@ -39,7 +39,6 @@ other groups and never touch CUDA streams or devices.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import config, health, process_state
+from .. import config, health, torch_view
 from ..errors import (
     CollectiveDesyncError,
     CollectiveError,
@@ -72,20 +71,11 @@ _LEN = struct.Struct("<Q")  # payload length header of each slot
 _PHASE = struct.Struct("<Q")  # then the exchange's phase
 HEADER_BYTES = _LEN.size + _PHASE.size
 
-_enqueue_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-
-
-@process_state.wired(names=("_enqueue_context",), what="torch's no_python_dispatcher around our gloo calls")
-def set_enqueue_context(factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """What every operation of ours off the guard path is started in (wired at install: torch's
-    ``no_python_dispatcher``; see the module's docstring)."""
-    global _enqueue_context
-    _enqueue_context = factory
-
 
 def started(op: Callable[..., Any], *args: Any) -> Any:
-    """``op(*args)`` (a process group's operation), started outside torch's Python dispatcher; its work."""
-    with _enqueue_context():
+    """``op(*args)`` (a process group's operation), started outside torch's Python dispatcher
+    (``torch_view``'s ``enqueue_context``, torch's ``no_python_dispatcher``); its work."""
+    with torch_view.view.enqueue_context():
         return op(*args)
 
 

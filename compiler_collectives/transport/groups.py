@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
-from .. import config, health, process_state
+from .. import config, health
 from ..errors import (
     SCOPE_HINT,
     CollectiveTimeoutError,
@@ -89,15 +89,14 @@ def _identity() -> dict[str, Any]:
 def side_channel(gen: Generation) -> SideChannel:
     """The store side channel of ``gen``, started (its heartbeat thread) at first use."""
     if gen.side is None:
-        generation = process_state.generation()
         side = SideChannel(
             dist.get_rank(),
             dist.get_world_size(),
-            generation,
+            gen.number,
             gen.progress,
             identity=_identity(),
             probe=segment.process_identity,
-            current=functools.partial(gen.is_current, generation),
+            current=gen.is_current,
         )
         register_exit()
         side.start(on_peer_failure=functools.partial(_heard_report, gen, side.rank))
@@ -303,7 +302,6 @@ Rendezvous = Callable[[SideChannel, float], None]
 _first_rendezvous: Callable[[Any], Rendezvous] | None = None
 
 
-@process_state.wired(names=("_first_rendezvous",), what="the setup check, the first rendezvous of a generation")
 def set_first_rendezvous(prepare: Callable[[Any], Rendezvous] | None) -> None:
     """What every rank runs before the first group of a generation.
 
@@ -321,7 +319,6 @@ PeerReportHandler = Callable[[int, int, dict[str, Any]], None]
 _peer_report_handler: PeerReportHandler | None = None
 
 
-@process_state.wired(names=("_peer_report_handler",), what="the agreements' handler of a peer's failure report")
 def set_peer_report_handler(handler: PeerReportHandler | None) -> None:
     """Who hears a peer's failure report: the heartbeat thread calls ``handler(own_rank, peer,
     report)`` with the raw ``SideChannel.report_failure`` record of rank ``peer`` (a failure,

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import process_state
 from .gloo import started
 
 # The logger these probes had in gloo.py, where they started: filters on it keep working.
@@ -143,13 +142,6 @@ def pending_probes() -> int:
         return sum(probe.pending for probe in _probes.values())
 
 
-@process_state.clears(
-    process_state.GROUP_ENDING,
-    process_state.GROUP_DESTROYED,
-    process_state.RESET,
-    names=("_probes",),
-    what="the pending connection probes, ended: their groups' connections closed, their threads told to end",
-)
 def end_probes(join_s: float = 0.0) -> bool:
     """End every pending connection probe (see the module docstring); with ``join_s``, wait that
     long for their threads (interpreter exit). True if every thread ended."""
@@ -165,9 +157,8 @@ def end_probes(join_s: float = 0.0) -> bool:
     return not any(probe.pending for probe in probes)
 
 
-@process_state.clears(process_state.FORK, names=("_probes", "_probes_lock"), what="the parent's probes (kept)")
-@process_state.kept(names=("_inherited_probes",), why="a forked child's copies of its parent's probes: never used")
-def _probes_after_fork() -> None:
+def after_fork_in_child() -> None:
+    """A forked child: the parent's probes kept alive and never used, a fresh lock."""
     global _probes, _probes_lock
     _inherited_probes.extend(_probes.values())
     _probes, _probes_lock = {}, threading.Lock()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-from .. import config, process_state
+from .. import config
 from ..errors import ScopeError
 
 
@@ -74,11 +74,6 @@ def choose(chosen: Scope | None) -> None:
     _explicit = (True, chosen)
 
 
-@process_state.clears(
-    process_state.GROUP_DESTROYED,
-    names=("_explicit",),
-    what="the scope() choice, made for the default group that ended",
-)
 def forget_choice() -> None:
     global _explicit
     _explicit = (False, None)

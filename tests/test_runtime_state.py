@@ -1,14 +1,15 @@
-"""One owner of the process's state: every module-level mutable below the seam is declared.
+"""One owner of the process's state: the runtime lists every module-level mutable below the seam.
 
-``compiler_collectives/process_state.py`` is the list of what each moment
-(``reset()``, ``torch.compiler.reset()``, a destroyed default group, a fork,
-``reset_stats()``) clears, what install wires and what is kept for the
-process's life. Each module declares its own, with a decorator on the function
-that clears, sets or fills it. The check below parses the agreements,
-transport, health, store and instrument layers with ``ast`` (as ``test_layering.py``
-does) and flags a module-level mutable that no declaration names, or a
-declaration that names nothing the module binds; it is shown to fail on a
-mutation.
+``runtime.STATE`` says, module by module, what global state the package
+holds: what each new generation replaces (built by the runtime and handed to
+its layer), what a moment (``reset()``, ``torch.compiler.reset()``, a
+destroyed default group, a fork, ``reset_stats()``) clears, what install
+wires and what is kept for the process's life. No module declares anything
+when imported. The check below parses the runtime and the agreements,
+transport, health, store and instrument layers with ``ast`` (as
+``test_layering.py`` does) and flags a module-level mutable that ``STATE``
+does not list, or a listed name that its module does not bind; it is shown to
+fail on a mutation. The moments' tests say what each replaces.
 
 There is one way of noticing a new generation: ``transport.generation``'
 ``notice()`` is the one place that looks at which default group is current
@@ -32,7 +33,7 @@ import pytest
 
 from .test_layering import TOP, TREE, Tree, mutated
 
-LAYERS = ("agreements", "transport", "health", "store", "instrument")
+LAYERS = ("runtime", "torch_view", "agreements", "transport", "health", "store", "instrument")
 MUTABLE_CALLS = {
     "local",
     "Lock",
@@ -101,8 +102,8 @@ def module_mutables(text: str) -> dict[str, int]:
 
 
 def check_declared(tree: Tree, declared: dict[str, set[str]]) -> list[str]:
-    """Every module-level mutable in the five layers is declared in ``process_state``, and
-    every declared name is bound by its module."""
+    """Every module-level mutable of the runtime and the five layers is listed in ``runtime.STATE``,
+    and every listed name is bound by its module."""
     offences = []
     for module, src in tree.items():
         if not _in_scope(module):
@@ -110,8 +111,8 @@ def check_declared(tree: Tree, declared: dict[str, set[str]]) -> list[str]:
         found = module_mutables(src.text)
         names = declared.get(module, set())
         offences += [
-            f"{src.shown}:{line} holds {name}, which process_state does not list (declare it with "
-            "process_state.clears, wired or kept on the function that clears, sets or fills it)"
+            f"{src.shown}:{line} holds {name}, which runtime.STATE does not list (list it there, with "
+            "what renews it: each generation's, cleared at a moment, wired or kept)"
             for name, line in sorted(found.items())
             if name not in names
         ]
@@ -122,18 +123,20 @@ def check_declared(tree: Tree, declared: dict[str, set[str]]) -> list[str]:
             for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(t, ast.Name)
         }
-        offences += [f"{src.shown}: process_state lists {name}, which it does not bind" for name in names - bound]
+        offences += [f"{src.shown}: runtime.STATE lists {name}, which it does not bind" for name in names - bound]
     return offences
 
 
 def _declared() -> dict[str, set[str]]:
-    import compiler_collectives  # noqa: F401  (imports every module, so each has declared)
-    from compiler_collectives import process_state
+    from compiler_collectives import runtime
 
-    return {module: process_state.declared(module) for module in TREE}
+    out: dict[str, set[str]] = {}
+    for held in runtime.STATE:
+        out.setdefault(f"{TOP}.{held.module}", set()).update(held.names)
+    return out
 
 
-def test_every_module_level_mutable_below_the_seam_is_declared():
+def test_every_module_level_mutable_below_the_seam_is_listed_by_the_runtime():
     assert check_declared(TREE, _declared()) == []
 
 
@@ -149,18 +152,20 @@ def test_every_module_level_mutable_below_the_seam_is_declared():
         ("compiler_collectives.agreements.once.protocol", "import weakref\n_w = weakref.WeakKeyDictionary()\n"),
         # a sequence of an agreement's own again, beside the generation's
         ("compiler_collectives.agreements.compiler", "_seq = 0\ndef bump():\n    global _seq\n    _seq += 1\n"),
+        # the runtime's own cache beside the one runtime
+        ("compiler_collectives.runtime", "_built: list = []\n"),
     ],
 )
-def test_the_check_flags_a_new_module_level_mutable_declared_nowhere(module, snippet):
+def test_the_check_flags_a_new_module_level_mutable_the_runtime_does_not_list(module, snippet):
     offences = check_declared(mutated(module, snippet), _declared())
     assert offences and all("(mutated)" in o for o in offences), offences
 
 
-def test_the_check_flags_a_declaration_of_a_name_the_module_does_not_bind():
+def test_the_check_flags_a_listed_name_the_module_does_not_bind():
     declared = _declared()
-    declared[f"{TOP}.agreements.audit_verdict"] = declared[f"{TOP}.agreements.audit_verdict"] | {"_gone"}
+    declared[f"{TOP}.agreements.audit_verdict"] = declared.get(f"{TOP}.agreements.audit_verdict", set()) | {"_gone"}
     assert check_declared(TREE, declared) == [
-        f"{TREE[f'{TOP}.agreements.audit_verdict'].shown}: process_state lists _gone, which it does not bind"
+        f"{TREE[f'{TOP}.agreements.audit_verdict'].shown}: runtime.STATE lists _gone, which it does not bind"
     ]
 
 
@@ -169,29 +174,58 @@ def test_constants_and_functions_are_not_state():
     assert module_mutables(text) == {}
 
 
-def test_each_moment_clears_what_it_lists_and_a_reset_starts_a_new_generation():
-    from compiler_collectives import process_state
+def test_no_module_declares_state_when_imported_the_runtime_lists_it():
+    from compiler_collectives import runtime
 
-    listed = process_state.describe()
-    for moment in process_state.Moment:
-        assert f"{moment.value} clears:" in listed
-    # The guard's state goes with every moment of a generation (the fork's own function).
-    assert "compiler_collectives.agreements.guard_state: state" in listed
-    # The agreements' sequences and compile once's hosts are one object of the generation's, replaced
-    # at each moment that ends one; no agreement module keeps a counter of its own (compile once's
-    # records are the ledger's, read by the ledger's readers; its current ticket is the compile
-    # scope's: no state of its own).
-    assert "compiler_collectives.agreements.generation: _current: this generation's agreement state" in listed
-    [replaced] = [i for i in process_state.items() if i.owner == f"{TOP}.agreements.generation"]
-    assert replaced.moments == process_state.EVERY_GENERATION
-    for module in ("compiler", "audit_verdict", "once.protocol", "once.exchanges"):
-        assert process_state.declared(f"{TOP}.agreements.{module}") <= {"_compile_id"}, module
-    assert not process_state.declared(f"{TOP}.agreements.once.ticket")
-    before = process_state.generation()
-    process_state.run(process_state.STATS)
-    assert process_state.generation() == before
-    process_state.run(process_state.RESET)
-    assert process_state.generation() == before + 1
+    listed = runtime.describe()
+    for title in ("each generation's", "cleared at the moments named", "wired by install", "kept for"):
+        assert title in listed
+    # The agreements' sequences and compile once's hosts are one object of the generation's; no
+    # agreement module keeps a counter of its own.
+    kinds = {(h.module, name): h.kind for h in runtime.STATE for name in h.names}
+    for part in (("health", "latch"), ("transport.generation", "current"), ("agreements.generation", "_current")):
+        assert kinds[part] == "generation", part
+    assert kinds[("agreements.guard_state", "state")] == "generation"
+    for module in ("compiler", "audit_verdict", "once.protocol", "once.exchanges", "once.ticket"):
+        assert not {n for (m, n) in kinds if m == f"agreements.{module}"}, module
+
+
+MOMENTS = {
+    "reset()": lambda runtime: runtime.reset(),
+    "a destroyed default group": lambda runtime: runtime.default_group_destroyed(),
+}
+
+
+@pytest.mark.parametrize("moment", sorted(MOMENTS))
+def test_a_new_generation_replaces_every_part_numbers_the_next_and_keeps_the_guard_owner(moment):
+    from compiler_collectives import health, runtime, transport
+    from compiler_collectives.agreements import generation, guard_state
+
+    old = runtime.current().generation
+    guard_state.state.owner = 7  # the owning thread's ident, carried from generation to generation
+    guard_state.state.seq = 5
+    try:
+        MOMENTS[moment](runtime)
+        new = runtime.current().generation
+        assert new.number == old.number + 1
+        assert transport.groups.number == new.number
+        for part in ("latch", "transport", "agreements", "guard"):
+            assert getattr(new, part) is not getattr(old, part), part
+        assert health.latch is new.latch and generation.current() is new.agreements
+        assert guard_state.state is new.guard and transport.groups.progress_sources is new.transport.progress_sources
+        assert (new.guard.seq, new.guard.owner) == (0, 7)
+        assert old.guard.seq == 5  # the old one is left as it was
+    finally:
+        guard_state.state.owner = 0
+
+
+def test_stats_and_torch_reset_start_no_generation():
+    from compiler_collectives import runtime
+
+    before = runtime.current().generation
+    runtime.reset_stats()
+    runtime.torch_reset()
+    assert runtime.current().generation is before
 
 
 # ------------------------------------------------- noticing a new generation
