@@ -31,6 +31,11 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _code_kinds: dict[Any, tuple[str, Any]] = {}
 
 
+def forget_code_kinds() -> None:
+    """A new torch view (install): code objects are classified again against its wrapper frames."""
+    _code_kinds.clear()
+
+
 _stable_ids: dict[Any, int] = {}
 
 

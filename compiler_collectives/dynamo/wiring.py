@@ -37,7 +37,7 @@ import dataclasses
 import functools
 
 from .. import torch_view
-from ..agreements import audit_verdict, compiler, failure, guard, scope, setup
+from ..agreements import audit_verdict, compiler, failure, guard, guard_frames, scope, setup
 from ..ledger import ledger
 from ..transport import groups, set_first_rendezvous
 from . import audit_seam, bound, compiler_seam, guard_seam, table, tooling
@@ -53,6 +53,7 @@ def wire(moments: bound.Moments) -> None:
         groups.add_progress_source(source)
     setup.register_source(guard_seam.setup_items)
     torch_view.adopt(view())
+    guard_frames.forget_code_kinds()  # classified against the view's wrapper frames from now on
     ledger.add_reader(tooling.read)
 
 
