@@ -230,11 +230,13 @@ class Runtime:
 
     __slots__ = ("generation", "install_error", "ledger", "settings")
 
-    def __init__(self, settings: Any, ledger: Ledger, install_error: UnsupportedTorchError | None) -> None:
+    def __init__(
+        self, settings: Any, ledger: Ledger, install_error: UnsupportedTorchError | None, generation: Generation
+    ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.install_error = install_error
-        self.generation = self._build(0, transport.groups.next_generation(0, default_group_destroyed))
+        self.generation = generation
 
     @property
     def latch(self) -> Latch:
@@ -244,29 +246,28 @@ class Runtime:
     def agreements(self) -> agreements_generation.Generation:
         return self.generation.agreements
 
-    def _build(self, number: int, groups: transport.Generation, *, forked: bool = False) -> Generation:
-        previous = getattr(self, "generation", None)
-        explainer = health.latch.explainer if previous is None else previous.latch.explainer
-        guard = guard_state.GuardState() if forked or previous is None else previous.guard.next()
-        generation = Generation(number, Latch(explainer=explainer), groups, agreements_generation.Generation(), guard)
-        generation.hand_over()
-        return generation
-
     def begin(self) -> None:
         """A new generation, numbered next (after ``reset()`` or a destroyed default group)."""
         number = self.generation.number + 1
-        self.generation = self._build(number, transport.groups.next_generation(number, default_group_destroyed))
+        groups = transport.groups.next_generation(number, default_group_destroyed)
+        self.generation = begin_generation(number, groups, health.latch.explainer, self.generation.guard.next())
 
     def forked(self) -> Runtime:
         """A forked child's own runtime: the same settings and ledger, a generation of its own
-        (the parent's number; its groups kept alive, never used)."""
-        child = Runtime.__new__(Runtime)
-        child.settings, child.ledger, child.install_error = self.settings, self.ledger, self.install_error
-        child.generation = self.generation  # what _build carries over from (the latch's explainer)
-        child.generation = child._build(
-            self.generation.number, transport.forked_child_generation(default_group_destroyed), forked=True
-        )
-        return child
+        (the parent's number; its groups kept alive, never used; a fresh guard state)."""
+        groups = transport.forked_child_generation(default_group_destroyed)
+        generation = begin_generation(self.generation.number, groups, health.latch.explainer, guard_state.GuardState())
+        return Runtime(self.settings, self.ledger, self.install_error, generation)
+
+
+def begin_generation(
+    number: int, groups: transport.Generation, explainer: Any, guard: guard_state.GuardState
+) -> Generation:
+    """A generation's parts (a healthy latch with install's ``explainer``, fresh agreement
+    state), handed to their layers."""
+    generation = Generation(number, Latch(explainer=explainer), groups, agreements_generation.Generation(), guard)
+    generation.hand_over()
+    return generation
 
 
 _runtime: Runtime | None = None
@@ -289,7 +290,13 @@ def install() -> Runtime:
             raise
         install_error = e
         doctor.set_install_error(e)
-    _runtime = Runtime(settings, ledger.ledger, install_error)
+    first = begin_generation(
+        0,
+        transport.groups.next_generation(0, default_group_destroyed),
+        health.latch.explainer,
+        guard_state.GuardState(),
+    )
+    _runtime = Runtime(settings, ledger.ledger, install_error, first)
     os.register_at_fork(after_in_child=after_fork_in_child)
     return _runtime
 

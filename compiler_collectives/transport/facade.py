@@ -80,18 +80,6 @@ class Groups:
         default group, which ``notice()`` runs when it finds a new one."""
         return Generation(number, on_new_world=on_new_world, progress_sources=self.progress_sources)
 
-    def child_generation(self, on_new_world: Callable[[], None]) -> Generation:
-        """A forked child's generation: the parent's kept alive and never used, the inherited
-        default group seen (our collectives do not run on it), the parent's number."""
-        parent = self._gen
-        inherited = parent.inherited_in_child()
-        return Generation(
-            parent.number,
-            on_new_world=on_new_world,
-            progress_sources=self.progress_sources,
-            inherited_world=inherited,
-        )
-
     def compile_pg(self) -> dist.ProcessGroup:
         return build.compile_pg(self._noticed())
 
@@ -269,13 +257,20 @@ def default_group_destroyed() -> None:
 
 def forked_child_generation(on_new_world: Callable[[], None]) -> Generation:
     """In a forked child: the parent's generation and probes kept alive and never used, and the
-    child's own generation (``Groups.child_generation``), for the runtime to hand over."""
+    child's own generation, for the runtime to hand over: the parent's number, the inherited
+    default group seen (our collectives do not run on it)."""
     probes.after_fork_in_child()
-    return groups.child_generation(on_new_world)
+    parent = generation_mod.current
+    return Generation(
+        parent.number,
+        on_new_world=on_new_world,
+        progress_sources=groups.progress_sources,
+        inherited_world=parent.inherited_in_child(),
+    )
 
 
 def adopt(generation: Generation) -> None:
-    """Make ``generation`` (the runtime built it: ``next_generation``, ``child_generation``) the
+    """Make ``generation`` (the runtime built it: ``next_generation``, ``forked_child_generation``) the
     current one, for ``groups`` and for the exit handler alike."""
     generation_mod.adopt(generation)
     groups.bind(generation)

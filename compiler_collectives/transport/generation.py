@@ -97,7 +97,7 @@ class Generation:
         self.side: SideChannel | None = None
         # Joins of the threads of a side channel let go of (``let_go``), waited for by the moment.
         self._stopping: list[Callable[[float], bool]] = []
-        # Callables returning this rank's progress for the heartbeat (``add_progress_source``).
+        # Callables returning this rank's progress for the heartbeat (``Groups.add_progress_source``).
         self.progress_sources: list[Callable[[], dict[str, Any]]] = (
             progress_sources if progress_sources is not None else []
         )
@@ -223,11 +223,6 @@ class Generation:
         with self.lock:
             self._drop()
             self._world = None
-
-    def add_progress_source(self, source: Callable[[], dict[str, Any]]) -> None:
-        """What the heartbeat tells of this rank's progress, merged from every source (idempotent per function)."""
-        if source not in self.progress_sources:
-            self.progress_sources.append(source)
 
     def progress(self) -> dict[str, Any]:
         """This rank's progress for the heartbeat: every source's, merged."""
