@@ -133,14 +133,17 @@ ONCE_ENDED: dict[str, str | None] = {
     "refused": "once_refused",  # it refused the artifact: it compiles the graph itself
     "raised": None,  # its own compile raised: the user's error, or ours (counted in ``errors``)
     "source raised": None,  # its source's compile raised: it raises CompileOnceError (``errors``)
+    "failed": None,  # an exchange, wait or transfer of ours failed and ended it (``errors``)
 }
 
 
-def _once_graph(g: r.OnceGraph) -> dict[str, int]:
+def _once_graph(g: r.OnceGraph) -> dict[str, float]:
     name = ONCE_ENDED[g.ended]
-    out = {} if name is None else {name: 1}
+    out: dict[str, float] = {} if name is None else {name: 1}
     if g.peers_local:
         out["once_peer_local_compiles"] = g.peers_local
+    if g.waited_s:
+        out["once_wait_s"] = g.waited_s
     return out
 
 
@@ -186,7 +189,6 @@ COUNTS: dict[type, Callable[[Any], Mapping[str, float]]] = {
     r.OnceKeys: lambda x: {"once_keys_reduced" if x.reduced else "once_gathers": 1},
     r.OnceTreeExchange: lambda x: {"once_tree_exchanges": 1},
     r.OnceLoadReport: lambda x: {"once_report_entries": x.entries},
-    r.OnceWait: lambda x: {"once_wait_s": x.waited_s},
     r.ArtifactSent: lambda x: {"once_copies_sent": x.copies, "once_bytes_sent": x.bytes_sent},
     r.ArtifactReceived: lambda x: {"once_bytes_received": x.bytes_received},
     r.DigestMismatch: lambda x: {"once_digest_mismatches": 1, "once_refetched": int(x.refetched)},

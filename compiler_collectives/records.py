@@ -254,14 +254,6 @@ class OnceLoadReport:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class OnceWait:
-    """Time this rank waited in compile once (for the rank that compiles, or for ranks that
-    compile the graph themselves)."""
-
-    waited_s: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class ArtifactSent:
     """Copies of an artifact this rank sent (as its source, or forwarding down the tree) and
     the bytes they moved."""

@@ -102,19 +102,18 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
 
         transfer.start_send = send_altered  # other bytes than the digests it sent
     elif fault == "tamper":
-        from compiler_collectives.agreements.once import protocol
+        from compiler_collectives.agreements.once import artifact
 
-        collect = protocol._collect
+        collect = artifact.collect
 
-        def collect_then_change(ticket: object) -> object:
-            manifest, bundle = collect(ticket)  # type: ignore[arg-type]
-            root = ticket.cache.root()  # type: ignore[attr-defined]
+        def collect_then_change(root: str, dirs: list, sources: list) -> object:
+            manifest, bundle = collect(root, dirs, sources)
             entry = next(f for f in manifest if f.relpath.startswith("aotautograd"))
             with open(os.path.join(root, entry.relpath), "ab") as fh:
                 fh.write(b"changed after its digest was taken")
             return manifest, bundle
 
-        protocol._collect = collect_then_change
+        artifact.collect = collect_then_change
 
 
 def _slow_first_inductor_compile(rank: int, slow_rank: int | None) -> None:
@@ -430,7 +429,7 @@ def exchanges_started_inside_aotautograd(rank: int, world: int) -> dict:
     seen_inside: list[bool] = []  # per key exchange
     original = dist.ProcessGroup.allgather
     dist.ProcessGroup.allgather = _noting(original, started, dispatcher_on)
-    once.offer = _noting(once.offer, seen_inside, dispatcher_on)
+    once.exchanges.settle_keys = _noting(once.exchanges.settle_keys, seen_inside, dispatcher_on)
     w = torch.ones(4, 4, requires_grad=True)
     out = caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).sum().backward())
     dist.ProcessGroup.allgather = original

@@ -131,8 +131,8 @@ def _at_compile(action: str, seconds: float) -> None:
 
     @functools.wraps(passes)
     def at_compile(*args: object, **kwargs: object) -> object:
-        ticket = once.current()
-        if not fired and ticket is not None and ticket.plan is not None and ticket.plan.role == once.COMPILE:
+        graph = once.current()
+        if not fired and graph is not None and graph.state.role == once.COMPILE:
             fired.append(True)
             if action == "stop":
                 resume = subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])

@@ -152,13 +152,8 @@ def _fail_store_at_compile(pid: int, fault: str) -> None:
 
     @functools.wraps(passes)
     def at_compile(*args: object, **kwargs: object) -> object:
-        ticket = once.current()
-        if (
-            "failed_at" not in _store
-            and ticket is not None
-            and ticket.plan is not None
-            and ticket.plan.role == once.COMPILE
-        ):
+        graph = once.current()
+        if "failed_at" not in _store and graph is not None and graph.state.role == once.COMPILE:
             time.sleep(2.0)
             os.kill(pid, STORE_FAULTS[fault])
             _store["failed_at"] = time.time()

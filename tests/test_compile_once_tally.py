@@ -1,7 +1,7 @@
-"""Compile once's counters from its records, without processes: a graph taken through the
-protocol's own ``finish`` (where it needs no exchange) is one record of ``stats()["compile_once"]``
-and counts once in the counter of how it ended, or in none when its compile raised; every way the
-protocol can end a graph is one the ledger counts, and one it cannot count is an error, never a
+"""Compile once's counters from its records, without processes: a graph whose compile ends
+without an exchange (its driver's own end) is one record of ``stats()["compile_once"]`` and
+counts once in the counter of how it ended, or in none when its compile raised; every way the
+machine can end a graph is one the ledger counts, and one it cannot count is an error, never a
 silent zero. (The multi-process tests, ``test_compile_once*.py``, read the same counters for
 graphs that were compiled, served, loaded, missed and refused.)"""
 
@@ -32,8 +32,9 @@ def changed_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     [(role, "none", raised) for role in (once.COMPILE, once.SERVE, once.LOCAL) for raised in (False, True)]
     + [(once.LOAD, load, False) for load in ("hit", "miss", "refused", "none")],
 )
-def test_every_role_and_load_ends_in_a_way_the_ledger_counts(role: str, load: str, raised: bool) -> None:
-    Ledger().add(OnceGraph(tally.ended(role, load, raised), 0, {}))  # raises on a way the ledger lacks
+@pytest.mark.parametrize("failed", [False, True])
+def test_every_role_and_load_ends_in_a_way_the_ledger_counts(role: str, load: str, raised: bool, failed: bool) -> None:
+    Ledger().add(OnceGraph(tally.ended(role, load, raised, failed), 0, {}))  # raises on a way the ledger lacks
 
 
 def test_a_way_to_end_the_ledger_lacks_raises_instead_of_counting_nothing() -> None:
@@ -45,9 +46,7 @@ def test_a_way_to_end_the_ledger_lacks_raises_instead_of_counting_nothing() -> N
 def test_a_compile_that_never_looked_its_graph_up_is_one_record_and_counts_once_as_local() -> None:
     cc.reset_stats()
     before = cc.stats()
-    ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
-    ticket.rank = 0  # no group here: the graph's trace artifact names this rank
-    once.finish(ticket, None)
+    once.begin(FrameId("f", "a.py", 1), NoCache()).compile_ended(None)
     after = cc.stats()
     (record,) = after["compile_once"]
     assert record["state"] == "compiled locally" and record["ended"] == "local"
@@ -57,12 +56,7 @@ def test_a_compile_that_never_looked_its_graph_up_is_one_record_and_counts_once_
 def test_a_graph_whose_own_compile_raised_is_recorded_as_raised_and_counts_in_no_outcome() -> None:
     cc.reset_stats()
     before = cc.stats()
-    ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
-    # Planned to compile alone, with no rank serving: its end takes no exchange.
-    ticket.plan = once.Plan(once.LOCAL, None, "keys differ", False)
-    ticket.plans = {0: ticket.plan}
-    ticket.step, ticket.rank = once.Step.PLANNED, 0
-    once.finish(ticket, ValueError("the backend failed"))
+    once.begin(FrameId("f", "a.py", 1), NoCache()).compile_ended("ValueError: the backend failed")
     after = cc.stats()
     (record,) = after["compile_once"]
     assert record["ended"] == "raised"
@@ -72,9 +66,7 @@ def test_a_graph_whose_own_compile_raised_is_recorded_as_raised_and_counts_in_no
 def test_each_graph_is_one_record_and_reset_stats_forgets_them_with_their_counts() -> None:
     cc.reset_stats()
     for line in (1, 2, 3):
-        ticket = once.begin(FrameId("f", "a.py", line), NoCache())
-        ticket.rank = 0
-        once.finish(ticket, None)
+        once.begin(FrameId("f", "a.py", line), NoCache()).compile_ended(None)
     stats = cc.stats()
     assert [r["frame"] for r in stats["compile_once"]] == [str(FrameId("f", "a.py", n)) for n in (1, 2, 3)]
     assert stats["once_local"] == 3
@@ -84,8 +76,6 @@ def test_each_graph_is_one_record_and_reset_stats_forgets_them_with_their_counts
 
 def test_a_record_read_from_stats_is_a_copy_the_reader_cannot_change_the_ledger_through() -> None:
     cc.reset_stats()
-    ticket = once.begin(FrameId("f", "a.py", 1), NoCache())
-    ticket.rank = 0
-    once.finish(ticket, None)
+    once.begin(FrameId("f", "a.py", 1), NoCache()).compile_ended(None)
     cc.stats()["compile_once"][0]["state"] = "loaded"
     assert cc.stats()["compile_once"][0]["state"] == "compiled locally"

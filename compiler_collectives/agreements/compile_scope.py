@@ -39,7 +39,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class CompileScope:
     """One Dynamo frame compile in progress: our error on its way out, and the seams' state."""
 
-    __slots__ = ("boxes", "error", "frame", "lookup", "once_ticket", "pending", "post_grad_depth", "user_lowering")
+    __slots__ = ("boxes", "error", "frame", "once_graph", "pending", "post_grad_depth", "user_lowering")
 
     def __init__(self, pending: Any = None) -> None:
         # Our error latched as it left our code into torch (the latest: the one torch wrapped).
@@ -50,14 +50,13 @@ class CompileScope:
         self.boxes: list[Any] = []
         # The frame whose graph the backend compiles now (for compile once's messages).
         self.frame: Any = None
-        # Compile once: AOTAutograd's cache lookup is in progress; the backward lowering the
-        # user set (None: not inside an AOTAutograd compile of ours).
-        self.lookup = False
+        # Compile once: the backward lowering the user set (None: not inside an AOTAutograd
+        # compile of ours).
         self.user_lowering: bool | None = None
         # Inductor's post-grad passes recurse into subgraphs through our wrapper.
         self.post_grad_depth = 0
-        # Compile once: the ticket of the AOTAutograd (or FX) compile in progress (``once.current``).
-        self.once_ticket: Any = None
+        # Compile once: the driver of the AOTAutograd (or FX) compile in progress (``once.current``).
+        self.once_graph: Any = None
 
     def latch(self, error: CollectiveError) -> None:
         """Our error leaves our code into torch: kept for the one who receives torch's wrapper."""

@@ -5,7 +5,7 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
 
 * ``autograd_cache_key`` (replaced): AOTAutograd computes the cache key first thing in its
   lookup (``AOTAutogradCache.try_load``); right after, and before the lookup reads the cache,
-  the ranks exchange keys (``agreements.once.offer``), and a loading rank waits for the rank
+  the ranks exchange keys (the machine's ``SettleKeys``), and a loading rank waits for the rank
   that compiles and installs its artifact, so the lookup that follows finds it. Our errors
   raised there leave through the compile scope's boundary, latched, and are raised after the
   lookup (which would otherwise take any exception for a cache bypass).
@@ -34,9 +34,9 @@ inside AOTAutograd's own events:
 * ``compile_once`` (``EVENT``): the whole AOTAutograd compile under compile once, with this
   rank's role added at its end: on a compiling or serving rank, the compile it did for others.
 * ``compile_once_wait`` (``EVENT_WAIT``): a loading rank waits for its source, takes the result
-  exchange, receives and installs the artifact (``once.fetch``, at the key seam).
+  exchange, receives and installs the artifact (at the key seam).
 * ``compile_once_finish`` (``EVENT_FINISH``): every other rank's end of the graph: the serving
-  rank collects and sends its artifact; then the result and load-report exchanges (``once.finish``).
+  rank collects and sends its artifact; then the result and load-report exchanges.
 
 Each finished graph also writes a ``compile_once`` artifact (``tooling.read``, from its ledger record).
 """
@@ -207,28 +207,32 @@ def around_aot(compile: Callable[[], T], mod: Any = None, args: Any = ()) -> T:
     """One AOTAutograd compile under compile once (called by the aot seam), timed as ``EVENT``."""
     scope = compile_scope.current()
     frame = (None if scope is None else scope.frame) or FrameId("<unknown>", "<unknown>", 0)
-    ticket = once.begin(frame, CACHE, "aot", graph_digest(mod, args))
+    graph = once.begin(frame, CACHE, "aot", graph_digest(mod, args), SPANS)
     # Ours that leaves here goes into the backend's code (Dynamo wraps it in BackendCompilerFailed):
     # the aot seam that called this is a boundary, so the seam around Dynamo's compile raises it.
     with _timed(EVENT):
         try:
-            try:
-                result = compile()
-            except CollectiveError:
-                once.abandon(ticket)  # our exchanges failed: no further one can be trusted
-                raise
-            except BaseException as e:
-                _finish(ticket, e, audit.failure_text(e))
-                raise
-            if bound.levels.get("once") is False:
-                _finish(
-                    ticket, None, no_lookup=f"torch {torch.__version__} lacks compile once's seams (see the warning)"
-                )
-            else:
-                _finish(ticket, None)
+            result = _compiled(graph, compile, "")
         finally:
             # The role is known only after the key exchange, inside the compile: added at the end.
-            _describe(EVENT, ticket)
+            _describe(EVENT, graph)
+    return result
+
+
+def _compiled(graph: once.Driver, compile: Callable[[], T], no_lookup: str) -> T:
+    """Run ``compile`` and tell ``graph`` how it ended (``no_lookup``: why it took no lookup, if
+    it took none)."""
+    try:
+        result = compile()
+    except CollectiveError:
+        graph.abandon()  # our exchanges failed: no further one can be trusted
+        raise
+    except BaseException as e:
+        graph.compile_ended(audit.failure_text(e), no_lookup)
+        raise
+    if not no_lookup and bound.levels.get("once") is False:
+        no_lookup = f"torch {torch.__version__} lacks compile once's seams (see the warning)"
+    graph.compile_ended(None, no_lookup)
     return result
 
 
@@ -239,20 +243,10 @@ def _timed(event: str) -> Iterator[None]:
         yield
 
 
-def _describe(event: str, ticket: once.Ticket, **more: object) -> None:
-    """Add what compile once knows of ``ticket`` to ``event`` (in progress on this thread)."""
-    if not _can_describe():
-        return
-    plan = ticket.plan
-    bound.originals["try_add_pt2_compile"](
-        event,
-        role=plan.role if plan is not None else once.LOCAL,
-        source=plan.source if plan is not None else None,
-        seq=ticket.seq,
-        level=ticket.level,
-        key=ticket.key,
-        **more,
-    )
+def _describe(event: str, graph: once.Driver, **more: object) -> None:
+    """Add what compile once knows of ``graph`` to ``event`` (in progress on this thread)."""
+    if _can_describe():
+        bound.originals["try_add_pt2_compile"](event, **graph.describe(), **more)
 
 
 @functools.cache
@@ -261,87 +255,72 @@ def _can_describe() -> bool:
     return "try_add_pt2_compile" in bound.originals and table.holds("try_add_pt2_compile")
 
 
-def _fetch(ticket: once.Ticket) -> bool:
-    """``once.fetch``, timed as ``EVENT_WAIT``: a loading rank's wait, receive and install."""
-    with _timed(EVENT_WAIT):
-        try:
-            return once.fetch(ticket)
-        finally:
-            _describe(
-                EVENT_WAIT,
-                ticket,
-                waited_s=round(ticket.waited_s, 6),
-                bytes_received=ticket.bytes_in,
-            )
+class _Spans:
+    """The driver's runs of actions as Dynamo's timed events: a loader's fetch (``EVENT_WAIT``),
+    any other rank's end of the graph (``EVENT_FINISH``)."""
+
+    @contextlib.contextmanager
+    def span(self, name: str, driver: once.Driver) -> Iterator[None]:
+        event = EVENT_WAIT if name == "wait" else EVENT_FINISH
+        with _timed(event):
+            try:
+                yield
+            finally:
+                times = driver.times
+                more: dict[str, object] = {"waited_s": round(times.waited_s, 6)}
+                if event == EVENT_WAIT:
+                    more["bytes_received"] = times.bytes_in
+                _describe(event, driver, **more)
 
 
-def _finish(ticket: once.Ticket, error: BaseException | None, failure_text: str | None = None, **kw: str) -> None:
-    """``once.finish``, timed as ``EVENT_FINISH`` where it takes exchanges (this rank does not load)."""
-    plan = ticket.plan
-    if plan is None or plan.role == once.LOAD or ticket.step is not once.Step.PLANNED:
-        once.finish(ticket, error, failure_text, **kw)
-        return
-    with _timed(EVENT_FINISH):
-        try:
-            once.finish(ticket, error, failure_text, **kw)
-        finally:
-            _describe(EVENT_FINISH, ticket, waited_s=round(ticket.waited_s, 6))
+SPANS = _Spans()
 
 
 @compile_scope.boundary
 def try_load(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["AOTAutogradCache.try_load"]
-    ticket = once.current()
+    graph = once.current()
     scope = compile_scope.current()
-    if ticket is None or ticket.plan is not None or scope is None:
+    if graph is None or graph.graph.level != "aot" or scope is None:
         return original(*args, **kwargs)
     # Our error that leaves the key seam below is latched in this compile's scope: AOTAutograd's
     # lookup takes any exception for a cache bypass, so it is raised here, after the lookup.
-    scope.lookup, latched_before = True, scope.error
+    graph.lookup_began()
+    latched_before = scope.error
     try:
         result = original(*args, **kwargs)
     except BaseException as e:
         # Strict cache modes re-raise what the lookup hit (our refusal's bypass, say): ours first.
         if scope.error is not latched_before:
             scope.raise_latched(e)
-        _report_failed_load(ticket)
+        graph.lookup_ended(None, raised=True)  # a loader's peers wait for its report: a miss
         raise
-    finally:
-        scope.lookup = False
     if scope.error is not latched_before:
         scope.raise_latched()
-    if ticket.plan is None:
-        # The lookup ended before computing a key: take the exchange anyway, as not cacheable.
-        once.offer(ticket, None, "AOTAutograd's lookup computed no key", switches_on())
-    plan = ticket.plan
-    if plan is not None and plan.role == once.LOAD and ticket.step is once.Step.PLANNED:
-        once.loaded(ticket, None if ticket.outcome == "refused" else result[0] is not None)
+    graph.lookup_ended(result[0] is not None)
     return result
 
 
 @compile_scope.boundary
 def cache_key(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["autograd_cache_key"]
-    ticket = once.current()
-    scope = compile_scope.current()
-    if ticket is None or ticket.plan is not None or scope is None or not scope.lookup:
+    graph = once.current()
+    if graph is None or graph.graph.level != "aot":
         return _key_as_the_user_set_it(original, args, kwargs)
-    switches = switches_on()
     try:
         key_and_lines = _key_as_the_user_set_it(original, args, kwargs)
     except Exception as e:
         try:
-            once.offer(ticket, None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches)
+            graph.key(None, f"{type(e).__name__}: {str(e).strip()[:300]}", switches_on)
         except CollectiveError as ours:
             compile_scope.leave(ours)  # raised after the lookup (try_load), which takes e for a bypass
         raise
     try:
-        plan = once.offer(ticket, key_and_lines[0], None, switches)
-        refused = plan.role == once.LOAD and not _fetch(ticket)
+        refused = graph.key(key_and_lines[0], None, switches_on)
     except Exception as e:  # noqa: BLE001 - named and re-raised past AOTAutograd's catch-all
         # AOTAutograd's lookup takes any exception for a bypass: ours is latched, and raised after
         # the lookup (try_load).
-        named = e if isinstance(e, CollectiveError) else _unexpected(e, ticket)
+        named = e if isinstance(e, CollectiveError) else _unexpected(e, graph)
         compile_scope.leave(named)
         raise bound.originals["BypassAOTAutogradCache"](str(named)) from named
     if refused:
@@ -352,13 +331,13 @@ def cache_key(*args: Any, **kwargs: Any) -> Any:
     return key_and_lines
 
 
-def _unexpected(error: Exception, ticket: once.Ticket) -> CollectiveError:
+def _unexpected(error: Exception, graph: once.Driver) -> CollectiveError:
     """Something that is not ours failed during our exchange or install: named, never a silent bypass."""
     return CompileOnceError(
-        f"compile once #{ticket.seq} of {ticket.frame}: {type(error).__name__}: {error}",
+        f"compile once #{graph.graph.seq} of {graph.graph.frame}: {type(error).__name__}: {error}",
         kind="compile_once",
-        seq=ticket.seq,
-        frame=str(ticket.frame),
+        seq=graph.graph.seq,
+        frame=str(graph.graph.frame),
     )
 
 
@@ -368,56 +347,43 @@ def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
     its AOTAutograd compile could not be shared by any rank."""
     original = bound.originals["_compile_fx_inner"]
     outer = once.current()
-    if outer is None or outer.level != "aot" or not outer.fx_allowed:
+    if outer is None or not outer.nests_fx():
         return original(*args, **kwargs)
-    ticket = once.begin(outer.frame, CACHE, "fx")
-    try:
-        result = original(*args, **kwargs)
-    except CollectiveError:
-        once.abandon(ticket)
-        raise
-    except BaseException as e:
-        _finish(ticket, e, audit.failure_text(e))
-        raise
-    _finish(ticket, None, no_lookup="inductor did not look this graph up in its FX graph cache")
-    return result
+    graph = once.begin(outer.graph.frame, CACHE, "fx", spans=SPANS)
+    return _compiled(
+        graph,
+        lambda: original(*args, **kwargs),
+        "inductor did not look this graph up in its FX graph cache",
+    )
 
 
 @compile_scope.boundary
 def prepare_key(*args: Any, **kwargs: Any) -> Any:
     original = bound.originals["FxGraphCache.prepare_key"]
-    ticket = once.current()
-    if ticket is None or ticket.level != "fx" or ticket.plan is not None:
+    graph = once.current()
+    if graph is None or graph.graph.level != "fx":
         return original(*args, **kwargs)
     key_info, cache_info = original(*args, **kwargs)
     key = key_info[0] if isinstance(key_info, tuple) and isinstance(key_info[0], str) else None
     why = None if key is not None else str((cache_info or {}).get("cache_bypass_reason", "no FX graph cache key"))
-    plan = once.offer(ticket, key, why[:300] if why else None, switches_on())
-    if plan.role == once.LOAD and not _fetch(ticket):
-        once.loaded(ticket, None)  # before compiling: the others then wait for its post (once.finish)
+    graph.lookup_began()
+    if graph.key(key, why[:300] if why else None, switches_on):
+        graph.lookup_ended(None)  # before compiling: the others then wait for its post
         return None, {"cache_state": "bypass", "cache_bypass_reason": "compiler_collectives refused the artifact"}
     return key_info, cache_info
 
 
-def _report_failed_load(ticket: once.Ticket) -> None:
-    """A loading rank whose lookup raised still takes the load report (as a miss): its peers wait in it."""
-    if ticket.plan is not None and ticket.plan.role == once.LOAD and ticket.step is once.Step.PLANNED:
-        once.loaded(ticket, None if ticket.outcome == "refused" else False)
-
-
 @compile_scope.boundary
 def load_with_key(*args: Any, **kwargs: Any) -> Any:
+    graph = once.current()
+    if graph is None or graph.graph.level != "fx":
+        return bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
     try:
         result = bound.originals["FxGraphCache.load_with_key"](*args, **kwargs)
     except BaseException:
-        ticket = once.current()
-        if ticket is not None and ticket.level == "fx":
-            _report_failed_load(ticket)
+        graph.lookup_ended(None, raised=True)  # a loader's peers wait for its report: a miss
         raise
-    ticket = once.current()
-    if ticket is not None and ticket.level == "fx" and ticket.plan is not None and ticket.step is once.Step.PLANNED:
-        if ticket.plan.role == once.LOAD:
-            once.loaded(ticket, isinstance(result, tuple) and result[0] is not None)
+    graph.lookup_ended(isinstance(result, tuple) and result[0] is not None)
     return result
 
 
@@ -426,21 +392,24 @@ def lookup_entry(*args: Any, **kwargs: Any) -> Any:
     """AOTAutograd's lookup of one key's entries: which one hit (its pickle's digest is the
     entry file's), so a loading rank knows whether it runs the entry it was sent."""
     result = bound.originals["AOTAutogradCache._lookup"](*args, **kwargs)
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bytes):
-        once.note_hit(result[1])
+    graph = once.current()
+    if graph is not None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bytes):
+        graph.note_hit(result[1])
     return result
 
 
 @compile_scope.boundary
 def lookup_graph(key: Any, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(key, str):
-        once.note_fx_key(key)
+    graph = once.current()
+    if graph is not None and isinstance(key, str):
+        graph.note_fx_key(key)
     return bound.originals["FxGraphCache._lookup_graph"](key, *args, **kwargs)
 
 
 @compile_scope.boundary
 def write_source(*args: Any, **kwargs: Any) -> Any:
     result = bound.originals["codecache.write"](*args, **kwargs)
-    if once.current() is not None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str):
-        once.note_source(result[1])
+    graph = once.current()
+    if graph is not None and isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str):
+        graph.note_source(result[1])
     return result

@@ -5,7 +5,7 @@ Flow, per graph that AOTAutograd looks up in its cache while compiler collective
 seam ``dynamo/once_seam.py`` calls in; every rank of the agreement scope takes every step, warm
 or cold, so the exchanges never depend on cache state):
 
-1. **Keys** (``offer``, at the cache lookup): each rank's key (or why the graph is not cacheable
+1. **Keys** (the machine's ``SettleKeys``, at the cache lookup): each rank's key (or why the graph is not cacheable
    here), whether its cache holds an entry, its cache dir's identity, which of torch's
    compile-time collectives are on, and the largest artifact it accepts. First one MIN of a
    fixed record over the host tree (``transport.HostTree``: a host's ranks through their leader,
@@ -28,7 +28,7 @@ or cold, so the exchanges never depend on cache state):
    wait inside the backend, for this graph only (waiting around a whole step would deadlock on
    DDP's all-reduce). They wait while the compiling rank is alive, up to
    ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
-3. **Result** (``finish``/``fetch``): once every serving rank has posted that it is done, each
+3. **Result** (``ExchangeResults``, then ``Install`` or ``Serve``): once every serving rank has posted that it is done, each
    serving rank's outcome reaches every rank in one gather over the host tree, to which only the
    serving ranks contribute: the manifest of its artifact (every file of
    the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
@@ -43,7 +43,7 @@ or cold, so the exchanges never depend on cache state):
    itself; anything else is refused, named in the log, and that rank compiles the graph itself,
    AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
    entry there): the checks are on the bytes that travel between dirs (docs/design.md, "Trust").
-4. **Loaded** (``loaded``): one MIN over the host tree of whether every rank loaded; only where
+4. **Loaded** (``Report``): one MIN over the host tree of whether every rank loaded; only where
    some rank did not, one gather over the tree of the outcomes of the ranks that did not (the
    others contribute nothing), so every rank logs and counts who loaded, whose load missed (an
    entry's guards fail that rank's size hints: it compiled locally) and who refused.
@@ -55,33 +55,24 @@ that dies is seen through its heartbeat or its broken gloo connection: the loade
 ``PeerFailureError`` naming it; so does the subtree of a receiver that dies while it forwards.
 Never a hang.
 
-Modules: ``plan`` (who does what: pure), ``artifact`` (the files, their checks and their staged
-install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an entry),
-``transfer`` (each loader's route to the bytes, the tree, the pieces and their checks),
-``loading`` (a loader's receive and install by its route), ``keys`` (the key record and the
-offers read back from it: pure), ``tally`` (how a graph ended: the word the ledger counts it by),
-``ticket`` (the ticket, its ``Step``, and each graph's record made from it), ``exchanges`` (the
-key, result and load-report exchanges over the host tree), ``waits`` (the posts and waits on the
-store) and ``protocol`` (the entry points the seam calls, and the decisions). Plain Python over
+Modules: ``machine`` (one graph's states, the events that move it and the actions it asks
+for: pure), ``driver`` (runs a graph's machine: the seam's events in, the actions out over the
+exchanges, the mailbox and the artifact, each timed), ``graph`` (which graph, its times, its
+errors and the record kept when it ends), ``plan`` (who does what: pure), ``keys`` (the key
+record and the offers read back from it: pure), ``exchanges`` (the key, result and load-report
+exchanges over the host tree), ``waits`` (the mailbox: the posts and waits on the store),
+``artifact`` (the files, their checks and their staged install, over a root dir), ``sidecar``
+(the audit's fingerprints kept with an entry), ``transfer`` (each loader's route to the bytes,
+the tree, the pieces and their checks), ``loading`` (a loader's receive and install by its
+route) and ``tally`` (how a graph ended: the word the ledger counts it by). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 
 from .artifact import dir_identity, manifest_problem, safe_relpath
+from .driver import Driver, Spans, begin, current
+from .graph import Cache, Graph, records
+from .machine import NO_LOOKUP
 from .plan import COMPILE, LOAD, LOCAL, SERVE, Plan, decide, fallback_allowed
-from .protocol import (
-    NO_LOOKUP,
-    abandon,
-    begin,
-    current,
-    fetch,
-    finish,
-    loaded,
-    note_fx_key,
-    note_hit,
-    note_source,
-    offer,
-)
-from .ticket import Cache, Step, Ticket, records
 
 __all__ = [
     "COMPILE",
@@ -90,23 +81,16 @@ __all__ = [
     "NO_LOOKUP",
     "SERVE",
     "Cache",
+    "Driver",
+    "Graph",
     "Plan",
-    "Step",
-    "Ticket",
-    "abandon",
+    "Spans",
     "begin",
     "current",
     "decide",
     "dir_identity",
     "fallback_allowed",
-    "fetch",
-    "finish",
-    "loaded",
     "manifest_problem",
-    "note_fx_key",
-    "note_hit",
-    "note_source",
-    "offer",
     "records",
     "safe_relpath",
 ]

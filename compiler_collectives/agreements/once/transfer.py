@@ -59,7 +59,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ...errors import CollectiveError, PeerFailureError
@@ -128,7 +128,7 @@ class Route:
 
 
 def routes(
-    source: int, result: Result, plans: dict[int, Plan], offers: dict[int, Offer], level: str, fanout: int
+    source: int, result: Result, plans: Mapping[int, Plan], offers: dict[int, Offer], level: str, fanout: int
 ) -> dict[int, Route]:
     """Every rank's route for ``source``'s artifact (its loaders and the source itself); pure: the
     same on every rank, so each send has its receive."""
@@ -163,12 +163,12 @@ def routes(
 
 @dataclasses.dataclass(frozen=True)
 class Graph:
-    """One graph's transfer as its ticket has it once the result exchange ended: the link, every
+    """One graph's transfer as its driver has it once the result exchange ended: the link, every
     rank's plan and offer (from which every rank works out the same routes), the graph's level
     ("aot" or "fx") and the tree's fan-out (``COMPILER_COLLECTIVES_ONCE_FANOUT``)."""
 
     link: Link
-    plans: dict[int, Plan]
+    plans: Mapping[int, Plan]
     offers: dict[int, Offer]
     level: str
     fanout: int
