@@ -5,9 +5,10 @@ Flow, per graph that AOTAutograd looks up in its cache while compiler collective
 seam ``dynamo/once_seam.py`` calls in; every rank of the agreement scope takes every step, warm
 or cold, so the exchanges never depend on cache state):
 
-1. **Keys** (the machine's ``SettleKeys``, at the cache lookup): each rank's key (or why the graph is not cacheable
-   here), whether its cache holds an entry, its cache dir's identity, which of torch's
-   compile-time collectives are on, and the largest artifact it accepts. First one MIN of a
+1. **Keys** (the machine's ``SettleKeys``, at the cache lookup): each rank's key (or why the
+   graph is not cacheable here), whether its cache holds an entry, its cache dir's identity,
+   which of torch's compile-time collectives are on, the largest artifact it accepts, and its
+   build (``build``: the vector ISA, the C++ compiler and torch it builds kernels with). First one MIN of a
    fixed record over the host tree (``transport.HostTree``: a host's ranks through their leader,
    the leaders in log2(hosts) rounds): a digest of what must match (the switches, and the dirs
    and limits the last full exchange saw) and, per index on a host, the digest of that index's
@@ -28,8 +29,8 @@ or cold, so the exchanges never depend on cache state):
    wait inside the backend, for this graph only (waiting around a whole step would deadlock on
    DDP's all-reduce). They wait while the compiling rank is alive, up to
    ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
-3. **Result** (``ExchangeResults``, then ``Install`` or ``Serve``): once every serving rank has posted that it is done, each
-   serving rank's outcome reaches every rank in one gather over the host tree, to which only the
+3. **Result** (``ExchangeResults``, then ``Install`` or ``Serve``): once every serving rank has
+   posted that it is done, each serving rank's outcome reaches every rank in one gather over the host tree, to which only the
    serving ranks contribute: the manifest of its artifact (every file of
    the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
    program audit's fingerprints of the compile, and the SHA-256 of each piece of its bundle. The
