@@ -30,9 +30,9 @@ or cold, so the exchanges never depend on cache state):
    DDP's all-reduce). They wait while the compiling rank is alive, up to
    ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``, logging about every 30 s.
 3. **Result** (``ExchangeResults``, then ``Install`` or ``Serve``): once every serving rank has
-   posted that it is done, each serving rank's outcome reaches every rank in one gather over the host tree, to which only the
-   serving ranks contribute: the manifest of its artifact (every file of
-   the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
+   posted that it is done, each serving rank's outcome reaches every rank in one gather over
+   the host tree, to which only the serving ranks contribute: the manifest of its artifact
+   (every file of the cache entries and kernel binaries, relative to the cache dir, with its SHA-256) and the
    program audit's fingerprints of the compile, and the SHA-256 of each piece of its bundle. The
    manifest comes over the job's own gloo group; the bytes do not travel to ranks that share the
    serving rank's dir. In each other cache dir one rank receives them (``transfer``): those
