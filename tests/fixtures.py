@@ -33,6 +33,9 @@ class NoCache:
     def fx_dir(self, key: str) -> str:
         raise AssertionError("not reached")
 
+    def compiler(self) -> str:
+        raise AssertionError("not reached")
+
 
 # A test that asserts how fast a failure is named (a bound of a few seconds) runs
 # alone: on a loaded machine the rank that detects or relays it is itself

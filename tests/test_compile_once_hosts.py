@@ -92,3 +92,51 @@ def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a
             states = sorted(s for s, _ in pair)
             assert states == ["compiled", "loaded"], (graph, k, by_index)
             assert {src for _, src in pair} <= {k, k + 2}, (graph, k, by_index)
+
+
+def _shared(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w).sum()
+
+
+def job_with_builds(rank: int, world: int) -> dict:
+    """Every rank has the same graph; the ranks of host 1 say they build kernels for another CPU."""
+    import compiler_collectives as cc
+    from compiler_collectives.agreements.once import build
+
+    if os.environ["GROUP_RANK"] == "1":
+        real = build.fingerprint
+        build.fingerprint = lambda compiler: "avx512_amx " + real(compiler)  # a host with another CPU
+    cc.enable()
+    x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1
+    w_ref = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
+    _shared(x, w_ref).backward()
+    w = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
+    torch.compile(_shared, backend="inductor")(x, w).backward()
+    with torch.no_grad():
+        w -= 0.1 * w.grad  # a step: the parameters every rank ends with
+    stats = cc.stats()
+    (record,) = stats["compile_once"]
+    return {
+        "right": torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6),
+        "w": w.detach().tolist(),
+        "record": {k: record[k] for k in ("state", "source", "why")},
+        "bytes_received": stats["once_bytes_received"],
+    }
+
+
+@pytest.mark.timeout(400)
+def test_hosts_of_different_build_fingerprints_each_compile_their_own_kernels_with_equal_parameters(tmp_path):
+    rank_env = {
+        r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
+    }
+    os.makedirs(tmp_path / "host0"), os.makedirs(tmp_path / "host1")
+    results = run_ranks(job_with_builds, 4, env=ENV, rank_env=rank_env, timeout=360).results
+    for rank, r in enumerate(results):
+        assert r["right"], r
+        assert r["w"] == results[0]["w"], (rank, r)
+        # Each host's ranks share among themselves; nothing crosses to the other build.
+        assert r["record"]["source"] // 2 == rank // 2, (rank, r)
+        assert "share no artifact with other builds" in r["record"]["why"], r
+        assert r["bytes_received"] == 0, r  # its source shares its cache dir: no byte travels
+    for host in (0, 1):
+        assert sorted(results[r]["record"]["state"] for r in (2 * host, 2 * host + 1)) == ["compiled", "loaded"]

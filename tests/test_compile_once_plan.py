@@ -21,9 +21,40 @@ from compiler_collectives.errors import SetupMismatchError, WireFormatError
 
 
 def offer(
-    key: str | None, *, holds: bool = False, dir: str = "host:1:1", switches=(), why=None, warmth: int = 0
+    key: str | None,
+    *,
+    holds: bool = False,
+    dir: str = "host:1:1",
+    switches=(),
+    why=None,
+    warmth: int = 0,
+    build: str = "avx2 g++ 12",
 ) -> Offer:
-    return Offer(key, why, holds, dir, list(switches), 1 << 30, "", warmth)
+    return Offer(key, why, holds, dir, list(switches), 1 << 30, "", warmth, build)
+
+
+def test_ranks_of_another_build_fingerprint_never_load_an_artifact_built_for_another():
+    offers = {r: offer("k", dir=f"host{r // 2}", build="avx512 g++ 13" if r >= 2 else "avx2 g++ 12") for r in range(4)}
+    plans = once.decide(offers, seq=1)
+    for r, p in plans.items():
+        assert p.source is not None and offers[p.source].build == offers[r].build, (r, p)
+    assert sorted(p.role for p in plans.values()) == ["compile", "compile", "load", "load"]
+    assert all("share no artifact with other builds" in p.why for p in plans.values())
+
+
+def test_a_rank_alone_with_its_build_compiles_itself_and_says_its_build_differs():
+    plans = once.decide({0: offer("k"), 1: offer("k"), 2: offer("k", build="neon clang 17")}, seq=1)
+    assert plans[2].role == once.LOCAL and "its build 'neon clang 17' differs" in plans[2].why
+    assert {plans[0].role, plans[1].role} == {once.COMPILE, once.LOAD}
+
+
+def test_the_build_fingerprint_round_trips_and_an_overlong_one_is_refused():
+    mine = offer("k", build="avx2 cpu:0a1b g++ 12.2.0 (abcd) torch 2.15.0")
+    data = encode_once(rank=0, world_size=2, seq=1, body=mine)
+    assert decode_once(data, sender=0, max_bytes=1 << 20, expected_world_size=2).body == mine
+    data = encode_once(rank=0, world_size=2, seq=1, body=offer("k", build="x" * 300))
+    decoded = decode_once(data, sender=0, max_bytes=1 << 20, expected_world_size=2).body
+    assert isinstance(decoded, Offer) and len(decoded.build) == 256  # the sender cuts it
 
 
 def test_one_rank_compiles_each_shared_key_and_the_others_load_it():

@@ -91,6 +91,24 @@ class _Cache:
         path: str = bound.originals["FxGraphCache"]._get_tmp_dir_for_key(key)
         return path
 
+    def compiler(self) -> str:
+        return _compiler()
+
+
+@functools.cache
+def _compiler() -> str:
+    """The C++ compiler inductor builds with and its version, once per process ("" where the seam
+    table's rows are missing on this release)."""
+    name_of, version_of = bound.originals.get("cpp_compiler"), bound.originals.get("compiler_version_info")
+    if name_of is None or version_of is None:
+        return ""
+    try:
+        name = str(name_of())
+        return once.build.compiler_text(name, str(version_of(name)))
+    except Exception as e:  # noqa: BLE001 - no compiler here: the fingerprint says so, no kernel is built anyway
+        log.debug("compile once: no C++ compiler found for the build fingerprint: %s", e)
+        return ""
+
 
 CACHE = _Cache()
 

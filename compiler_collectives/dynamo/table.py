@@ -66,6 +66,15 @@ def _positional(*names: str) -> Callable[[Any], bool]:
     return lambda obj: _params(obj)[: len(names)] == list(names)
 
 
+def _required(obj: Any) -> list[str]:
+    """The parameters a call must pass."""
+    return [
+        n
+        for n, p in inspect.signature(obj).parameters.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
 def _keywords(*names: str) -> Callable[[Any], bool]:
     return lambda obj: set(names) <= set(_params(obj))
 
@@ -726,6 +735,23 @@ SEAMS: tuple[Seam, ...] = (
                 lambda m: hasattr(m, "runtime_estimations_align_across_all_distributed_ranks"),
             ),
         ),
+    ),
+    # -- compile once's build fingerprint (agreements/once/build.py): the compiler inductor builds with
+    Seam(
+        "cpp_compiler",
+        "torch._inductor.cpp_builder",
+        "get_cpp_compiler",
+        required=False,
+        level="once",
+        reads=(Read("takes no required argument", lambda f: _required(f) == []),),
+    ),
+    Seam(
+        "compiler_version_info",
+        "torch._inductor.cpp_builder",
+        "get_compiler_version_info",
+        required=False,
+        level="once",
+        reads=(Read("takes (compiler)", _positional("compiler")),),
     ),
     # -- the program audit's graph walk (agreements/fingerprint.py, handed these at install)
     Seam(

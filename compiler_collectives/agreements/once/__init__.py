@@ -69,6 +69,7 @@ route) and ``tally`` (how a graph ended: the word the ledger counts it by). Plai
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """
 
+from . import build
 from .artifact import dir_identity, manifest_problem, safe_relpath
 from .driver import Driver, Spans, begin, current
 from .graph import Cache, Graph, records
@@ -87,6 +88,7 @@ __all__ = [
     "Plan",
     "Spans",
     "begin",
+    "build",
     "current",
     "decide",
     "dir_identity",

@@ -35,7 +35,7 @@ from .. import audit, compile_scope, generation, our_groups
 from .. import failure as failure_procedure
 from ..fingerprint import GraphFingerprint
 from ..wire.once import WARMTH_FX, WARMTH_MAX_ENTRIES, ManifestFile, Offer, Result
-from . import artifact, events, exchanges, loading, machine, sidecar, transfer, waits
+from . import artifact, build, events, exchanges, loading, machine, sidecar, transfer, waits
 from .graph import Cache, Graph, Times, failed, keep, once_error, where_of
 from .machine import State
 from .plan import LOAD, LOCAL, SERVE, decide, fallback_allowed
@@ -261,6 +261,7 @@ class Driver:
             config.settings.max_artifact_bytes,
             self.digest,
             0 if holds else self._warmth(key),
+            build.fingerprint(self.cache.compiler()),
         )
         self.offers = exchanges.settle_keys(g, mine, gen)
         try:

@@ -43,6 +43,10 @@ class Cache(Protocol):
         """The directory of the FX graph cache's entries for ``key``."""
         ...
 
+    def compiler(self) -> str:
+        """The C++ compiler inductor builds kernels with, and its version ("" where unknown)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Graph:

@@ -6,7 +6,7 @@ so it is unit-tested on its own (``tests/test_compile_once_keysettle.py``); ``pr
 exchanges around it (the MIN, and the all-gather where the record does not settle the keys).
 
 The record: the exchange's phase; a digest of what must match everywhere (graph number, level,
-switches, the dirs and size limits the last all-gather saw); whether every rank's kept table is
+switches, the dirs, size limits and build fingerprints the last all-gather saw); whether every rank's kept table is
 valid and every rank has a key; a digest of this rank's key, why and graph; and, in the slot of
 this rank's index on its host, that digest again, whether it holds the entry and how warm it is
 (in turn among equals, as ``decide`` turns among cold ranks). Each value that must be equal
@@ -40,13 +40,14 @@ class Known:
     """What the last full key exchange of a generation saw that stays from graph to graph."""
 
     members: tuple[int, ...]  # the group's global ranks, ascending
-    dirs: Mapping[int, tuple[str, int]]  # global rank -> (cache dir identity, largest artifact it accepts)
+    # global rank -> (cache dir identity, largest artifact it accepts, build fingerprint)
+    dirs: Mapping[int, tuple[str, int, str]]
     digest: bytes  # of ``dirs``: every rank's equal one shows the tables agree
 
 
 def known(members: Sequence[int], offers: Mapping[int, Offer]) -> Known:
     """What an all-gather of every rank's offer leaves for the graphs after it."""
-    dirs = {r: (o.dir, o.max_artifact_bytes) for r, o in offers.items()}
+    dirs = {r: (o.dir, o.max_artifact_bytes, o.build) for r, o in offers.items()}
     return Known(tuple(sorted(members)), dirs, hashlib.sha256(repr(sorted(dirs.items())).encode()).digest())
 
 
@@ -73,7 +74,7 @@ def record(
     valid = (
         kept is not None
         and kept.members == tuple(sorted(members))
-        and kept.dirs.get(members[me]) == (mine.dir, mine.max_artifact_bytes)
+        and kept.dirs.get(members[me]) == (mine.dir, mine.max_artifact_bytes, mine.build)
     )
     common = _digest(seq, level, tuple(sorted(mine.switches)), kept.digest) if kept is not None and valid else 0
     own = _digest(mine.key, mine.why, mine.graph)
@@ -128,5 +129,6 @@ def offers(
             kept.dirs[r][1],
             mine.graph if ours else "",
             warmest if i == chosen and i != holder[digest] else 0,
+            kept.dirs[r][2],
         )
     return settled

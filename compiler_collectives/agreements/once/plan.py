@@ -55,16 +55,29 @@ def decide(offers: dict[int, Offer], seq: int, me: int | None = None) -> dict[in
         why = f"torch's compile-time collectives are on ({', '.join(on)}): every rank compiles"
         return {r: Plan(LOCAL, None, why, False) for r in ranks}
     plans: dict[int, Plan] = {}
-    by_key: dict[str, list[int]] = {}
+    by_key: dict[tuple[str, str], list[int]] = {}
     for r in ranks:
         key = offers[r].key
         if key is None:
             plans[r] = Plan(LOCAL, None, f"not cacheable here: {offers[r].why or 'no cache key'}", False)
         else:
-            by_key.setdefault(key, []).append(r)
-    for turn, members in enumerate(sorted(by_key.values())):
+            by_key.setdefault((key, offers[r].build), []).append(r)
+    builds_of: dict[str, set[str]] = {}
+    for key, build in by_key:
+        builds_of.setdefault(key, set()).add(build)
+    for turn, ((key, build), members) in enumerate(sorted(by_key.items(), key=lambda item: item[1])):
+        # Ranks of another build fingerprint never share an artifact: each build compiles its own.
+        apart = "" if len(builds_of[key]) == 1 else f"; ranks built as {build!r} share no artifact with other builds"
         if len(members) == 1:
-            plans[members[0]] = Plan(LOCAL, None, "no other rank has this graph's cache key", False)
+            why = (
+                "no other rank has this graph's cache key"
+                if not apart
+                else (
+                    f"no other rank with its build has this graph's cache key (its build {build!r} differs from "
+                    "theirs: it takes no kernel built for another CPU or compiler)"
+                )
+            )
+            plans[members[0]] = Plan(LOCAL, None, why, False)
             continue
         holders = [r for r in members if offers[r].holds]
         warmest = max(offers[r].warmth for r in members)
@@ -82,8 +95,8 @@ def decide(offers: dict[int, Offer], seq: int, me: int | None = None) -> dict[in
             )
         else:
             source, role, done = members[(seq + turn) % len(members)], COMPILE, "compiles"
-        plans[source] = Plan(role, source, f"{done} for {ranks_text([r for r in members if r != source])}", False)
-        for r in members:
-            if r != source:
-                plans[r] = Plan(LOAD, source, f"loads from rank {source}", offers[r].dir == offers[source].dir)
+        others = [r for r in members if r != source]
+        plans[source] = Plan(role, source, f"{done} for {ranks_text(others)}{apart}", False)
+        for r in others:
+            plans[r] = Plan(LOAD, source, f"loads from rank {source}{apart}", offers[r].dir == offers[source].dir)
     return plans

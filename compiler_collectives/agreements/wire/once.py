@@ -1,13 +1,13 @@
 """Compile once's payloads: the key exchange, the result exchange and the load report of one
 graph (``agreements/once.py``).
 
-Layout (``ONCE_FORMAT_VERSION``, now 3; its own version, apart from the envelope's)::
+Layout (``ONCE_FORMAT_VERSION``, now 4; its own version, apart from the envelope's)::
 
     [ONCE_FORMAT_VERSION, "compile_once", tag, sender_rank, world_size, seq, body]
 
 ``tag`` and ``body``:
 
-* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, warmth]``: this rank's cache
+* ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, warmth, build]``: this rank's cache
   key (AOTAutograd's, or the FX graph cache's at the fallback level; nil when the graph is not
   cacheable here, ``why`` then says why), whether its cache holds an entry for it, the identity
   of its cache dir (ranks with equal identities share the dir), the names of torch's
@@ -16,7 +16,8 @@ Layout (``ONCE_FORMAT_VERSION``, now 3; its own version, apart from the envelope
   warm its cache is for a compile of this key: ``WARMTH_FX`` when its FX graph cache holds every
   inductor compile this key took the last time it ran here, else how many FX graph entries its
   cache dir holds (up to ``WARMTH_MAX_ENTRIES``: the fuller dir likely holds kernels this graph
-  needs), 0 when cold;
+  needs), 0 when cold; and its build fingerprint (``once.build``: the CPU and compiler it builds
+  kernels for and with; ranks whose fingerprints differ never share an artifact);
 * ``"result"``: ``[status, failure, manifest, fingerprints, chunk_bytes, chunks]``: ``status`` is
   ``"none"`` (this rank compiled nothing for another), ``"ok"`` or ``"failed"`` (``failure``:
   "ExcType: message"); ``manifest``: ``[[relpath, sha256, size], ...]``, every file of the
@@ -40,7 +41,7 @@ from typing import Any
 from ..fingerprint import Collective, GraphFingerprint
 from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
 
-ONCE_FORMAT_VERSION = 3
+ONCE_FORMAT_VERSION = 4
 ONCE_TAG = "compile_once"
 ONCE_KINDS = ("keys", "result", "loaded")
 RESULT_STATUSES = ("none", "ok", "failed")
@@ -48,6 +49,7 @@ LOAD_OUTCOMES = ("none", "hit", "miss", "refused")
 MAX_TEXT = 4096
 MAX_FILES = 100_000
 MAX_SWITCHES = 16
+MAX_BUILD = 256
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNKS = 1 << 20
 WARMTH_COLD = 0
@@ -67,6 +69,7 @@ class Offer:
     max_artifact_bytes: int
     graph: str = ""
     warmth: int = 0  # how fast this rank would compile the key without its entry (see the layout)
+    build: str = ""  # the build fingerprint (``once.build``): what its kernels are built for and with
 
 
 @dataclasses.dataclass
@@ -133,6 +136,7 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             int(body.max_artifact_bytes),
             body.graph[:128],
             int(body.warmth),
+            body.build[:MAX_BUILD],
         ]
     elif isinstance(body, Result):
         kind = "result"
@@ -159,8 +163,11 @@ def _text(v: Any, what: str, *, optional: bool = False) -> str | None:
 
 
 def _offer(body: Any) -> Offer:
-    expect(type(body) is list and len(body) == 8, "a keys body must have 8 items")
-    key, why, holds, cache_dir, switches, max_bytes, graph, warmth = body
+    expect(type(body) is list and len(body) == 9, "a keys body must have 9 items")
+    key, why, holds, cache_dir, switches, max_bytes, graph, warmth, build = body
+    expect(
+        type(build) is str and len(build) <= MAX_BUILD, f"the build must be a string of at most {MAX_BUILD} characters"
+    )
     expect(key is None or (type(key) is str and 0 < len(key) <= 256), "the cache key must be nil or a short string")
     expect(type(holds) is bool, "holds must be a bool")
     expect(
@@ -178,6 +185,7 @@ def _offer(body: Any) -> Offer:
         int_in(max_bytes, "max artifact bytes", lo=1),
         _text(graph, "graph digest") or "",
         warmth,
+        build,
     )
 
 
