@@ -429,3 +429,9 @@ def test_every_move_the_diagram_draws_is_one_advance_makes_and_no_other() -> Non
     drawn = {(phase, event) for phase, event in machine.TRANSITIONS}
     made = {(phase, kind.__name__) for phase, kind in machine._HANDLERS}
     assert drawn == made
+
+
+def test_every_event_and_action_is_named_in_the_design_doc_s_tables() -> None:
+    classes = {c for c in vars(ev).values() if isinstance(c, type) and c.__module__ == ev.__name__}
+    assert classes == set(ev.EVENTS) | set(ev.ACTIONS)
+    assert set(ev.ANSWERED) <= set(ev.ACTIONS)

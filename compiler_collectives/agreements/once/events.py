@@ -250,7 +250,7 @@ class Keep:
 @dataclasses.dataclass(frozen=True)
 class Raise:
     """Raise compile once's own error: ``why`` "source raised" (the source's compile raised,
-    ``text``), "itself raised" (ranks that compiled the graph themselves raised, ``texts``) or
+    ``text``), "itself raised" (ranks that compiled the graph themselves raised, ``ranks``, the first one's ``text``) or
     "peer failed" (a peer's report heard while this rank compiled, ``heard``)."""
 
     why: str
@@ -275,6 +275,40 @@ Action = (
     | AwaitLocals
     | Keep
     | Raise
+)
+EVENTS = (
+    LookupBegan,
+    KeyComputed,
+    LookupEnded,
+    CompileEnded,
+    Abandoned,
+    Planned,
+    Posted,
+    ResultsIn,
+    Installed,
+    Adopted,
+    Collected,
+    Served,
+    ReportIn,
+    PeersHeard,
+    Failed,
+)
+ACTIONS = (
+    Span,
+    SettleKeys,
+    AwaitSources,
+    ExchangeResults,
+    Install,
+    Bypass,
+    Adopt,
+    LookForPeers,
+    Collect,
+    Post,
+    Serve,
+    Report,
+    AwaitLocals,
+    Keep,
+    Raise,
 )
 ANSWERED = (
     SettleKeys,

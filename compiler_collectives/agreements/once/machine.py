@@ -29,6 +29,8 @@ from types import MappingProxyType
 from typing import Any
 
 from .events import (
+    ACTIONS,
+    EVENTS,
     FINISH,
     WAIT,
     Abandoned,
@@ -377,4 +379,13 @@ def diagram() -> str:
         lines += [f"    {phase.name} --> {target.name}: {event}" for target in targets]
     lines += ["    DONE --> [*]", "```", "", "| state | waits for |", "|---|---|"]
     lines += [f"| `{phase.name}` | {phase.waits_for} |" for phase in Phase]
+    lines += ["", "| action | what the driver does |", "|---|---|"]
+    lines += [f"| `{kind.__name__}` | {_said(kind)} |" for kind in ACTIONS]
+    lines += ["", "| event | what it reports |", "|---|---|"]
+    lines += [f"| `{kind.__name__}` | {_said(kind)} |" for kind in EVENTS]
     return "\n".join(lines)
+
+
+def _said(kind: type) -> str:
+    """A class's docstring on one line."""
+    return " ".join((kind.__doc__ or "").split())
