@@ -188,9 +188,9 @@ class Driver:
                 return self._settle(action.key, action.why)
         if isinstance(action, events.AwaitSources):
             pending = waits.sources(g, self.state.plans)
-            with _added(t, "waited_s"):
-                waits.wait_for_posts(g, pending, waits.source_done, "compile this graph for this rank")
-            if pending:
+            if pending:  # a wait for nobody takes no time: the record says it did not wait
+                with _added(t, "waited_s"):
+                    waits.wait_for_posts(g, pending, waits.source_done, "compile this graph for this rank")
                 t.wait_ended_at = time.time()
             return events.Posted()
         if isinstance(action, events.ExchangeResults):
@@ -228,9 +228,11 @@ class Driver:
                 local = exchanges.load_report(g, self.state.plans, action.loaded, action.outcome, action.why)
             return events.ReportIn(local)
         if isinstance(action, events.AwaitLocals):
-            doing = "compile this graph itself (it did not load the artifact)"
-            with _added(t, "waited_s"):
-                said = waits.wait_for_posts(g, list(action.local), waits.compiled_itself, doing)
+            said: dict[int, bytes] = {}
+            if action.local:
+                doing = "compile this graph itself (it did not load the artifact)"
+                with _added(t, "waited_s"):
+                    said = waits.wait_for_posts(g, list(action.local), waits.compiled_itself, doing)
             return events.Posted(waits.raised_in_their_own_compile(said))
         if isinstance(action, events.Keep):
             if g.level == "aot" and self.fx_keys and self.state.plan is not None:
