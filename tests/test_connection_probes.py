@@ -93,3 +93,50 @@ def test_the_pending_receive_sees_the_peer_s_connection_break_within_a_moment():
     assert looker["why"] is not None and looker["why"].startswith("gloo: Connection closed by peer"), looker
     assert looker["seconds"] < 3.0, looker
     assert looker["pending"] == 0, looker
+
+
+def a_pending_receive_outlives_its_connection_until_a_wait(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from compiler_collectives.transport import probes
+    from compiler_collectives.transport.gloo import is_connection_failure, started
+
+    pg = dist.group.WORLD
+    if rank == 1:
+        stay_until(1, 30.0)
+        os._exit(0)  # its host's kernel closes its connections
+    work = started(pg.recv, [torch.empty(0, dtype=torch.uint8)], 1, probes.PROBE_TAG)
+    out: dict = {}
+    try:
+        work.get_future()
+        out["future"] = "a future"
+    except RuntimeError as e:
+        out["future"] = str(e)
+    release()
+    started_at = time.monotonic()
+    while not probes.broken_peers(pg) and time.monotonic() - started_at < 10.0:
+        time.sleep(0.05)  # a receive started on the broken connection raises: it broke
+    time.sleep(0.5)
+    exception = getattr(work, "exception", lambda: None)  # deprecated in torch 2.13, maybe gone later
+    out["completed"], out["exception"] = work.is_completed(), exception()
+    waited = time.monotonic()
+    try:
+        work.wait()
+        out["wait"] = "returned"
+    except RuntimeError as e:
+        out["wait"] = f"broken: {probes.gloo_words(e)}" if is_connection_failure(e) else probes.gloo_words(e)
+    out["wait_s"] = time.monotonic() - waited
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gloo_tells_the_end_of_a_pending_receive_only_to_a_wait_on_it():
+    # Why each pending probe has a thread of its own waiting on it: a gloo receive has no future,
+    # and says nothing of its connection's end (is_completed, exception) until a wait, which then
+    # raises at once. A timed wait that expires would close every connection of the group, and
+    # a receive from any peer (recv_anysource) is not ended by one peer's connection breaking.
+    looker = run_ranks(a_pending_receive_outlives_its_connection_until_a_wait, 2, timeout=45, check=False).results[0]
+    assert "not implemented" in looker["future"], looker
+    assert looker["completed"] is False and looker["exception"] is None, looker
+    assert looker["wait"].startswith("broken: ") and looker["wait_s"] < 0.5, looker

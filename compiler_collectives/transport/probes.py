@@ -10,11 +10,15 @@
   (gloo's own threads serve them). Each receive posted leaves an entry on
   both ends that nothing ever matches, so one receive per peer and group is
   posted and kept pending (``pending_probes``), and re-posted only once it
-  ended. Gloo tells nothing of a receive that nobody waits for
-  (``is_completed`` stays False until a wait, and a timed wait that expires
-  closes every connection of the group): a daemon thread per pending receive
-  waits for it untimed (a ten-year bound), and ends when the connection
-  breaks. Every pending receive is ended when a generation ends
+  ended. Gloo tells nothing of a receive that nobody waits for: its work has
+  no future (``get_future``: not implemented for gloo's send and receive, torch
+  2.13 and 2.15), ``is_completed`` and ``exception`` stay blank after its
+  connection broke, until a wait, which then raises at once; a timed wait that
+  expires closes every connection of the group; and a receive from any peer
+  (``recv_anysource``) is not ended by one peer's connection breaking, so no one
+  wait watches several peers. So a daemon thread per pending receive waits for
+  it untimed (a ten-year bound), and ends when the connection breaks
+  (``tests/test_connection_probes.py`` holds gloo to this). Every pending receive is ended when a generation ends
   (``end_probes``: ``GROUP_ENDING``, ``GROUP_DESTROYED``, ``RESET``) by
   expiring one timed wait on it, which closes that group's connections (it is
   going, and a receive pending on it would keep its connections open).

@@ -50,7 +50,9 @@ gloo's timed wait of a slice would close the group's connections. A forwarder th
 its children's receive at once (gloo's connection closes), and the source's wait for its word;
 they raise ``PeerFailureError`` through the failure procedure, whose report stops the rest of
 the subtree within a heartbeat (a dead rank ends the job's step anyway: its bytes are not
-fetched elsewhere).
+fetched elsewhere). A peer that never takes its part (stuck, or on another code path) ends the
+wait at gloo's timeout, the compile group's COMPILER_COLLECTIVES_TIMEOUT: ``CollectiveTimeoutError``
+naming it, not ``PeerFailureError`` (its connection did not break).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ...errors import CollectiveError, PeerFailureError
+from ... import config
+from ...errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
 from ...ledger import ledger
 from ...records import ArtifactReceived, ArtifactSent, DigestMismatch
 from ...transport import byte_tensor, run_p2p, start_recv, start_send, tensor_view
@@ -210,9 +213,18 @@ def _run(link: Link, fn: Callable[[], tuple[T, _Broken | None]]) -> T:
 
 def broken(error: RuntimeError, where: Callable[[], str], peer: int, what: str) -> CollectiveError:
     """The error of a failed piece: gloo's own (a broken connection) names the one peer it was
-    with, which the whole subtree below then hears in this rank's report."""
+    with, which the whole subtree below then hears in this rank's report. Gloo's timeout (the
+    compile group's: COMPILER_COLLECTIVES_TIMEOUT) says that peer never took its part: stuck, or
+    on another code path, not gone."""
     if isinstance(error, CollectiveError):
         return error
+    if "timed out" in str(error).lower():
+        return CollectiveTimeoutError(
+            f"{where()}: rank {peer} ({what}) did not take its part within {config.settings.timeout_s:.0f}s "
+            f"(COMPILER_COLLECTIVES_TIMEOUT; gloo: {str(error).splitlines()[0]}). It is stuck, much slower, or "
+            "took another code path; check its log.",
+            ranks=(peer,),
+        )
     return PeerFailureError(
         f"{where()}: the connection to rank {peer} ({what}) broke: {error}. Rank {peer} most likely "
         f"crashed or was killed; check its log and exit status.",
