@@ -201,6 +201,13 @@ def test_a_graph_counts_in_the_counter_of_how_it_ended_and_a_raised_or_failed_on
         assert len(changed) == (0 if ended in ("raised", "source raised", "failed") else 1), ended
 
 
+def test_the_time_waited_in_compile_once_is_the_sum_of_the_graphs_records() -> None:
+    book = Ledger()
+    book.add(records.OnceGraph("loaded", 0, {}, waited_s=1.5))
+    book.add(records.OnceGraph("failed", 0, {}, waited_s=0.25))  # a wait counts however the graph ended
+    assert book.counters()["once_wait_s"] == 1.75
+
+
 def test_the_kept_records_are_bounded_while_the_counters_count_every_one() -> None:
     book = Ledger()
     for _ in range(ledger_module.KEEP + 10):
