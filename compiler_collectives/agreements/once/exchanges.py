@@ -22,7 +22,7 @@ from ...transport import HostTree
 from .. import exchange as exchange_frame
 from .. import generation, phases
 from ..wire.once import Loaded, Offer, Result, decode_once, encode_once
-from . import keys, waits
+from . import keys, rows, waits
 from .plan import COMPILE, SERVE
 from .ticket import Step, Ticket, keep_record, once_error, where_of
 
@@ -62,9 +62,17 @@ def settle_keys(ticket: Ticket, mine: Offer, gen: generation.Generation) -> dict
         ledger.add(OnceKeys(reduced=True))
         return settled
     ledger.add(OnceKeys(reduced=False))
-    offers = tree_gather(ticket, gen, mine, phases.ONCE_KEYS, "keys")
-    gen.once_known = keys.known(ticket.members, offers)  # type: ignore[arg-type]
-    return offers  # type: ignore[return-value]
+    pg, where = ticket.pg, where_of(ticket, "keys")
+    offers = exchange_frame.framed(
+        pg,
+        lambda: rows.offers(tree, pg, mine, members=ticket.members, seq=seq, describe=where),
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+        where=where,
+    )
+    gen.once_known = keys.known(ticket.members, offers)
+    return offers
 
 
 def tree_min(ticket: Ticket, tree: HostTree, record: list[int], phase: int, what: str) -> list[int]:
@@ -157,10 +165,17 @@ def load_report(ticket: Ticket) -> None:
         return
     ledger.add(OnceTreeExchange("load report"))
     mine = None if loaded_here else Loaded(ticket.outcome, ticket.outcome_why)
-    details = tree_gather(ticket, gen, mine, phases.ONCE_LOADED, "load report")
+    pg, where = ticket.pg, where_of(ticket, "load report")
+    details = exchange_frame.framed(
+        pg,
+        lambda: rows.outcomes(tree, pg, mine, members=ticket.members, seq=ticket.seq or 0, describe=where),
+        kind="compile_once",
+        seq=ticket.seq,
+        frame=str(ticket.frame),
+        where=where,
+    )
     ledger.add(OnceLoadReport(len(details)))
     for r, body in details.items():
-        assert isinstance(body, Loaded)
         plan = ticket.plans.get(r)
         log.warning(
             "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",
