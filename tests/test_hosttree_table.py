@@ -62,17 +62,15 @@ def test_a_row_of_a_rank_already_held_is_refused_naming_it():
         table.fold(travel(Table.of_row(3, [b"y"], SIZE)), refuse, lambda r: r + 100)
 
 
-def packed(table: Table) -> bytearray:
-    return bytearray(table.pack())
-
-
-def two_rows() -> Table:
-    table = Table.of_row(1, [b"x", b"same"], SIZE)
-    table.fold(Table.of_row(2, [b"y", b"same"], SIZE), refuse, lambda r: r)
+def some_rows(n: int) -> Table:
+    """Ranks 1..n: column 0 holds two values, column 1 one."""
+    table = Table.of_row(1, [b"x1", b"same"], SIZE)
+    for r in range(2, n + 1):
+        table.fold(Table.of_row(r, [b"x%d" % (r % 2), b"same"], SIZE), refuse, lambda r: r)
     return table
 
 
-# The packed layout: int64 rows, columns, distinct values per column (2, 1), their lengths (1, 1,
+# The packed layout: int64 rows, columns, distinct values per column (2, 1), their lengths (2, 2,
 # 4); then int32 per row: rank, index, index; then the values.
 ROWS_AT = 8 * (2 + 2 + 3)
 
@@ -82,6 +80,7 @@ def int32_at(data: bytearray, i: int, value: int) -> bytearray:
     return data
 
 
+@pytest.mark.parametrize("n", [2, 12])  # a host's few rows, and a table as the leaders pass it on
 @pytest.mark.parametrize(
     ("spoil", "says"),
     [
@@ -94,14 +93,16 @@ def int32_at(data: bytearray, i: int, value: int) -> bytearray:
         (lambda d: d[:20], "shorter than its header"),
     ],
 )
-def test_a_table_naming_what_it_does_not_hold_is_refused(spoil, says):
-    assert int.from_bytes(packed(two_rows())[ROWS_AT : ROWS_AT + 4], "little") == 1  # the layout above
+def test_a_table_naming_what_it_does_not_hold_is_refused(n, spoil, says):
+    data = bytearray(some_rows(n).pack())
+    assert int.from_bytes(data[ROWS_AT : ROWS_AT + 4], "little") == 1  # the layout above
+    assert len(Table.unpack(memoryview(bytes(data)), n, 2, SIZE, LIMIT, refuse)) == n
     with pytest.raises(WireFormatError, match=says):
-        Table.unpack(memoryview(bytes(spoil(packed(two_rows())))), 2, 2, SIZE, LIMIT, refuse)
+        Table.unpack(memoryview(bytes(spoil(data))), n, 2, SIZE, LIMIT, refuse)
 
 
 def test_a_table_of_other_rows_or_columns_than_announced_is_refused():
-    data = memoryview(two_rows().pack())
+    data = memoryview(some_rows(2).pack())
     with pytest.raises(WireFormatError, match="announced 3 of 2"):
         Table.unpack(data, 3, 2, SIZE, LIMIT, refuse)
     with pytest.raises(WireFormatError, match="announced 2 of 3"):

@@ -3,7 +3,7 @@
 An exchange a caller runs for every graph it compiles, as an all-gather or a ring all-reduce on
 the whole group, costs O(N) hops and, for the all-gathers, O(N) bytes per rank. Over a
 ``HostTree`` it costs O(log hosts) steps, and bytes per rank that grow with what was contributed,
-not with the world (a host's leader: with its host's ranks too). Both operations take one path:
+not with the world (a host's leader: with its host's ranks too). Every operation takes one path:
 
 * each rank sends what it holds to its host's leader (the host's lowest rank), the leader folds
   it in; the leaders fold among themselves by recursive doubling (``hierarchy.doubling_plan``,
@@ -15,17 +15,19 @@ not with the world (a host's leader: with its host's ranks too). Both operations
   none; folding is the union. A rank without a payload sends a record and nothing else.
 * ``gather_table``: what a rank holds is a ``table.Table``, its own row of byte strings (one per
   column) or none; folding is the union of the rows, each column's distinct values kept once: a
-  rank ends with each distinct value once and a few ints per row, not every rank's payload.
+  rank ends with each distinct value once and a few ints per row, not every rank's payload. The
+  leaders sort the rows by rank before they send them down to their hosts' ranks.
 
-Every message of both starts with a record of one fixed width on one tag: the operation, the
+Every message of each starts with a record of one fixed width on one tag: the operation, the
 exchange's stamp (``HostTree.stamp``: the caller's phase and number), and for a gather the number
-and the bytes of the entries (or the table) that follow on another tag (checked against the caller's limit before
-anything is allocated). So whatever two ranks are doing, the first message one receives from the
-other says what the other is in: a rank in a MIN whose peer is in a gather, or at another number,
-raises ``CollectiveDesyncError`` naming that peer at once (in the caller's words for its phases:
-``gloo.Phases``, given at ``build``), and sends its own record to each of its peers in the exchange
-(a notice) so that they raise too, instead of each waiting for COMPILER_COLLECTIVES_TIMEOUT. Records
-keep their width across operations so that the two always pair up.
+and the bytes of the entries (or the table's rows) that follow on another tag (checked against
+the caller's limit before anything is allocated). So whatever two ranks are doing, the first
+message one receives from the other says what the other is in: a rank in a MIN whose peer is in a
+gather, or at another number, raises ``CollectiveDesyncError`` naming that peer at once (in the
+caller's words for its phases: ``gloo.Phases``, given at ``build``), and sends its own record to
+each of its peers in the exchange (a notice) so that they raise too, instead of each waiting for
+COMPILER_COLLECTIVES_TIMEOUT. Records keep their width across operations so that any two always
+pair up.
 
 Point-to-point operations on the group itself, on tags of their own (``p2p.TAG_BASE``): no group
 more per host, and a rank of another host is one gloo connection away. Within a host the records
@@ -291,6 +293,8 @@ class _Exchange:
                 self._take(dst, self._receive(dst), fold=op != "take")
             for work in sent:
                 done(work)
+        if self.kind == TABLE:
+            self.table.sort()  # once here, not on each of the host's ranks
         packed = self._pack()
         sent = [w for peer in local[1:] for w in self._send(peer, packed)]
         for work in sent:

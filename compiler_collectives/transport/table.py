@@ -125,7 +125,8 @@ class Table:
     def sort(self) -> None:
         """Rows in group rank order (whatever order the folds left them in)."""
         rows = self.rows
-        self._parts = [rows[torch.argsort(rows[:, 0])]]
+        if len(rows) > 1 and not bool((rows[1:, 0] > rows[:-1, 0]).all()):  # a leader sorted it already
+            self._parts = [rows[torch.argsort(rows[:, 0])]]
 
     def ranks(self) -> list[int]:
         """The group rank of each row, in row order."""
@@ -179,9 +180,20 @@ class Table:
             table._at[c] = dict(zip(table.values[c], range(count)))
         if not rows:
             return table
+        if rows <= _LOOSE:  # a host's ranks' rows: checked as Python ints, not tensors
+            flat = array("i")
+            flat.frombytes(bytes(data[at:body]))
+            loose = [list(flat[k : k + 1 + columns]) for k in range(0, len(flat), 1 + columns)]
+            ranks = {row[0] for row in loose}
+            if len(ranks) != rows or not all(0 <= r < size for r in ranks):
+                raise refuse(f"sent a table whose rows name ranks outside the group of {size}, or one twice")
+            if not all(0 <= i < v for row in loose for i, v in zip(row[1:], counts)):
+                raise refuse("sent a table whose rows name values it did not send")
+            table._loose, table._held = loose, ranks
+            return table
         got = torch.frombuffer(bytearray(data[at:body]), dtype=torch.int32).reshape(rows, 1 + columns)
-        ranks = got[:, 0]
-        if int(ranks.min()) < 0 or int(ranks.max()) >= size or int(torch.bincount(ranks).max()) > 1:
+        owners = got[:, 0]
+        if int(owners.min()) < 0 or int(owners.max()) >= size or int(torch.bincount(owners).max()) > 1:
             raise refuse(f"sent a table whose rows name ranks outside the group of {size}, or one twice")
         low, high = torch.aminmax(got[:, 1:], dim=0)
         if int(low.min()) < 0 or any(h >= v for h, v in zip(high.tolist(), counts)):

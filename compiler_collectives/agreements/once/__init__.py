@@ -14,8 +14,9 @@ or cold, so the exchanges never depend on cache state):
    key and graph, its lowest holder and its warmest rank. Where each index's key is the same on
    every host (every rank's, or a GPU job's key per device), that settles it
    (``once_keys_reduced``): the bytes per rank do not grow with the world. Otherwise (a
-   generation's first graph, keys that differ otherwise, a dir that changed) one gather of
-   every rank's offer over the same tree follows. ``decide`` turns
+   generation's first graph, keys that differ otherwise, a dir that changed) one table gather
+   of every rank's offer over the same tree follows (``rows``: each distinct key, dir or graph
+   travels and is decoded once, with a few ints per rank). ``decide`` turns
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
@@ -44,8 +45,9 @@ or cold, so the exchanges never depend on cache state):
    AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
    entry there): the checks are on the bytes that travel between dirs (docs/design.md, "Trust").
 4. **Loaded** (``loaded``): one MIN over the host tree of whether every rank loaded; only where
-   some rank did not, one gather over the tree of the outcomes of the ranks that did not (the
-   others contribute nothing), so every rank logs and counts who loaded, whose load missed (an
+   some rank did not, one table gather over the tree of the outcomes of the ranks that did not
+   (the others contribute nothing; each distinct reason once), so every rank logs and counts
+   who loaded, whose load missed (an
    entry's guards fail that rank's size hints: it compiled locally) and who refused.
 
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
@@ -61,7 +63,8 @@ install, over a root dir), ``sidecar`` (the audit's fingerprints kept with an en
 ``loading`` (a loader's receive and install by its route), ``keys`` (the key record and the
 offers read back from it: pure), ``tally`` (how a graph ended: the word the ledger counts it by),
 ``ticket`` (the ticket, its ``Step``, and each graph's record made from it), ``exchanges`` (the
-key, result and load-report exchanges over the host tree), ``waits`` (the posts and waits on the
+key, result and load-report exchanges over the host tree), ``rows`` (the offers and the load
+outcomes gathered as tables over the tree), ``waits`` (the posts and waits on the
 store) and ``protocol`` (the entry points the seam calls, and the decisions). Plain Python over
 ``torch.distributed``; torch's cache internals are reached through the ``Cache`` the seam passes in.
 """

@@ -78,7 +78,7 @@ WARMTH_MAX_ENTRIES = 1 << 20
 WARMTH_FX = 1 << 30
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a first graph builds one per rank, on every rank
 class Offer:
     """One rank's part of the key exchange."""
 
@@ -115,7 +115,7 @@ class Result:
         return sum(f.size for f in self.manifest)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a miss round builds one per rank that missed, on every rank
 class Loaded:
     outcome: str
     why: str | None
@@ -234,20 +234,16 @@ def _rules(cls: type[Offer] | type[Loaded]) -> tuple[tuple[str, Out, Check], ...
     return tuple(out)
 
 
-_FIELDS = {Offer: _rules(Offer), Loaded: _rules(Loaded)}
-
-
-def _codecs(cls: type[Offer] | type[Loaded]) -> tuple[tuple[str, Out, Check], ...]:
-    return _FIELDS[cls]
+_FIELDS = {Offer: _rules(Offer), Loaded: _rules(Loaded)}  # a field without a rule fails at import
 
 
 def _items(body: Offer | Loaded) -> list[Any]:
-    return [out(getattr(body, name)) for name, out, _ in _codecs(type(body))]
+    return [out(getattr(body, name)) for name, out, _ in _FIELDS[type(body)]]
 
 
 def row_columns(kind: str) -> int:
     """The columns of a row of ``kind`` (``"keys"``, ``"loaded"``): the head, then a field each."""
-    return 1 + len(_codecs(_ROWS[kind]))
+    return 1 + len(_FIELDS[_ROWS[kind]])
 
 
 def _head(kind: str, world_size: int, seq: int) -> bytes:
@@ -272,10 +268,9 @@ def decode_rows(
     decoded and checked once; ``WireFormatError`` names a rank that sent a bad one. The bodies of
     rows with equal fields share those values' objects: read them, never change them."""
     cls = _ROWS[kind]
-    codecs = _codecs(cls)
-    expect_columns = 1 + len(codecs)
-    if len(columns) != expect_columns:
-        raise ValueError(f"{len(columns)} columns for rows of {expect_columns}")
+    codecs = _FIELDS[cls]
+    if len(columns) != 1 + len(codecs):
+        raise ValueError(f"{len(columns)} columns for rows of {1 + len(codecs)}")
 
     def fail_for(index: Sequence[int]) -> Callable[[int], Callable[[str], WireFormatError]]:
         def fail(j: int) -> Callable[[str], WireFormatError]:  # names the first rank that sent value j
@@ -304,12 +299,12 @@ def decode_rows(
                 checked.append(check(value, name))
             except MalformedPayload as e:
                 raise fail(j)(str(e)) from None
-        fields.append(checked * len(senders) if len(checked) == 1 else [checked[i] for i in index])
-    return [cls(*row) for row in zip(*fields)]
+        fields.append(checked * len(senders) if len(checked) == 1 else list(map(checked.__getitem__, index)))
+    return list(map(cls, *fields))
 
 
 def _body(cls: type[Offer] | type[Loaded], body: Any) -> Offer | Loaded:
-    codecs = _codecs(cls)
+    codecs = _FIELDS[cls]
     expect(type(body) is list and len(body) == len(codecs), f"a {_KIND[cls]} body must have {len(codecs)} items")
     return cls(*(check(v, name) for (name, _, check), v in zip(codecs, body)))
 
