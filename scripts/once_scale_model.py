@@ -69,20 +69,34 @@ S_src the sources of one graph (G: one per key group):
           (``--thread-us``, 100):
             Tmin = 2*(local + (L-1)*o) + rounds*(hop + 2*o + rec/B) + thread
           bytes per rank: rec each way (a leader: (L-1)*rec each way plus rec per round);
-      tree gather of k entries of e bytes (the results: k = S_src, e = R; a load report's
-          details: k = the ranks that missed or refused, e = ``LOADED_BYTES``; a generation's
-          first graph: k = N offers, e = ``OFFER_BYTES``): the same path, a record and then the
-          entries (16 bytes of header each) per message; the leaders' rounds carry the set
+      tree gather of k entries of e bytes (the results: k = S_src, e = R; before issue 43, a
+          load report's details, k = the ranks that missed or refused, e = ``LOADED_BYTES``, and
+          a generation's first graph, k = N offers, e = ``OFFER_BYTES``): the same path, a record
+          and then the entries (16 bytes of header each) per message; the leaders' rounds carry the set
           X = k*(16 + e) once across (twice where H is not a power of two: a leader past P
           takes the whole set back), each leader sends X to each of its L-1 ranks over the
           loopback (``--local-gbs``, 3), every rank decodes the k entries:
             Tg = 2*(local + (L-1)*2*o) + (L-1)*X/Bl + rounds*(hop + 4*o + rec/B)
                  + X*(1 or 2)/B + k*decode + thread
           bytes per rank: rec up, rec + X down;
-      per graph, keys matching and every rank loading: 2*Tmin + Tg(S_src, R); a graph where one
-      rank missed or refused adds Tg(1, LOADED_BYTES) (its name and reason; the others send a
-      flag only); a generation's first graph adds Tg(N, OFFER_BYTES) and one all-gather of host
-      keys (8 bytes per rank: the tree is built from it).
+      tree table of k rows of C columns with D distinct values of V bytes in all (issue 43;
+          ``HostTree.gather_table``: a generation's first graph, k = N offers of
+          C = ``OFFER_COLUMNS``, D = 2 keys and graphs per device index (one per job with
+          ``--keys job``), a dir per host and one value for each other column; a miss round,
+          k = the ranks that missed or refused, C = ``LOADED_COLUMNS``, D = 3): the gather's
+          path, with the table X = 8(2 + C + D) + 4k(1 + C) + V instead of the entries; each
+          leader folds every other row in once (``--fold-us`` a row, 7 more a row for its own
+          host's, which come one by one), and every rank reads the table: k rows
+          (``--row-us``: unpacked, sorted, its body built) and D values (``--value-us``: decoded
+          and checked once):
+            Tt = Tg(X) without k*decode + k*fold + k*row + D*value
+      per graph, keys matching and every rank loading: 2*Tmin + Tg(S_src, R); a miss round (a
+      graph where ranks missed or refused) adds Tt(their outcomes); the model takes the worst,
+      every loader (N - S_src ranks); the others send a flag only); a generation's first graph
+      adds Tt(N offers) and one all-gather of host keys (8 bytes per rank: the tree is built
+      from it). Before issue 43 ("before43" in the JSON) they were Tg(k, LOADED_BYTES) and
+      Tg(N, OFFER_BYTES): every rank decoded every contributor's payload. ``--calibrate``
+      measures row, value and fold on the code itself (``calibrate_tables``; ~2 s).
   Keys per device index settle in the tree MIN: torch's own keys hold the device index (the FX
   graph cache's pickler keys tensors with ``device_id_agnostic=False``) and so never match across
   a host; the record compares each index's key across hosts instead (``once.keys``).
@@ -128,6 +142,16 @@ MIB = 1 << 20
 SLOT_BYTES = 16 + 4096  # the all-gather's header and COMPILER_COLLECTIVES_INLINE_SLOT_BYTES' default
 OFFER_BYTES = 208  # one offer as encode_once packs it (AOTAutograd key, boot-id dir identity, graph digest)
 LOADED_BYTES = 83  # one load report's details as encode_once packs them at 8,192 ranks (a miss, its reason)
+OFFER_COLUMNS = 10  # a row of an offer (wire.once.encode_row): its head, then its 9 fields
+LOADED_COLUMNS = 3  # a row of a load outcome: its head, the outcome, why
+# The packed bytes of a table's distinct values: an AOTAutograd key, a graph digest, a cache dir's
+# identity (boot id, device, inode), a row's head at 8,192 ranks, the one value of each of an
+# offer's five other columns (no why, not held, no switches, 2**30, cold), a load's outcome and reason.
+KEY_BYTES, GRAPH_BYTES, DIR_BYTES, ROW_HEAD_BYTES, OFFER_OTHER_BYTES = 54, 66, 51, 24, 9
+# A build fingerprint (agreements/once/build.py), one per job where every host is built alike.
+BUILD = "avx2 cpu:c0b5898d g++ 12.2.0 (36591aa9) torch 2.15.0 0123456789ab"
+BUILD_BYTES = 2 + len(BUILD)
+OUTCOME_HEAD_BYTES, OUTCOME_BYTES, REASON_BYTES = 26, 5, 48  # "miss"; "the entry's guards fail ... hints"
 ENTRY_HEAD = 16  # per entry of a tree gather: its rank and length (transport/hosttree.py)
 TREE_HEAD = 10  # int64s before a tree record's values (hosttree.HEAD)
 TARGET = (1024, 100.0, 10.0)  # issue 30's check: hosts, MB, Gb/s
@@ -142,6 +166,9 @@ class Figures:
     send_us: float = 20.0
     hash_gbs: float = 1.5
     decode_us: float = 20.0
+    row_us: float = 0.8  # a table's row on a receiving rank: unpacked, sorted, its body built (0.75 measured here)
+    value_us: float = 1.0  # a table's distinct value: decoded and checked, once per rank (0.98 measured here)
+    fold_us: float = 0.2  # a leader's per row of a peer's table: unpacked and folded in (0.16 measured here)
     fanout: int = 2
     chunk_mib: float = 1.0
     keys: str = "device"  # or "job"
@@ -154,6 +181,7 @@ class Figures:
 
 
 TARGET_EXCHANGES = (1024, 10.0, 0.1)  # issue 37's check: hosts, Gb/s, seconds per graph for the exchanges
+TARGET_FIRST_GRAPH_S = 0.02  # issue 43's: a first graph, and a graph with a miss round, at that row
 POLL_S = (0.005, 0.2)  # before issue 37 item 2: the polling wait's first and longest sleep between looks
 LOOK_REQUESTS = (
     4  # before: per pending source and look: the post's check, the failure key, the heartbeat's check and get
@@ -285,6 +313,51 @@ def tree_gather(hosts: int, link: float, f: Figures, count: int, each: float) ->
     }
 
 
+def table_bytes(rows: int, columns: int, distinct: int, value_bytes: float) -> float:
+    """A packed table (``transport/table.py``): its header, its values' lengths, a rank and an
+    index per column for each row, the distinct values."""
+    return 8 * (2 + columns + distinct) + 4 * rows * (1 + columns) + value_bytes
+
+
+def tree_table(
+    hosts: int, link: float, f: Figures, rows: int, columns: int, distinct: int, value_bytes: float
+) -> dict[str, float]:
+    """One table gather over the host tree (``HostTree.gather_table``): the gather's path with the
+    table for the entries, the leaders' folds, and every rank reading the table once."""
+    us = 1e-6
+    whole = table_bytes(rows, columns, distinct, value_bytes)
+    path = tree_gather(hosts, link, f, 0, 0.0)  # the messages' own cost: records, hops, the thread
+    others = f.ranks_per_host - 1
+    power = hosts & (hosts - 1) == 0
+    carry = (others * whole / (f.local_gbs * 1e9) if others else 0.0) + (
+        (whole if power else 2 * whole) / link if hosts > 1 else 0.0
+    )
+    folds = rows * f.fold_us * us + min(rows, others) * 7 * f.fold_us * us
+    reads = rows * f.row_us * us + distinct * f.value_us * us
+    return {
+        "time_s": path["time_s"] + carry + folds + reads,
+        "rounds": path["rounds"],
+        "bytes_per_rank": path["bytes_per_rank"] + whole,
+        "set_bytes": whole,
+        "read_s": reads,
+    }
+
+
+def offer_table(hosts: int, link: float, f: Figures) -> dict[str, float]:
+    """A generation's first graph's offers as a table: every rank's row; per device index a key
+    and a graph (one of each with ``--keys job``), a dir per host, one value in each other column."""
+    n, per_key = hosts * f.ranks_per_host, f.ranks_per_host if f.keys == "device" else 1
+    distinct = 2 * per_key + hosts + (OFFER_COLUMNS - 3)
+    values = per_key * (KEY_BYTES + GRAPH_BYTES) + hosts * DIR_BYTES + ROW_HEAD_BYTES + OFFER_OTHER_BYTES + BUILD_BYTES
+    return tree_table(hosts, link, f, n, OFFER_COLUMNS, distinct, values)
+
+
+def missed(hosts: int, f: Figures) -> int:
+    """The ranks of a miss round, at worst: every rank that loads (the guards fail every loader's
+    size hints)."""
+    return hosts * f.ranks_per_host - sources(hosts, f) if sources(hosts, f) else 0
+
+
 def before37(hosts: int, link: float, f: Figures) -> dict[str, float]:
     """The exchanges per graph before issue 37's item 3: the ring reduce of the keys (and, for a
     key per device on several hosts, the all-gather of offers), the result's all-gather (a second
@@ -326,23 +399,32 @@ def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
     n, k = hosts * f.ranks_per_host, sources(hosts, f)
     t = tree_min(hosts, link, f)
     results = tree_gather(hosts, link, f, k, f.result_kib * 1024) if k else None
-    details = tree_gather(hosts, link, f, 1, LOADED_BYTES)  # one rank missed: only it sends details
-    offers = tree_gather(hosts, link, f, n, OFFER_BYTES)
+    m = missed(hosts, f)
+    details = tree_table(hosts, link, f, m, LOADED_COLUMNS, 3, OUTCOME_HEAD_BYTES + OUTCOME_BYTES + REASON_BYTES)
+    offers = offer_table(hosts, link, f)
     report = t["time_s"] if k else 0.0
     steady = t["time_s"] + (results["time_s"] if results else 0.0) + report
     layout = host_keys(n, link, f)
+    # Before issue 43: the same rounds gathered every contributor's payload, each decoded on every rank.
+    old_details, old_offers = tree_gather(hosts, link, f, m, LOADED_BYTES), tree_gather(hosts, link, f, n, OFFER_BYTES)
     return {
         "keys_s": t["time_s"],
         "result_s": results["time_s"] if results else 0.0,
         "report_s": report,
         "time_s": steady,
+        "missed": m,
         "with_miss_s": steady + details["time_s"] if k else steady,
-        "miss_details_s": details["time_s"],
+        "miss_details_s": details["time_s"] if k else 0.0,
         "first_graph_s": steady + offers["time_s"] + layout,
         "offers_s": offers["time_s"],
+        "offers_read_s": offers["read_s"],
+        "before43_with_miss_s": steady + old_details["time_s"] if k else steady,
+        "before43_first_graph_s": steady + old_offers["time_s"] + layout,
+        "before43_offers_s": old_offers["time_s"],
         "layout_s": layout,
         "bytes_per_rank": (2 if k else 1) * t["bytes_per_rank"] + (results["bytes_per_rank"] if results else 0),
         "first_graph_bytes_per_rank": offers["bytes_per_rank"],
+        "before43_first_graph_bytes_per_rank": old_offers["bytes_per_rank"],
         "rounds": t["rounds"],
     }
 
@@ -448,6 +530,60 @@ def calibrate_hash() -> float:
     return len(data) / best / 1e9
 
 
+def _best(fn: Any, times: int = 5) -> float:
+    best = math.inf
+    for _ in range(times):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate_tables(hosts: int = 1024, ranks_per_host: int = 8) -> dict[str, float]:
+    """``row_us``, ``value_us`` and ``fold_us`` measured on the code itself (the package must be
+    importable): a first graph's offers at ``hosts`` x ``ranks_per_host`` (a key and a graph per
+    device index, a dir per host), each the best of five (~2 s)."""
+    from compiler_collectives.agreements.wire.codec import failure, values_of
+    from compiler_collectives.agreements.wire.once import Offer, decode_rows, encode_row
+    from compiler_collectives.transport import Table
+
+    n, limit = hosts * ranks_per_host, 1 << 20
+
+    def offer(r: int, dirs: int) -> Offer:
+        index, host = r % ranks_per_host, r // ranks_per_host % dirs
+        return Offer(f"a{index:052d}", None, False, f"{host:036x}:2049:1234567", [], 1 << 30, f"{index:064x}", 0, BUILD)
+
+    def halves(dirs: int) -> list[Table]:
+        out = []
+        for part in (range(n // 2), range(n // 2, n)):
+            table = Table(OFFER_COLUMNS, n)
+            for r in part:
+                table.fold(Table.of_row(r, encode_row(world_size=n, seq=1, body=offer(r, dirs)), n), ValueError, int)
+            out.append(table)
+        return out
+
+    def fold(packed: list[bytes]) -> Table:
+        a, b = (Table.unpack(memoryview(p), n // 2, OFFER_COLUMNS, n, limit, ValueError) for p in packed)
+        a.fold(b, ValueError, int)
+        return a
+
+    def read(packed: bytes) -> None:
+        table = Table.unpack(memoryview(packed), n, OFFER_COLUMNS, n, limit, ValueError)
+        table.sort()
+        ranks = table.ranks()
+        decode_rows([table.column(c) for c in range(OFFER_COLUMNS)], ranks, kind="keys", seq=1, world_size=n)
+
+    one_dir = [t.pack() for t in halves(1)]
+    whole = fold(one_dir).pack()
+    dirs = fold([t.pack() for t in halves(hosts)]).column(4)[0]  # the dir column's distinct values
+    per_value = _best(lambda: values_of(dirs, lambda j: failure("a", "a", j, "a"))) / len(dirs)
+    return {
+        "fold_us": _best(lambda: fold(one_dir)) / n * 1e6,
+        "row_us": (_best(lambda: read(whole)) / n) * 1e6,  # its few distinct values: a few µs in all
+        "value_us": per_value * 1e6,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hosts", default="1,2,8,128,1024,2048", help="host counts, comma-separated")
@@ -469,17 +605,26 @@ def main() -> None:
         "--heartbeat-s", type=float, default=Figures.heartbeat_s, help="COMPILER_COLLECTIVES_HEARTBEAT_S"
     )
     parser.add_argument("--compile-s", type=float, default=Figures.compile_s, help="one graph's compile")
-    parser.add_argument("--calibrate", action="store_true", help="measure the SHA-256 rate here (~0.1 s)")
+    parser.add_argument("--row-us", type=float, default=Figures.row_us, help="reading one row of a table")
+    parser.add_argument("--value-us", type=float, default=Figures.value_us, help="a table's distinct value")
+    parser.add_argument("--fold-us", type=float, default=Figures.fold_us, help="a leader folding in a row")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="measure the SHA-256 rate and the tables' costs here (~2 s)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.fanout < 1 or args.ranks_per_host < 1 or args.chunk_mib <= 0:
         parser.error("--fanout >= 1, --ranks-per-host >= 1, --chunk-mib > 0")
+    tables = calibrate_tables() if args.calibrate else {}
     f = Figures(
         ranks_per_host=args.ranks_per_host,
         hop_us=args.hop_us,
         send_us=args.send_us,
         hash_gbs=calibrate_hash() if args.calibrate else args.hash_gbs,
         decode_us=args.decode_us,
+        row_us=tables.get("row_us", args.row_us),
+        value_us=tables.get("value_us", args.value_us),
+        fold_us=tables.get("fold_us", args.fold_us),
         fanout=args.fanout,
         chunk_mib=args.chunk_mib,
         keys=args.keys,
@@ -533,9 +678,10 @@ def main() -> None:
     print(
         "| hosts | ranks | link | before 37: keys | before 37: result | before 37: load report | before 37: total "
         "| before 37: bytes per rank | built: tree MIN (rounds) | built: results | built: total "
-        "| built: bytes per rank | built: with a miss | built: first graph |"
+        "| built: bytes per rank | built: with a miss | built: first graph | before 43: with a miss "
+        "| before 43: first graph |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
     for r in rows:
         if (r["hosts"], r["link_gbps"]) in seen:
@@ -546,7 +692,8 @@ def main() -> None:
             f"| {r['hosts']} | {r['ranks']} | {r['link_gbps']:g} Gb/s | {_t(o['keys_s'])} | {_t(o['result_s'])} "
             f"| {_t(o['report_s'])} | {_t(o['time_s'])} | {_b(o['bytes_per_rank'])} "
             f"| {_t(e['keys_s'])} ({e['rounds']}) | {_t(e['result_s'])} | {_t(e['time_s'])} "
-            f"| {_b(e['bytes_per_rank'])} | {_t(e['with_miss_s'])} | {_t(e['first_graph_s'])} |"
+            f"| {_b(e['bytes_per_rank'])} | {_t(e['with_miss_s'])} | {_t(e['first_graph_s'])} "
+            f"| {_t(e['before43_with_miss_s'])} | {_t(e['before43_first_graph_s'])} |"
         )
     print(
         "\nStore requests per second at the job's one store (rank 0's), compile wait as built and before (polling):\n"
@@ -589,6 +736,16 @@ def main() -> None:
         f"compile once's waits; before issue 37 item 2 they polled: {st['before_busiest_per_s']:,.0f}/s). "
         f"Per graph with the transfer: {_t(goal['new_graph_s'])} "
         f"(before issue 37: {_t(goal['before37_graph_s'])})."
+    )
+    first, miss, met = e["first_graph_s"], e["with_miss_s"], max(e["first_graph_s"], e["with_miss_s"])
+    print(
+        f"Target (issue 43): the same row: a generation's first graph {_t(first)} of exchanges (the offers' table "
+        f"{_t(e['offers_s'])}, {_t(e['offers_read_s'])} of it reading {f.ranks_per_host * goal_hosts:,} rows), a "
+        f"graph whose every loader missed ({e['missed']:,} outcomes) {_t(miss)} (each at most "
+        f"{_t(TARGET_FIRST_GRAPH_S)}: {'met' if met <= TARGET_FIRST_GRAPH_S else 'NOT met'}; before, one payload "
+        f"per rank decoded on every rank: {_t(e['before43_first_graph_s'])} and {_t(e['before43_with_miss_s'])}); "
+        f"figures: {f.row_us:g} µs a row read, {f.value_us:g} µs a distinct value, {f.fold_us:g} µs a row folded "
+        f"by a leader{' (measured here)' if args.calibrate else ''}."
     )
 
 

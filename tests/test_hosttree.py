@@ -5,7 +5,8 @@ Ranks are split into "hosts" by ``GROUP_RANK``, as torchrun's agents split them;
 three hosts of two, two and one rank: hosts of unequal size, and a host count that is not a power
 of two (the leaders' recursive doubling takes its extra steps). The gather is also taken on five
 hosts of one rank and on one host of five, in the same job, and the all-gather of one int per rank
-that builds the tree (Bruck's: its last round sends fewer than it holds).
+that builds the tree (Bruck's: its last round sends fewer than it holds). So is the table gather:
+rows of byte strings whose equal values every rank receives once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def tree_job(rank: int, world: int) -> dict:
 
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
-    out: dict = {"gather": {}, "ints": run_p2p(lambda: gather_ints(pg, 1000 + 7 * rank), where)}
+    out: dict = {"gather": {}, "table": {}, "ints": run_p2p(lambda: gather_ints(pg, 1000 + 7 * rank), where)}
     for layout in (HOST_OF, [0, 1, 2, 3, 4], [0] * 5):
         os.environ["GROUP_RANK"] = str(layout[rank])
         tree = HostTree.build(pg, lambda per_host: 2 + per_host, where)
@@ -43,12 +44,35 @@ def tree_job(rank: int, world: int) -> dict:
             payload = f"{rank}:{step}".encode() * rank if rank in contributors else None
             got.append(tree.gather(pg, payload, HostTree.stamp(7, step), 1 << 20, where))
         out["gather"][len(tree.hosts)] = got
+        tables = []
+        for step, contributors in enumerate(([0, 1, 2, 3, 4], [1, 4], [])):
+            row = table_row(rank) if rank in contributors else None
+            table = tree.gather_table(pg, row, 3, HostTree.stamp(8, step), 1 << 20, where)
+            columns = [table.column(c) for c in range(3)]
+            tables.append(
+                {
+                    "rows": {r: [vals[ix[k]] for vals, ix in columns] for k, r in enumerate(table.ranks())},
+                    "distinct": [len(vals) for vals, _ in columns],
+                }
+            )
+        out["table"][len(tree.hosts)] = tables
     return out
 
 
+def table_row(rank: int) -> list[bytes]:
+    """Rank ``rank``'s row: a value every rank has, one shared by rank parity, one of its own."""
+    return [b"same", b"even" if rank % 2 == 0 else b"odd", f"rank {rank}".encode() * rank]
+
+
+@pytest.fixture(scope="module")
+def tree_results() -> list[dict]:
+    """One job of five ranks takes every exchange of the tests below."""
+    return run_ranks(tree_job, 5, timeout=90).results
+
+
 @pytest.mark.timeout(120)
-def test_every_rank_gets_every_min_and_every_contribution_to_a_gather_on_hosts_of_any_layout():
-    results = run_ranks(tree_job, 5, timeout=90).results
+def test_every_rank_gets_every_min_and_every_contribution_to_a_gather_on_hosts_of_any_layout(tree_results):
+    results = tree_results
     expected = [
         {i: f"{i}:{step}".encode() * i for i in contributors}
         for step, contributors in enumerate(([0, 1, 2, 3, 4], [1, 4], [3], []))
@@ -58,6 +82,18 @@ def test_every_rank_gets_every_min_and_every_contribution_to_a_gather_on_hosts_o
         assert r["min"] == [[6, 0, 100]] * 3
         assert r["gather"] == {3: expected, 5: expected, 1: expected}
         assert r["ints"] == [1000 + 7 * i for i in range(5)]
+
+
+@pytest.mark.timeout(120)
+def test_a_table_gather_gives_every_rank_every_row_with_each_distinct_value_once(tree_results):
+    results = tree_results
+    expected = [
+        {"rows": {i: table_row(i) for i in range(5)}, "distinct": [1, 2, 5]},
+        {"rows": {1: table_row(1), 4: table_row(4)}, "distinct": [1, 2, 2]},
+        {"rows": {}, "distinct": [0, 0, 0]},
+    ]
+    for r in results:
+        assert r["table"] == {3: expected, 5: expected, 1: expected}
 
 
 def mismatch_job(rank: int, world: int) -> dict:

@@ -21,6 +21,8 @@ One module per concern:
 * ``hosttree``: a tree over a group's ranks by host (host leaders, recursive
   doubling between them; a MIN and a gather, each telling a peer in another
   exchange at its first message): a caller's exchanges in O(log hosts) steps;
+* ``table``: ``Table``, what the host tree's table gather folds and returns:
+  rows by rank, each column's distinct values once;
 * ``generation``: a generation's groups and its lifecycle (``notice()`` of
   a new default group, reset, destroy, fork, exit); the runtime builds each
   one and hands it over (``adopt``);
@@ -76,6 +78,7 @@ from .p2p import run_p2p
 from .probes import broken_connection, broken_peers
 from .scope import Scope
 from .segment import LAYOUT_VERSION as SHM_LAYOUT_VERSION
+from .table import Table
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -89,6 +92,7 @@ __all__ = [
     "Phases",
     "Scope",
     "ShmGuardChannel",
+    "Table",
     "adopt",
     "all_gather_bytes",
     "broken_connection",

@@ -3,7 +3,7 @@
 An exchange a caller runs for every graph it compiles, as an all-gather or a ring all-reduce on
 the whole group, costs O(N) hops and, for the all-gathers, O(N) bytes per rank. Over a
 ``HostTree`` it costs O(log hosts) steps, and bytes per rank that grow with what was contributed,
-not with the world (a host's leader: with its host's ranks too). Both operations take one path:
+not with the world (a host's leader: with its host's ranks too). Every operation takes one path:
 
 * each rank sends what it holds to its host's leader (the host's lowest rank), the leader folds
   it in; the leaders fold among themselves by recursive doubling (``hierarchy.doubling_plan``,
@@ -13,16 +13,21 @@ not with the world (a host's leader: with its host's ranks too). Both operations
   element-wise MIN.
 * ``gather``: what a rank holds is a set of entries (group rank -> bytes), its own payload or
   none; folding is the union. A rank without a payload sends a record and nothing else.
+* ``gather_table``: what a rank holds is a ``table.Table``, its own row of byte strings (one per
+  column) or none; folding is the union of the rows, each column's distinct values kept once: a
+  rank ends with each distinct value once and a few ints per row, not every rank's payload. The
+  leaders sort the rows by rank before they send them down to their hosts' ranks.
 
-Every message of both starts with a record of one fixed width on one tag: the operation, the
+Every message of each starts with a record of one fixed width on one tag: the operation, the
 exchange's stamp (``HostTree.stamp``: the caller's phase and number), and for a gather the number
-and the bytes of the entries that follow on another tag (checked against the caller's limit before
-anything is allocated). So whatever two ranks are doing, the first message one receives from the
-other says what the other is in: a rank in a MIN whose peer is in a gather, or at another number,
-raises ``CollectiveDesyncError`` naming that peer at once (in the caller's words for its phases:
-``gloo.Phases``, given at ``build``), and sends its own record to each of its peers in the exchange
-(a notice) so that they raise too, instead of each waiting for COMPILER_COLLECTIVES_TIMEOUT. Records
-keep their width across operations so that the two always pair up.
+and the bytes of the entries (or the table's rows) that follow on another tag (checked against
+the caller's limit before anything is allocated). So whatever two ranks are doing, the first
+message one receives from the other says what the other is in: a rank in a MIN whose peer is in a
+gather, or at another number, raises ``CollectiveDesyncError`` naming that peer at once (in the
+caller's words for its phases: ``gloo.Phases``, given at ``build``), and sends its own record to
+each of its peers in the exchange (a notice) so that they raise too, instead of each waiting for
+COMPILER_COLLECTIVES_TIMEOUT. Records keep their width across operations so that any two always
+pair up.
 
 Point-to-point operations on the group itself, on tags of their own (``p2p.TAG_BASE``): no group
 more per host, and a rank of another host is one gloo connection away. Within a host the records
@@ -52,6 +57,7 @@ from ..errors import CollectiveDesyncError, WireFormatError
 from .gloo import Phases, started, tensor_view
 from .hierarchy import doubling_plan, host_key
 from .p2p import TAG_BASE, Background, done, gather_ints, sliced
+from .table import Table
 
 # Tags of these operations: ``p2p.TAG_BASE``'s. Every operation's records share one tag, whatever
 # the operation: see the module docstring.
@@ -59,9 +65,9 @@ _RECORD, _ENTRIES = TAG_BASE | 1, TAG_BASE | 2
 NEUTRAL = (1 << 63) - 1
 """A record element nobody set: MIN's identity."""
 
-MIN, GATHER = 1, 2
+MIN, GATHER, TABLE = 1, 2, 3
 _NOTICE = 1 << 8  # in a record's kind: the sender stopped the exchange (see the culprit's fields)
-_OPS = {MIN: "MIN", GATHER: "gather"}
+_OPS = {MIN: "MIN", GATHER: "gather", TABLE: "table gather"}
 # A record's header (int64s), before the MIN's values: the operation and stamp; the entries that
 # follow (a gather's) and their bytes; in a notice, the rank found in another exchange and what
 # it is in, and the rank that found it and what that one is in (each rank + 1; 0: none).
@@ -163,7 +169,37 @@ class HostTree:
         raises ``WireFormatError`` naming the rank, allocating nothing; a rank in another
         exchange raises ``CollectiveDesyncError`` naming it (``name``: group rank -> global)."""
         _, entries = self._run(pg, GATHER, stamp, [], payload, max_bytes, describe, name)
+        assert isinstance(entries, dict)
         return entries
+
+    def gather_table(
+        self,
+        pg: dist.ProcessGroup,
+        row: Sequence[bytes] | None,
+        columns: int,
+        stamp: int,
+        max_bytes: int,
+        describe: Callable[[], str],
+        name: Callable[[int], int] = _same,
+    ) -> Table:
+        """Every rank's ``row`` (``columns`` byte strings; None: this rank has none) on every rank, as
+        one table in group rank order: each column's distinct values once, per row the index of its
+        value in each. A row over ``max_bytes`` (its values' bytes summed), or more bytes announced
+        than that allows, raises ``WireFormatError`` naming the rank, allocating nothing; a rank in
+        another exchange raises ``CollectiveDesyncError`` naming it (``name``: group rank -> global)."""
+        if columns < 1 or (row is not None and len(row) != columns):
+            raise ValueError(f"a row of {columns} columns, given {None if row is None else len(row)}")
+        if row is not None and sum(map(len, row)) > max_bytes:
+            raise WireFormatError(
+                f"{describe()}: this rank's row is {sum(map(len, row))} bytes, over the limit of {max_bytes} bytes "
+                "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES)",
+                ranks=(name(self.index),),
+            )
+        table = Table(columns, self.size) if row is None else Table.of_row(self.index, row, self.size)
+        _, held = self._run(pg, TABLE, stamp, [], table, max_bytes, describe, name)
+        assert isinstance(held, Table)
+        held.sort()
+        return held
 
     def _run(
         self,
@@ -171,15 +207,17 @@ class HostTree:
         kind: int,
         stamp: int,
         values: Sequence[int],
-        payload: bytes | None,
+        held: bytes | Table | None,
         max_bytes: int,
         describe: Callable[[], str],
         name: Callable[[int], int],
-    ) -> tuple[list[int], dict[int, bytes]]:
+    ) -> tuple[list[int], dict[int, bytes] | Table]:
         op = _Exchange(self, pg, kind, stamp, max_bytes, describe, name)
         op.values[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
-        if payload is not None:
-            op.entries[self.index] = payload
+        if isinstance(held, Table):
+            op.table = held
+        elif held is not None:
+            op.entries[self.index] = held
         return sliced(op.run, describe, op.works)
 
 
@@ -220,19 +258,20 @@ class _Exchange:
         self.tree, self.pg, self.kind, self.stamp = tree, pg, kind, stamp
         self.max_bytes, self.describe, self.name = max_bytes, describe, name
         self.values = torch.full((tree.width,), NEUTRAL, dtype=torch.int64)
-        self.entries: dict[int, bytes] = {}
+        self.entries: dict[int, bytes] = {}  # a gather's
+        self.table = Table(1, tree.size)  # a table gather's
         self.works: list[Any] = []
         self.peers, self.owed = self._peers()
         self.mismatch: _Mismatch | None = None
 
-    def run(self) -> tuple[list[int], dict[int, bytes]]:
+    def run(self) -> tuple[list[int], dict[int, bytes] | Table]:
         try:
             self._steps()
         except CollectiveDesyncError:
             if self.mismatch is not None:
                 self._tell(self.mismatch)
             raise
-        return [int(v) for v in self.values.tolist()], self.entries
+        return [int(v) for v in self.values.tolist()], self.table if self.kind == TABLE else self.entries
 
     def _steps(self) -> None:
         tree = self.tree
@@ -254,6 +293,8 @@ class _Exchange:
                 self._take(dst, self._receive(dst), fold=op != "take")
             for work in sent:
                 done(work)
+        if self.kind == TABLE:
+            self.table.sort()  # once here, not on each of the host's ranks
         packed = self._pack()
         sent = [w for peer in local[1:] for w in self._send(peer, packed)]
         for work in sent:
@@ -275,6 +316,12 @@ class _Exchange:
         record = torch.zeros(HEAD + self.tree.width, dtype=torch.int64)
         record[_KIND], record[_STAMP] = self.kind, self.stamp
         record[HEAD:] = self.values
+        if self.kind == TABLE:
+            if not len(self.table):
+                return record, None
+            blob = bytearray(self.table.pack())
+            record[_COUNT], record[_BYTES] = len(self.table), len(blob)
+            return record, torch.frombuffer(blob, dtype=torch.uint8)
         if not self.entries:
             return record, None
         items = sorted(self.entries.items())
@@ -314,6 +361,9 @@ class _Exchange:
             )
         if head[_KIND] != self.kind or head[_STAMP] != self.stamp:
             self._mismatched(_Mismatch(None, peer, head[_KIND], head[_STAMP], self.tree.index, self.kind, self.stamp))
+        if self.kind == TABLE:
+            self._take_table(peer, head[_COUNT], head[_BYTES], record, fold)
+            return
         entries = self._entries(peer, head[_COUNT], head[_BYTES])
         if fold:
             torch.minimum(self.values, record[HEAD:], out=self.values)
@@ -328,23 +378,57 @@ class _Exchange:
         self.values.copy_(record[HEAD:])
         self.entries = entries
 
-    def _entries(self, peer: int, count: int, nbytes: int) -> dict[int, bytes]:
-        """The entries ``peer`` announced, received and checked; the sizes are checked first."""
-        limit = count * (_ENTRY_HEAD + self.max_bytes)
+    def _take_table(self, peer: int, count: int, nbytes: int, record: torch.Tensor, fold: bool) -> None:
+        """``_take`` of a table gather: fold ``peer``'s rows in, or take its table (with this rank's row)."""
+        limit = Table.bound(count, self.table.columns, self.max_bytes)
+        blob = self._blob(peer, count, nbytes, limit, "rows")
+        got = Table(self.table.columns, self.tree.size)
+        if nbytes:
+            data = tensor_view(blob)  # a view of ``blob``'s memory: ``blob`` stays referenced while it is read
+            columns, size, refuse = self.table.columns, self.tree.size, lambda w: self._bad(peer, w)
+            got = Table.unpack(data, count, columns, size, self.max_bytes, refuse)
+        if fold:
+            torch.minimum(self.values, record[HEAD:], out=self.values)
+            self.table.fold(got, lambda w: self._bad(peer, w), self.name)
+            return
+        mine = self.table.row_of(self.tree.index)
+        if mine is not None and got.row_of(self.tree.index) != mine:
+            raise self._bad(peer, "sent back this rank's own row altered or not at all")
+        self.values.copy_(record[HEAD:])
+        self.table = got
+
+    def _blob(self, peer: int, count: int, nbytes: int, limit: int, what: str) -> torch.Tensor:
+        """The bytes ``peer`` announced (``count`` entries or rows in ``nbytes``), received once the
+        sizes are checked against ``limit``; empty where it announced none."""
         if not 0 <= count <= self.tree.size or not 0 <= nbytes <= limit or (count == 0) != (nbytes == 0):
             raise WireFormatError(
-                f"{self.describe()}: rank {self.name(peer)} announced {count} entries in {nbytes} bytes, over the "
+                f"{self.describe()}: rank {self.name(peer)} announced {count} {what} in {nbytes} bytes, over the "
                 f"limit of {self.max_bytes} bytes a rank (COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES) for a group of "
                 f"{self.tree.size}; raise the limit on every rank if a payload is legitimately that large",
                 ranks=(self.name(peer),),
             )
+        blob = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            work = started(self.pg.recv, [blob], peer, _ENTRIES)
+            self.works.append(work)
+            done(work)
+        return blob
+
+    def _over(self, i: int, peer: int, nbytes: int, what: str) -> WireFormatError:
+        return WireFormatError(
+            f"{self.describe()}: rank {self.name(i)}'s {what} (passed on by rank {self.name(peer)}) is "
+            f"{nbytes} bytes, over the limit of {self.max_bytes} bytes "
+            "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); raise the limit on every rank if it is legitimately "
+            "that large",
+            ranks=(self.name(i),),
+        )
+
+    def _entries(self, peer: int, count: int, nbytes: int) -> dict[int, bytes]:
+        """The entries ``peer`` announced, received and checked; the sizes are checked first."""
+        blob = self._blob(peer, count, nbytes, count * (_ENTRY_HEAD + self.max_bytes), "entries")
         if not nbytes:
             return {}
-        blob = torch.empty(nbytes, dtype=torch.uint8)
-        work = started(self.pg.recv, [blob], peer, _ENTRIES)
-        self.works.append(work)
-        done(work)
-        data = tensor_view(blob)
+        data = tensor_view(blob)  # a view of ``blob``'s memory: ``blob`` stays referenced while it is read
         table = array("q")
         table.frombytes(bytes(data[: count * _ENTRY_HEAD]))
         out: dict[int, bytes] = {}
@@ -354,13 +438,7 @@ class _Exchange:
             if not 0 <= i < self.tree.size or i in out or not 0 <= length <= nbytes - at:
                 raise self._bad(peer, f"sent a malformed set of entries (entry {k}: rank {i}, {length} bytes)")
             if length > self.max_bytes:
-                raise WireFormatError(
-                    f"{self.describe()}: rank {self.name(i)}'s payload (passed on by rank {self.name(peer)}) is "
-                    f"{length} bytes, over the limit of {self.max_bytes} bytes "
-                    "(COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES); raise the limit on every rank if it is legitimately "
-                    "that large",
-                    ranks=(self.name(i),),
-                )
+                raise self._over(i, peer, length, "payload")
             out[i] = bytes(data[at : at + length])
             at += length
         if at != nbytes:

@@ -15,8 +15,9 @@ or cold, so the exchanges never depend on cache state):
    key and graph, its lowest holder and its warmest rank. Where each index's key is the same on
    every host (every rank's, or a GPU job's key per device), that settles it
    (``once_keys_reduced``): the bytes per rank do not grow with the world. Otherwise (a
-   generation's first graph, keys that differ otherwise, a dir that changed) one gather of
-   every rank's offer over the same tree follows. ``decide`` turns
+   generation's first graph, keys that differ otherwise, a dir that changed) one table gather
+   of every rank's offer over the same tree follows (``rows``: each distinct key, dir or graph
+   travels and is decoded once, with a few ints per rank). ``decide`` turns
    that into a plan, the same on every rank: ranks whose key no other rank has, or whose graph is
    not cacheable, compile locally; so does every rank when any of torch's compile-time
    collectives is on (ranks that are not compiling could not join them). In each group of equal
@@ -45,8 +46,9 @@ or cold, so the exchanges never depend on cache state):
    AOTAutograd's lookup bypassed. Within a dir the trust is torch's own (its lookup reads every
    entry there): the checks are on the bytes that travel between dirs (docs/design.md, "Trust").
 4. **Loaded** (``Report``): one MIN over the host tree of whether every rank loaded; only where
-   some rank did not, one gather over the tree of the outcomes of the ranks that did not (the
-   others contribute nothing), so every rank logs and counts who loaded, whose load missed (an
+   some rank did not, one table gather over the tree of the outcomes of the ranks that did not
+   (the others contribute nothing; each distinct reason once), so every rank logs and counts
+   who loaded, whose load missed (an
    entry's guards fail that rank's size hints: it compiled locally) and who refused.
 
 Failures: a serving rank whose compile raises publishes the error; its loaders raise
@@ -61,7 +63,8 @@ for: pure), ``driver`` (runs a graph's machine: the seam's events in, the action
 exchanges, the mailbox and the artifact, each timed), ``graph`` (which graph, its times, its
 errors and the record kept when it ends), ``plan`` (who does what: pure), ``keys`` (the key
 record and the offers read back from it: pure), ``exchanges`` (the key, result and load-report
-exchanges over the host tree), ``waits`` (the mailbox: the posts and waits on the store),
+exchanges over the host tree), ``rows`` (the offers and the load outcomes gathered as tables
+over the tree), ``waits`` (the mailbox: the posts and waits on the store),
 ``artifact`` (the files, their checks and their staged install, over a root dir), ``sidecar``
 (the audit's fingerprints kept with an entry), ``transfer`` (each loader's route to the bytes,
 the tree, the pieces and their checks), ``loading`` (a loader's receive and install by its

@@ -22,7 +22,7 @@ from ...transport import HostTree
 from .. import exchange as exchange_frame
 from .. import generation, phases
 from ..wire.once import Loaded, Offer, Result, decode_once, encode_once
-from . import keys
+from . import keys, rows
 from .graph import Graph, once_error, where_of
 from .plan import COMPILE, SERVE, Plan
 
@@ -62,9 +62,17 @@ def settle_keys(graph: Graph, mine: Offer, gen: generation.Generation) -> dict[i
         ledger.add(OnceKeys(reduced=True))
         return settled
     ledger.add(OnceKeys(reduced=False))
-    offers = tree_gather(graph, gen, mine, phases.ONCE_KEYS, "keys")
-    gen.once_known = keys.known(graph.members, offers)  # type: ignore[arg-type]
-    return offers  # type: ignore[return-value]
+    pg, where = graph.pg, where_of(graph, "keys")
+    offers = exchange_frame.framed(
+        pg,
+        lambda: rows.offers(tree, pg, mine, members=graph.members, seq=seq, describe=where),
+        kind="compile_once",
+        seq=graph.seq,
+        frame=str(graph.frame),
+        where=where,
+    )
+    gen.once_known = keys.known(graph.members, offers)
+    return offers
 
 
 def tree_min(graph: Graph, tree: HostTree, record: list[int], phase: int, what: str) -> list[int]:
@@ -148,10 +156,17 @@ def load_report(
         return ()
     ledger.add(OnceTreeExchange("load report"))
     mine = None if loaded else Loaded(outcome, why)
-    details = tree_gather(graph, gen, mine, phases.ONCE_LOADED, "load report")
+    pg, where = graph.pg, where_of(graph, "load report")
+    details = exchange_frame.framed(
+        pg,
+        lambda: rows.outcomes(tree, pg, mine, members=graph.members, seq=graph.seq or 0, describe=where),
+        kind="compile_once",
+        seq=graph.seq,
+        frame=str(graph.frame),
+        where=where,
+    )
     ledger.add(OnceLoadReport(len(details)))
     for r, body in details.items():
-        assert isinstance(body, Loaded)
         plan = plans.get(r)
         log.warning(
             "compile once #%d of %s: rank %d did not load rank %s's artifact (%s: %s); it compiled locally",

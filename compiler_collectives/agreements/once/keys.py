@@ -2,12 +2,12 @@
 over the host tree, and every rank's offer read back from the reduced record.
 
 Pure: the same reduced record gives the same offers on every rank, with no counters and no I/O,
-so it is unit-tested on its own (``tests/test_compile_once_keysettle.py``); ``protocol`` runs the
-exchanges around it (the MIN, and the all-gather where the record does not settle the keys).
+so it is unit-tested on its own (``tests/test_compile_once_keysettle.py``); ``exchanges`` runs the
+exchanges around it (the MIN, and the table gather where the record does not settle the keys).
 
 The record: the exchange's phase; a digest of what must match everywhere (graph number, level,
-switches, the dirs, size limits and build fingerprints the last all-gather saw); whether every rank's kept table is
-valid and every rank has a key; a digest of this rank's key, why and graph; and, in the slot of
+switches, the dirs, size limits and build fingerprints the last full gather saw); whether every
+rank's kept table is valid and every rank has a key; a digest of this rank's key, why and graph; and, in the slot of
 this rank's index on its host, that digest again, whether it holds the entry and how warm it is
 (in turn among equals, as ``decide`` turns among cold ranks). Each value that must be equal
 everywhere travels with its negation: the MIN of both gives the lowest and the highest.
@@ -46,7 +46,7 @@ class Known:
 
 
 def known(members: Sequence[int], offers: Mapping[int, Offer]) -> Known:
-    """What an all-gather of every rank's offer leaves for the graphs after it."""
+    """What a gather of every rank's offer (a table gather: ``rows``) leaves for the graphs after it."""
     dirs = {r: (o.dir, o.max_artifact_bytes, o.build) for r, o in offers.items()}
     return Known(tuple(sorted(members)), dirs, hashlib.sha256(repr(sorted(dirs.items())).encode()).digest())
 
@@ -90,7 +90,7 @@ def offers(
     out: Sequence[int], mine: Offer, kept: Known | None, *, members: Sequence[int], tree: HostTree, seq: int
 ) -> dict[int, Offer] | None:
     """Every rank's offer (global rank -> offer) from the reduced record ``out``; None where it
-    does not settle the keys (the ranks then all-gather their offers: every rank decides alike,
+    does not settle the keys (the ranks then gather every offer: every rank decides alike,
     from the same ``out``). ``members``: the group's global ranks in group-rank order."""
     if kept is None:
         return None  # this rank put -1 in its validity: no rank settles

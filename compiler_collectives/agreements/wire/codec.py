@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import reprlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 # msgpack ships no type information (unused-ignore: for when the project's mypy config ignores it).
@@ -312,6 +312,41 @@ class Reader:
             self._up.tell() == len(self._data),
             f"not valid msgpack ({len(self._data) - self._up.tell()} bytes of extra data after the envelope)",
         )
+
+
+def packed_array(items: Sequence[bytes]) -> bytes:
+    """A msgpack array of ``items``, each already one packed value (``pack``'s)."""
+    n = len(items)
+    head = (
+        bytes([0x90 | n])
+        if n < 16
+        else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big"))
+    )
+    return head + b"".join(items)
+
+
+def values_of(packed: Sequence[bytes], fail_for: Callable[[int], Callable[[str], WireFormatError]]) -> list[Any]:
+    """The value in each of ``packed`` (peers' bytes, each to be exactly one msgpack value); a
+    refusal of ``packed[j]`` raises ``fail_for(j)(why)``, naming whoever sent it.
+
+    Decoded as one array where each item re-packs to its own bytes (what ``pack`` wrote: so each
+    item is exactly its bytes' one value), within the bounded reader's budget of the whole; any
+    other bytes are read one by one, for an exact refusal."""
+    whole = packed_array(packed)
+    try:
+        with reading(whole, len(whole), failure("packed", "packed", -1, "version")) as r:
+            items = r.value()
+            r.end()
+        if type(items) is list and len(items) == len(packed) and all(map(bytes.__eq__, map(pack, items), packed)):
+            return items
+    except WireFormatError:
+        pass
+    out = []
+    for j, data in enumerate(packed):
+        with reading(data, len(data), fail_for(j)) as r:
+            out.append(r.value())
+            r.end()
+    return out
 
 
 @contextlib.contextmanager

@@ -5,6 +5,13 @@ Layout (``ONCE_FORMAT_VERSION``, now 4; its own version, apart from the envelope
 
     [ONCE_FORMAT_VERSION, "compile_once", tag, sender_rank, world_size, seq, body]
 
+As a row of a table (``encode_row``: the offers and the load outcomes, which travel in the host
+tree's table gather, ``transport.HostTree.gather_table``), the same in columns, each packed on its
+own: ``[ONCE_FORMAT_VERSION, "compile_once", tag, world_size, seq]`` (the sender is the row's
+rank), then each item of ``body``. Equal columns of many ranks travel once, and ``decode_rows``
+decodes and checks each distinct value once: what a rank decodes grows with the distinct keys, dirs
+and reasons, not with the world.
+
 ``tag`` and ``body``:
 
 * ``"keys"``: ``[key, why, holds, dir, switches, max_artifact_bytes, graph, warmth, build]``: this rank's cache
@@ -30,16 +37,32 @@ Layout (``ONCE_FORMAT_VERSION``, now 4; its own version, apart from the envelope
   this rank's hints) or ``"refused"`` (``why`` says what did not match).
 
 Texts are cut by the sender and bounded by the decoder. The version comes first and is checked
-before anything else is read; any change to the layout bumps it.
+before anything else is read; any change to the layout bumps it. The items of ``"keys"`` and
+``"loaded"`` are their dataclass's fields in order (``Offer``, ``Loaded``), each cut and checked by
+its name where it has a rule of its own (``_RULES``), else by its type (``_BY_TYPE``): a new field
+travels once it is declared (and the version bumped).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...errors import MalformedPayload, WireFormatError
 from ..fingerprint import Collective, GraphFingerprint
-from .codec import expect, failure, int_in, pack, reading, sender_and_world, show, versioned_list
+from .codec import (
+    expect,
+    failure,
+    int_in,
+    pack,
+    reading,
+    reject,
+    sender_and_world,
+    show,
+    values_of,
+    versioned_list,
+)
 
 ONCE_FORMAT_VERSION = 4
 ONCE_TAG = "compile_once"
@@ -57,7 +80,7 @@ WARMTH_MAX_ENTRIES = 1 << 20
 WARMTH_FX = 1 << 30
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a first graph builds one per rank, on every rank
 class Offer:
     """One rank's part of the key exchange."""
 
@@ -95,7 +118,7 @@ class Result:
         return sum(f.size for f in self.manifest)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a miss round builds one per rank that missed, on every rank
 class Loaded:
     outcome: str
     why: str | None
@@ -125,19 +148,9 @@ def fingerprint_out(g: GraphFingerprint) -> list[Any]:
 
 def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | Loaded) -> bytes:
     """Serialize one rank's part of a compile-once exchange."""
-    if isinstance(body, Offer):
-        kind = "keys"
-        out: list[Any] = [
-            body.key,
-            _cut(body.why),
-            bool(body.holds),
-            body.dir[:MAX_TEXT],
-            list(body.switches)[:MAX_SWITCHES],
-            int(body.max_artifact_bytes),
-            body.graph[:128],
-            int(body.warmth),
-            body.build[:MAX_BUILD],
-        ]
+    out: list[Any]
+    if isinstance(body, (Offer, Loaded)):
+        kind, out = _KIND[type(body)], _items(body)
     elif isinstance(body, Result):
         kind = "result"
         out = [
@@ -148,9 +161,6 @@ def encode_once(*, rank: int, world_size: int, seq: int, body: Offer | Result | 
             int(body.chunk_bytes),
             list(body.chunks),
         ]
-    else:
-        kind = "loaded"
-        out = [body.outcome, _cut(body.why)]
     return pack([ONCE_FORMAT_VERSION, ONCE_TAG, kind, rank, world_size, seq, out])
 
 
@@ -162,31 +172,151 @@ def _text(v: Any, what: str, *, optional: bool = False) -> str | None:
     return text
 
 
-def _offer(body: Any) -> Offer:
-    expect(type(body) is list and len(body) == 9, "a keys body must have 9 items")
-    key, why, holds, cache_dir, switches, max_bytes, graph, warmth, build = body
+def _flag(v: Any, what: str) -> bool:
+    expect(type(v) is bool, f"{what} must be a bool")
+    flag: bool = v
+    return flag
+
+
+def _names(v: Any, what: str) -> list[str]:
+    expect(type(v) is list and len(v) <= MAX_SWITCHES, f"{what} must be a list of at most {MAX_SWITCHES}")
+    return [_text(s, f"a name in {what}") or "" for s in v]
+
+
+def _key(v: Any, what: str) -> str | None:
+    expect(v is None or (type(v) is str and 0 < len(v) <= 256), f"{what} must be nil or a short string")
+    key: str | None = v
+    return key
+
+
+def _warmth(v: Any, what: str) -> int:
     expect(
-        type(build) is str and len(build) <= MAX_BUILD, f"the build must be a string of at most {MAX_BUILD} characters"
+        type(v) is int and (WARMTH_COLD <= v <= WARMTH_MAX_ENTRIES or v == WARMTH_FX),
+        f"{what} must be an entry count or WARMTH_FX",
     )
-    expect(key is None or (type(key) is str and 0 < len(key) <= 256), "the cache key must be nil or a short string")
-    expect(type(holds) is bool, "holds must be a bool")
-    expect(
-        type(warmth) is int and (WARMTH_COLD <= warmth <= WARMTH_MAX_ENTRIES or warmth == WARMTH_FX),
-        "warmth must be an entry count or WARMTH_FX",
-    )
-    expect(type(switches) is list and len(switches) <= MAX_SWITCHES, "switches must be a short list")
-    names = [_text(s, "a switch name") or "" for s in switches]
-    return Offer(
-        key,
-        _text(why, "why", optional=True),
-        holds,
-        _text(cache_dir, "the cache dir identity") or "",
-        names,
-        int_in(max_bytes, "max artifact bytes", lo=1),
-        _text(graph, "graph digest") or "",
-        warmth,
-        build,
-    )
+    warmth: int = v
+    return warmth
+
+
+def _bounded(v: Any, what: str, most: int) -> str:
+    expect(type(v) is str and len(v) <= most, f"{what} must be a string of at most {most} characters")
+    text: str = v
+    return text
+
+
+def _outcome(v: Any, what: str) -> str:
+    expect(v in LOAD_OUTCOMES, f"unknown {what} {show(v)}")
+    outcome: str = v
+    return outcome
+
+
+Out = Callable[[Any], Any]  # a field's value as it travels (cut to its bound)
+Check = Callable[[Any, str], Any]  # a peer's value of a field, checked (``what``: the field's name)
+
+# How a field of a keys or loaded body travels, by its declared type; ``_RULES`` by its name.
+_BY_TYPE: dict[str, tuple[Out, Check]] = {
+    "str": (lambda v: v[:MAX_TEXT], lambda v, what: _text(v, what) or ""),
+    "str | None": (_cut, lambda v, what: _text(v, what, optional=True)),
+    "bool": (bool, _flag),
+    "int": (int, lambda v, what: int_in(v, what)),
+    "list[str]": (lambda v: list(v)[:MAX_SWITCHES], _names),
+}
+_RULES: dict[tuple[str, str], tuple[Out, Check]] = {
+    ("Offer", "key"): (lambda v: v, _key),
+    ("Offer", "max_artifact_bytes"): (int, lambda v, what: int_in(v, what, lo=1)),
+    ("Offer", "graph"): (lambda v: v[:128], lambda v, what: _text(v, what) or ""),
+    ("Offer", "warmth"): (int, _warmth),
+    ("Offer", "build"): (lambda v: v[:MAX_BUILD], lambda v, what: _bounded(v, what, MAX_BUILD)),
+    ("Loaded", "outcome"): (lambda v: v, _outcome),
+}
+_KIND: dict[type, str] = {Offer: "keys", Loaded: "loaded"}
+_ROWS: dict[str, type[Offer] | type[Loaded]] = {"keys": Offer, "loaded": Loaded}
+
+
+def _rules(cls: type[Offer] | type[Loaded]) -> tuple[tuple[str, Out, Check], ...]:
+    """Per field of ``cls``, in order: its name, how it goes out, how a peer's is checked."""
+    out = []
+    for field in dataclasses.fields(cls):
+        rule = _RULES.get((cls.__name__, field.name)) or _BY_TYPE.get(str(field.type))
+        if rule is None:
+            raise TypeError(f"{cls.__name__}.{field.name}: no wire rule for a field of type {field.type}")
+        out.append((field.name, *rule))
+    return tuple(out)
+
+
+_FIELDS = {Offer: _rules(Offer), Loaded: _rules(Loaded)}  # a field without a rule fails at import
+
+
+def _items(body: Offer | Loaded) -> list[Any]:
+    return [out(getattr(body, name)) for name, out, _ in _FIELDS[type(body)]]
+
+
+def row_columns(kind: str) -> int:
+    """The columns of a row of ``kind`` (``"keys"``, ``"loaded"``): the head, then a field each."""
+    return 1 + len(_FIELDS[_ROWS[kind]])
+
+
+def _head(kind: str, world_size: int, seq: int) -> bytes:
+    return pack([ONCE_FORMAT_VERSION, ONCE_TAG, kind, world_size, seq])
+
+
+def encode_row(*, world_size: int, seq: int, body: Offer | Loaded) -> list[bytes]:
+    """One rank's offer or load outcome as a row of a table: the head, then each field packed."""
+    return [_head(_KIND[type(body)], world_size, seq), *map(pack, _items(body))]
+
+
+def decode_rows(
+    columns: Sequence[tuple[Sequence[bytes], Sequence[int]]],
+    senders: Sequence[int],
+    *,
+    kind: str,
+    seq: int,
+    world_size: int,
+) -> list[Offer | Loaded]:
+    """Each row's body from a table of rows (``encode_row``'s): per column its distinct values and
+    each row's index into them; ``senders``: each row's rank, for errors. Each distinct value is
+    decoded and checked once; ``WireFormatError`` names a rank that sent a bad one. The bodies of
+    rows with equal fields share those values' objects: read them, never change them."""
+    cls = _ROWS[kind]
+    codecs = _FIELDS[cls]
+    if len(columns) != 1 + len(codecs):
+        raise ValueError(f"{len(columns)} columns for rows of {1 + len(codecs)}")
+
+    def fail_for(index: Sequence[int]) -> Callable[[int], Callable[[str], WireFormatError]]:
+        def fail(j: int) -> Callable[[str], WireFormatError]:  # names the first rank that sent value j
+            return failure(
+                "compile-once", "compile_once", senders[list(index).index(j)], "compiler_collectives version"
+            )
+
+        return fail
+
+    heads, index = columns[0]
+    for j, data in enumerate(heads):
+        if data != _head(kind, world_size, seq):  # read as a payload is: the version first
+            with reading(data, len(data), fail_for(index)(j)) as r:
+                _, tag, got, world, number = versioned_list(r, ONCE_FORMAT_VERSION, "compile-once format", 5)
+                expect(tag == ONCE_TAG, f"not a compile-once row (tag {show(tag)})")
+                expect(got == kind, f"a {show(got)} row in an exchange of {kind}")
+                expect(world == world_size, f"world size {show(world)}, expected {world_size}")
+                expect(number == seq, f"a row of graph #{show(number)} in the exchange of #{seq}")
+                reject("a row head packed otherwise than this rank packs it")
+    fields: list[list[Any]] = []
+    for (name, _, check), (packed, index) in zip(codecs, columns[1:]):
+        fail = fail_for(index)
+        checked = []
+        for j, value in enumerate(values_of(packed, fail)):
+            try:
+                checked.append(check(value, name))
+            except MalformedPayload as e:
+                raise fail(j)(str(e)) from None
+        fields.append(checked * len(senders) if len(checked) == 1 else list(map(checked.__getitem__, index)))
+    return list(map(cls, *fields))
+
+
+def _body(cls: type[Offer] | type[Loaded], body: Any) -> Offer | Loaded:
+    codecs = _FIELDS[cls]
+    expect(type(body) is list and len(body) == len(codecs), f"a {_KIND[cls]} body must have {len(codecs)} items")
+    return cls(*(check(v, name) for (name, _, check), v in zip(codecs, body)))
 
 
 def _collective(item: Any) -> Collective:
@@ -246,13 +376,6 @@ def _result(body: Any) -> Result:
     )
 
 
-def _loaded(body: Any) -> Loaded:
-    expect(type(body) is list and len(body) == 2, "a loaded body must have 2 items")
-    outcome, why = body
-    expect(outcome in LOAD_OUTCOMES, f"unknown load outcome {show(outcome)}")
-    return Loaded(outcome, _text(why, "why", optional=True))
-
-
 def decode_once(data: bytes, *, sender: int, max_bytes: int, expected_world_size: int | None = None) -> OnceEnvelope:
     """Parse and validate one rank's part of a compile-once exchange; ``WireFormatError`` names the sender."""
     fail = failure("compile-once", "compile_once", sender, "compiler_collectives version")
@@ -263,11 +386,6 @@ def decode_once(data: bytes, *, sender: int, max_bytes: int, expected_world_size
         sender_and_world(rank, sender, world, expected_world_size)
         int_in(seq, "sequence number", lo=0)
         parsed: Offer | Result | Loaded
-        if kind == "keys":
-            parsed = _offer(body)
-        elif kind == "result":
-            parsed = _result(body)
-        else:
-            parsed = _loaded(body)
+        parsed = _result(body) if kind == "result" else _body(Offer if kind == "keys" else Loaded, body)
         return OnceEnvelope(rank, world, seq, kind, parsed)
     raise AssertionError("unreachable: reading() raises on every failure")
