@@ -18,6 +18,7 @@ TRACE = 2  # the compiler collective's end-of-trace exchange
 ONCE_KEYS = 3  # compile once's key exchange
 ONCE_RESULT = 4  # compile once's result exchange
 ONCE_LOADED = 5  # compile once's load report
+ONCE_TRANSFER = 6  # compile once's artifact transfer: its meeting of each parent and child (``HostTree.meet``)
 
 # The compiler collective's byte all-gathers (``exchange.gather``).
 ALL_GATHER = Phases(
@@ -41,6 +42,7 @@ HOST_TREE = Phases(
         ONCE_KEYS: "compile once's keys",
         ONCE_RESULT: "compile once's results",
         ONCE_LOADED: "compile once's load report",
+        ONCE_TRANSFER: "compile once's artifact transfer",
     },
     advice=(
         "Every rank of the group must take the same exchanges in the same order (compile once: every rank "

@@ -446,7 +446,8 @@ class Driver:
                 error, kind="compile_once", rank=g.rank, seq=g.seq, frame=str(g.frame), where=where
             )
 
-        link = transfer.Link(g.pg, g.members, g.rank, g.seq or 0, where, failed_piece)
+        tree = generation.current().once_tree  # each parent and child meet on it first (a desync named at once)
+        link = transfer.Link(g.pg, g.members, g.rank, g.seq or 0, where, failed_piece, tree)
         return transfer.Graph(link, self.state.plans, self.offers, g.level, config.settings.once_fanout)
 
 

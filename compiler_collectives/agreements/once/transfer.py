@@ -44,6 +44,12 @@ ends when every receiver of its tree has its bytes: no later than the load repor
 for every rank anyway. The refusal and the refetch are both named in the receiver's log and
 record (``Received.refetched``).
 
+Before any piece, each parent and child meet over the compile group's host tree (``meet``:
+``HostTree.meet``, one record each way on the tree's records' tag, stamped with the graph's
+number): a peer found in a MIN or a gather over the tree instead (another graph, or another
+code path) raises ``CollectiveDesyncError`` at once on both ranks, each naming what the other is
+in, where each would otherwise wait for the group's timeout on tags the other never uses.
+
 The sends and receives of a transfer are waited for with ``run_p2p``: a parent may start late
 (it sends once the result exchange, which no longer waits for every rank, ended there), and
 gloo's timed wait of a slice would close the group's connections. A forwarder that dies breaks
@@ -68,7 +74,8 @@ from ... import config
 from ...errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
 from ...ledger import ledger
 from ...records import ArtifactReceived, ArtifactSent, DigestMismatch
-from ...transport import byte_tensor, run_p2p, start_recv, start_send, tensor_view
+from ...transport import HostTree, broken_peers, byte_tensor, run_p2p, start_recv, start_send, tensor_view
+from .. import phases
 from ..wire.once import Offer, Result
 from . import artifact
 from .plan import LOAD, Plan
@@ -103,6 +110,8 @@ class Link:
     # How this rank publishes and counts the error of a failed transfer (the protocol's failure
     # procedure); the error already names the peer (``broken``).
     failed: Callable[[CollectiveError], CollectiveError]
+    # The compile group's host tree: each parent and child meet on it first (``meet``); None: they do not.
+    tree: HostTree | None = None
 
     def tag(self, piece: int) -> int:
         return TAG_BASE | ((self.seq & ((1 << _SEQ_BITS) - 1)) << _PIECE_BITS) | piece
@@ -232,6 +241,25 @@ def broken(error: RuntimeError, where: Callable[[], str], peer: int, what: str) 
     )
 
 
+def meet(link: Link, peers: tuple[int, ...]) -> None:
+    """One record each way with each of ``peers`` (its parent and children in the tree) on the host
+    tree's records' tag, before any piece: a peer in a MIN or a gather over the tree (another
+    graph, or another code path) raises ``CollectiveDesyncError`` there and here at once, each
+    naming the other's exchange, where both would wait for the group's timeout on tags the other
+    never uses."""
+    if link.tree is None or not peers:
+        return
+    stamp = HostTree.stamp(phases.ONCE_TRANSFER, link.seq)
+    try:
+        link.tree.meet(link.pg, [link.peer(r) for r in peers], stamp, link.where, lambda i: link.members[i])
+    except CollectiveError as e:
+        raise link.failed(e) from e
+    except RuntimeError as e:  # gloo's: a connection broke (whose: a look at each), or its timeout
+        gone = [r for r in broken_peers(link.pg, link.members) if r in peers] if len(peers) > 1 else []
+        peer = (gone or list(peers))[0]
+        raise link.failed(broken(e, link.where, peer, "its peer in the artifact's tree")) from e
+
+
 def _verdict(rank: int) -> bytes:
     return rank.to_bytes(8, "little", signed=True)
 
@@ -242,6 +270,7 @@ def send(link: Link, bundle: bytes, result: Result, route: Route) -> None:
     every receiver whose check failed."""
     if not route.children or not bundle:
         return
+    meet(link, route.children)
     data = byte_tensor(bundle)
     clean = byte_tensor(_verdict(_CLEAN))
     works = [
@@ -314,6 +343,7 @@ def receive(link: Link, result: Result, route: Route, source: int) -> Received:
     own copy when its check failed."""
     assert route.parent is not None
     parent_rank = route.parent
+    meet(link, (parent_rank, *route.children))
     total = result.total()
     pieces = _pieces(total, result.chunk_bytes)
     data = byte_tensor(total)
