@@ -240,8 +240,9 @@ def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_n
     assert f"the c10d store at 127.0.0.1:{port} " in message and "MASTER_ADDR" in message, message
     if fault == "stopped":
         assert f"did not answer this rank's heartbeat within {STORE_TIMEOUT_S}s" in message, message
-    # Stopped: + up to a heartbeat (1 s) before one meets it, + the failure report's bound (3 s).
-    within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 1.0 + 3.0 + 2.0
+    # Stopped: + up to a heartbeat (1 s) before one meets it, + the failure report's bound (3 s),
+    # + slack for a loaded machine (8.5 s measured on 2 shared cores).
+    within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 1.0 + 3.0 + 4.0
     assert waiting["ended_at"] - compiling["failed_at"] < within_s, (waiting["ended_at"], compiling["failed_at"])
 
 
