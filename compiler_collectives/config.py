@@ -302,8 +302,9 @@ SETTINGS_TABLE: tuple[Setting, ...] = (
         "failure reports, so a rank waiting in one of our gloo collectives stops within "
         "about one heartbeat of another rank's failure. 0 disables the thread; errors then "
         "name an absent rank only where its connection broke (a process that ended) or, "
-        "waiting for a compile, where /proc shows its process gone, and only same-host peers "
-        "on shared memory hear of a failure before their timeout. Silence alone never ends "
+        "waiting for a compile, where /proc shows its process gone; only same-host peers "
+        "on shared memory hear of a failure before their timeout, and a rank waiting for a "
+        "compile cannot tell a store that stopped answering from a long compile. Silence alone never ends "
         "compile once's wait: a silent rank on another host is waited for, with a warning "
         "every 30 s, up to COMPILER_COLLECTIVES_COMPILE_TIMEOUT.",
     ),

@@ -104,19 +104,25 @@ S_src the sources of one graph (G: one per key group):
 Store requests (the c10d store: one server, rank 0's under torchrun; every figure per second at
 that store):
   heartbeat: every rank writes its record and reads the failure count every
-      COMPILER_COLLECTIVES_HEARTBEAT_S (``--heartbeat-s``, 1): 2N/hb;
+      COMPILER_COLLECTIVES_HEARTBEAT_S (``--heartbeat-s``, 1): 2N/hb; while a rank waits for
+      sources, the read of the failure count is a ``multi_get`` that reads their records too
+      (``store.board.SideChannel``): still 2 a beat;
   compile wait: while a graph compiles, every rank but the sources waits for every source's
-      post (``compile_wait.wait_for_posts``). As built (issue 37 item 2) it blocks: a store
-      connection of its own (one request: ``store.mailbox.NoticeWait``), then per source one
-      blocking ``wait`` and one ``get``; the sources' liveness read once (per source its failure
-      key, whether it has a record, the record), then one ``multi_get`` of all their records
-      each time the last read makes them look silent: once per stale_after = 2.5 hb + 0.5 s
-      (3 s) while they beat (``store.board.PeerRecords``); /proc and the gloo connection cost the
-      store nothing, failure reports come through the heartbeat. Steady state:
+      post (``compile_wait.wait_for_posts``). As built (issue 43) it blocks and asks nothing
+      while it lasts: one blocking ``wait`` for all the sources' posts and one ``multi_get`` of
+      them (``store.mailbox.NoticeWait``), on a store connection of its own made once per
+      generation with its compile group; the sources' records come with the waiting rank's
+      heartbeat, /proc and the gloo connection cost the store nothing, failure reports come
+      through the heartbeat. Steady state: 0; per graph 2 (N - S_src) + S_src, whatever the
+      compile's length.
+      Issue 37 (item 2), before: a connection per waiting rank and graph, per source a ``wait``
+      and a ``get``, a first read of its liveness (its failure key, whether it has a record, the
+      record), then one ``multi_get`` of all their records each time the last read made them look
+      silent: once per stale_after = 2.5 hb + 0.5 s (3 s) while they beat. Steady state:
       (N - S_src) / stale_after; per graph (N - S_src) * (1 + 5 S_src + C / stale_after) + S_src
       over a compile of C seconds (``--compile-s``, 30).
-      Before, it polled: per pending source and look, one check of the post and three reads of
-      the source's liveness, looks backing off from 5 ms to every 0.2 s: (N - S_src) * S_src *
+      Before that, it polled: per pending source and look, one check of the post and three reads
+      of the source's liveness, looks backing off from 5 ms to every 0.2 s: (N - S_src) * S_src *
       4 / 0.2 s, and about 7 + (C - 0.3)/0.2 looks per pending source over a compile.
   Posts: one per source and one per receiver with readers per graph (a set each).
 
@@ -186,11 +192,11 @@ POLL_S = (0.005, 0.2)  # before issue 37 item 2: the polling wait's first and lo
 LOOK_REQUESTS = (
     4  # before: per pending source and look: the post's check, the failure key, the heartbeat's check and get
 )
-WAIT_REQUESTS = 1  # per waiting rank and graph: its notice wait's own store connection (a clone connects)
-NOTICE_REQUESTS = 2  # per source: the blocking wait for its post, and the get of it
-FIRST_READ_REQUESTS = 3  # per source, once per graph: its failure key, whether it has a record, the record
-RECORD_EVERY_S = 1.0  # store.board.RECORD_EVERY_S: heartbeats off, how often a source's failure key is read
-HEARTBEAT_REQUESTS = 2  # per beat: the record's set, the failure count's add
+WAIT_REQUESTS = 2  # per waiting rank and graph: the blocking wait for all its sources' posts, their multi_get
+ISSUE37_WAIT_REQUESTS = 1  # issue 37, per waiting rank and graph: its notice wait's store connection
+ISSUE37_NOTICE_REQUESTS = 2  # issue 37, per source: the blocking wait for its post, and the get of it
+ISSUE37_FIRST_READ_REQUESTS = 3  # issue 37, per source and graph: its failure key, whether it has a record, the record
+HEARTBEAT_REQUESTS = 2  # per beat: the record's set, the failure count's add (with the watched records)
 
 
 def depth(dirs: int, fanout: int) -> int:
@@ -446,21 +452,25 @@ def stale_after(heartbeat_s: float) -> float:
 
 def store(hosts: int, f: Figures) -> dict[str, float]:
     """Requests per second at the job's one store: the heartbeat's, and compile once's waits as
-    built (blocking) and before issue 37 item 2 (polling)."""
+    built (blocking, nothing periodic: issue 43), in issue 37 (blocking, the sources' records
+    read once per stale_after) and before it (polling)."""
     n = hosts * f.ranks_per_host
     src = sources(hosts, f)
     waiters = n - src if src else 0
     heartbeat = HEARTBEAT_REQUESTS * n / f.heartbeat_s if f.heartbeat_s > 0 else 0.0
-    # Heartbeats on: one multi_get of the sources' records per stale_after; off: each source's
-    # failure key every RECORD_EVERY_S (store.board.RECORD_EVERY_S, 1 s).
-    waiting = waiters / stale_after(f.heartbeat_s) if f.heartbeat_s > 0 else waiters * src / RECORD_EVERY_S
-    per_graph = waiters * (WAIT_REQUESTS + (NOTICE_REQUESTS + FIRST_READ_REQUESTS) * src) + waiting * f.compile_s + src
+    # Issue 37: one multi_get of the sources' records per stale_after with heartbeats on; off,
+    # each source's failure key every second.
+    issue37 = waiters / stale_after(f.heartbeat_s) if f.heartbeat_s > 0 else waiters * src / 1.0
+    issue37_first = ISSUE37_WAIT_REQUESTS + (ISSUE37_NOTICE_REQUESTS + ISSUE37_FIRST_READ_REQUESTS) * src
     polling = waiters * src * LOOK_REQUESTS / POLL_S[1]
     return {
         "heartbeat_per_s": heartbeat,
-        "compile_wait_per_s": waiting,
-        "busiest_per_s": heartbeat + waiting,
-        "compile_wait_per_graph": per_graph,
+        "compile_wait_per_s": 0.0,
+        "busiest_per_s": heartbeat,
+        "compile_wait_per_graph": waiters * WAIT_REQUESTS + src,
+        "issue37_compile_wait_per_s": issue37,
+        "issue37_busiest_per_s": heartbeat + issue37,
+        "issue37_compile_wait_per_graph": waiters * issue37_first + issue37 * f.compile_s + src,
         "before_compile_wait_per_s": polling,
         "before_busiest_per_s": heartbeat + polling,
         "before_compile_wait_per_graph": waiters * src * LOOK_REQUESTS * looks(f.compile_s) + src,
@@ -696,13 +706,15 @@ def main() -> None:
             f"| {_t(e['before43_with_miss_s'])} | {_t(e['before43_first_graph_s'])} |"
         )
     print(
-        "\nStore requests per second at the job's one store (rank 0's), compile wait as built and before (polling):\n"
+        "\nStore requests per second at the job's one store (rank 0's), compile wait as built, in issue 37 "
+        "(the sources' records read once per stale_after) and before it (polling):\n"
     )
     print(
         "| hosts | ranks | heartbeat | compile wait (steady) | busiest | compile wait, one graph "
-        "| before: compile wait (steady) | before: busiest | before: one graph |"
+        "| issue 37: compile wait (steady) | issue 37: one graph "
+        "| polling: compile wait (steady) | polling: busiest | polling: one graph |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
     for r in rows:
         if r["hosts"] in seen:
@@ -712,6 +724,7 @@ def main() -> None:
         print(
             f"| {r['hosts']} | {r['ranks']} | {st['heartbeat_per_s']:,.0f}/s | {st['compile_wait_per_s']:,.0f}/s "
             f"| {st['busiest_per_s']:,.0f}/s | {st['compile_wait_per_graph']:,.0f} "
+            f"| {st['issue37_compile_wait_per_s']:,.0f}/s | {st['issue37_compile_wait_per_graph']:,.0f} "
             f"| {st['before_compile_wait_per_s']:,.0f}/s | {st['before_busiest_per_s']:,.0f}/s "
             f"| {st['before_compile_wait_per_graph']:,.0f} |"
         )
@@ -733,7 +746,8 @@ def main() -> None:
         f"{_t(e['first_graph_s'])} (the offers' gather {_t(e['offers_s'])}, the host keys' all-gather "
         f"{_t(e['layout_s'])}). Store: {st['busiest_per_s']:,.0f} requests/s at the busiest store while a "
         f"graph compiles ({st['heartbeat_per_s']:,.0f}/s of them heartbeats, {st['compile_wait_per_s']:,.0f}/s "
-        f"compile once's waits; before issue 37 item 2 they polled: {st['before_busiest_per_s']:,.0f}/s). "
+        f"compile once's waits, {st['compile_wait_per_graph']:,.0f} per graph; in issue 37 they read the sources' "
+        f"records: {st['issue37_busiest_per_s']:,.0f}/s; before it they polled: {st['before_busiest_per_s']:,.0f}/s). "
         f"Per graph with the transfer: {_t(goal['new_graph_s'])} "
         f"(before issue 37: {_t(goal['before37_graph_s'])})."
     )

@@ -224,8 +224,8 @@ def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_n
     failing_store,
 ):
     """Killed: the store's connections close, and the wait ends at once. Stopped: its calls go
-    unanswered; the compiling rank's heartbeat stands still, and the wait's read of its record
-    runs out at COMPILER_COLLECTIVES_TIMEOUT (the compile timeout is an hour)."""
+    unanswered; the waiting rank's own heartbeat waits for the store's answer, and once it waited
+    COMPILER_COLLECTIVES_TIMEOUT the wait ends (the compile timeout is an hour)."""
     fault, port, outcome = failing_store
     waiting, compiling = outcome.results[WAITING_RANK], outcome.results[COMPILING_RANK]
     assert waiting is not None and compiling is not None, outcome
@@ -234,9 +234,10 @@ def test_a_rank_waiting_for_a_compile_whose_store_fails_raises_a_store_failure_n
     assert message.startswith("compile once #1 of ") and f"on rank {WAITING_RANK}" in message, message
     assert f"the c10d store at 127.0.0.1:{port} " in message and "MASTER_ADDR" in message, message
     if fault == "stopped":
-        assert f"did not answer reading a heartbeat within {STORE_TIMEOUT_S}s" in message, message
-    # Stopped: + the 3 s before a heartbeat of 1 s counts as silent, + the failure report's bound (3 s).
-    within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 3.0 + 3.0 + 2.0
+        assert f"did not answer this rank's heartbeat within {STORE_TIMEOUT_S}s" in message, message
+    # Stopped: + up to a heartbeat (1 s) before one meets it, + the failure report's bound (3 s),
+    # + slack for a loaded machine (8.5 s measured on 2 shared cores).
+    within_s = 5.0 if fault == "killed" else STORE_TIMEOUT_S + 1.0 + 3.0 + 4.0
     assert waiting["ended_at"] - compiling["failed_at"] < within_s, (waiting["ended_at"], compiling["failed_at"])
 
 

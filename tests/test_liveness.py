@@ -381,26 +381,54 @@ def _store_requests() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_the_compile_wait_reads_a_peer_s_record_once_then_only_what_can_change_at_its_own_pace(
-    tmp_path, heartbeats_off, monkeypatch
+def test_with_heartbeats_off_the_compile_wait_reads_a_peer_s_record_once_per_generation_then_never_again(
+    tmp_path, heartbeats_off
 ):
-    """Issue 37: /proc is looked at on every call; the store (its failure report, heartbeats off)
-    once every ``RECORD_EVERY_S``, not at every poll."""
-    from compiler_collectives.store import board
-
-    monkeypatch.setattr(board, "RECORD_EVERY_S", 0.5)
+    """Issue 43: without a heartbeat a record never changes; /proc is looked at on every call."""
     waiter, compiler = _channels(tmp_path, os.getpid())
     try:
         probe = watch_peer(waiter, 1)
         before = _store_requests()
         assert [probe() for _ in range(50)] == [None] * 50
-        assert _store_requests() - before == 3  # its failure report, whether it has a record, the record
-        time.sleep(0.6)
+        assert _store_requests() - before == 2  # whether its record exists, the record
+        time.sleep(1.2)
         assert [probe() for _ in range(50)] == [None] * 50
-        assert _store_requests() - before == 4  # its failure report again
+        assert [watch_peer(waiter, 1)() for _ in range(5)] == [None] * 5  # a later wait of the generation
+        assert _store_requests() - before == 2
     finally:
         waiter.stop(1.0)
         compiler.stop(1.0)
+
+
+def _between_beats(sides: tuple[SideChannel, ...], call: Callable[[], object]) -> tuple[object, int]:
+    """``call()``'s result and the store requests counted while it ran, where no side beat meanwhile."""
+    for _ in range(50):
+        beats = [side.beats for side in sides]
+        before = _store_requests()
+        result = call()
+        if [side.beats for side in sides] == beats:
+            return result, _store_requests() - before
+        time.sleep(0.02)
+    raise AssertionError("a beat fell into every try")
+
+
+@pytest.mark.timeout(60)
+def test_with_heartbeats_on_the_compile_wait_asks_the_store_nothing_its_heartbeat_reads_the_peer_s_record(tmp_path):
+    """Issue 43: the waiter's own heartbeat reads the records it watches, in the request that
+    reads the failure count: the watch learns the peer's beats at no request of its own."""
+    with config.override(heartbeat_s=0.2):
+        waiter, compiler = _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE)
+        try:
+            probe = watch_peer(waiter, 1)
+            polls, asked = _between_beats((waiter, compiler), lambda: [probe() for _ in range(100)])
+            assert polls == [None] * 100 and asked == 0  # not even a first read
+            _until(lambda: (waiter.records.get(1) or {}).get("n", 0) >= 5)  # the compiler's beats, as read
+            seen = waiter.records[1]["n"]
+            _until(lambda: waiter.records[1]["n"] > seen)  # it moves with the compiler's
+            assert probe() is None
+        finally:
+            waiter.stop(1.0)
+            compiler.stop(1.0)
 
 
 @pytest.mark.timeout(60)
@@ -478,6 +506,81 @@ def test_a_notice_wait_whose_store_host_goes_away_ends_at_once_with_a_store_fail
         assert isinstance(caught.value.__cause__, dist.DistError)  # c10d's own error, chained
     finally:
         waiter.stop(1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_wait_for_several_posts_asks_one_wait_and_one_read_and_a_cancel_ends_it(tmp_path, heartbeats_off):
+    """Issue 43: a wait costs the same two requests whatever number of ranks it waits for."""
+    waiter, compiler = _channels(tmp_path, os.getpid())
+    try:
+        waiter.mailbox.connect()  # the generation's connection, made with its compile group
+        before = _store_requests()
+        notices = waiter.mailbox.wait_posts(["once/1/1", "once/1/2", "once/1/3"], 30.0)
+        for n in (3, 1):
+            compiler.mailbox.post(f"once/1/{n}", f"ok {n}".encode())
+        assert not notices.done(0.5)
+        compiler.mailbox.post("once/1/2", b"ok 2")
+        assert notices.done(5.0) and notices.result() == [b"ok 1", b"ok 2", b"ok 3"]
+        assert _store_requests() - before == 2 + 3  # the wait, the read; the three posts
+        given_up = waiter.mailbox.wait_posts(["once/2/1", "once/2/2"], 30.0)
+        compiler.mailbox.post("once/2/2", b"ok")
+        assert not given_up.done(0.5)
+        given_up.cancel("rank 0 stopped waiting for it")
+        assert given_up.done(0.0) and _waiting_threads() == 0
+        assert waiter.mailbox.read_post("once/2/1") is None  # what it left there is no post
+        assert waiter.mailbox.read_post("once/2/2") == b"ok"  # never over a post
+    finally:
+        waiter.stop(1.0)
+        compiler.stop(1.0)
+
+
+STORE_HOST = (
+    "import time, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)\n"
+    "print(store.port, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_store_that_stops_answering_the_heartbeat_is_told_after_the_timeout_this_process_s_own_stops_not_counted():
+    """Issue 43: what tells a wait that the store stopped is its own heartbeat, left unanswered;
+    a gap between two looks (this process stopped) counts ``STEP_CAP_S`` at most."""
+    from compiler_collectives.health.watch import STEP_CAP_S, StoreWatch
+
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), 1, False)
+        with config.override(heartbeat_s=0.1):
+            side = SideChannel(0, 1, 1, dict, identity={"pid": os.getpid()}, probe=process_identity, store=client)
+            side.start(on_peer_failure=lambda peer, report: None)
+        try:
+            store = StoreWatch(side, timeout_s=2.0)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:  # it answers: nothing to tell
+                assert store() is None
+                time.sleep(0.05)
+            host.send_signal(signal.SIGSTOP)
+            _until(lambda: side.unanswered() is not None)
+            assert store() is None
+            time.sleep(2.5)  # one gap longer than the timeout: counted as STEP_CAP_S
+            assert store() is None
+            stopped = time.monotonic() - STEP_CAP_S
+            told = None
+            while told is None:
+                assert time.monotonic() - stopped < 5.0, "never told"
+                time.sleep(0.05)
+                told = store()
+            assert told >= 2.0 and time.monotonic() - stopped >= 1.9
+        finally:
+            host.kill()  # a stopped store: the heartbeat thread still inside it ends too
+            side.stop(2.0)
+    finally:
+        if host.poll() is None:
+            host.kill()
+        host.wait(10)
 
 
 def _waiting_threads() -> int:

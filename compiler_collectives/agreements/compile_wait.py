@@ -1,7 +1,8 @@
 """Waiting for peers that compile: each posts to the store when its compile ended, and the
 others wait for those posts until something shows a compiling rank dead (its process gone,
-its connection broken, a failure it reported: ``groups.watch_peers``; silence alone is
-waited through, with warnings), up to ``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``.
+its connection broken: ``groups.watch_peers``; a failure it reported, which the heartbeat
+thread hears; silence alone is waited through, with warnings), up to
+``COMPILER_COLLECTIVES_COMPILE_TIMEOUT``.
 
 A compile may legitimately take far longer than ``COMPILER_COLLECTIVES_TIMEOUT`` allows a
 collective to wait. Wherever some ranks compile while the others are done (compile once's
@@ -10,27 +11,33 @@ without caches), the others wait here, not at their next exchange: a rank that i
 failure this rank heard of, or the compile timeout ends the wait with an error that names
 the ranks, never a timeout that blames the collective timeout.
 
-Waiting blocks; it does not poll the store (issue 37): the posts are awaited with the store's
-own ``wait`` on a connection of their own (``groups.wait_posts``: a few store requests per
-post however long the compile), while this thread looks every ``TICK_S`` for a failure this
-rank heard of (``health.latch.first_failure``, fed by the heartbeat thread: no store request) and every
-``PROBE_EVERY_S`` at the pending ranks (``/proc`` and the gloo connection cost the store
-nothing; the watch reads their heartbeat records at its own, slower pace).
+Waiting blocks; it asks the store nothing while it lasts (issues 37 and 43): the posts are
+awaited with the store's own ``wait`` on a connection of their own (``groups.wait_posts``: a
+``wait`` for all of them and a ``multi_get`` of them, two store requests per wait however long
+the compile; the connection is made once per generation, with its compile group). Meanwhile
+this thread looks every ``TICK_S`` for a failure this rank heard of (``health.latch.first_failure``,
+fed by the heartbeat thread) and at whether the store still answers this rank's heartbeat
+(``groups.watch_peers(...).store``), and every ``PROBE_EVERY_S`` at the pending ranks: their
+heartbeat records as this rank's heartbeat thread last read them (in the request it makes anyway:
+no request of the wait's own; without a heartbeat, read once per generation), ``/proc`` for a rank
+on this host and the gloo connection to one elsewhere, neither of which costs the store anything.
 
 The store can fail under the wait (issue 37, item 4): its host gone (the connection closed or
 reset: the notice wait's own connection sees it at once), a call that raises, or a store that
-stops answering. A stopped store stops every rank's heartbeat too, so the compiling rank soon
-looks silent and the watch reads its record again: that read, bounded by
-``COMPILER_COLLECTIVES_TIMEOUT``, runs out. Each ends the wait with ``StoreFailureError`` naming
-the store, published like any failure: same-host peers hear of it through shared memory, the
-others through the store where it still answers.
+stops answering. A stopped store leaves this rank's heartbeat waiting for its answer: once one
+beat has waited ``COMPILER_COLLECTIVES_TIMEOUT`` (as this thread watched; its own stops not
+counted), the store stopped. Each ends the wait with ``StoreFailureError`` naming the store,
+published like any failure: same-host peers hear of it through shared memory, the others through
+the store where it still answers. With heartbeats off nothing tells a stopped store from a long
+compile: the wait goes on until the compiling rank's own post meets it (below), and its process,
+once it ends, breaks its connection.
 
 The compiling rank's side (``post``: that its compile ended, or its install) meets the same
 dead store: ``StoreFailureError`` naming the store and the graph, published the same way. No
 report of it crosses hosts through a store that is gone; what reaches a rank waiting on another
 host is its own wait's store failure (a killed store closes its connection at once, a stopped
-one runs out its bounded read of the compiling rank's record), and once the compiling rank's
-process ends, its broken gloo connection.
+one its heartbeat's unanswered beat), and once the compiling rank's process ends, its broken
+gloo connection.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ from . import failure as failure_procedure
 log = logging.getLogger("compiler_collectives.compile_wait")
 
 LOG_EVERY_S = 30.0
-TICK_S = 0.05  # how often the wait looks for a failure this rank heard of (no store request)
-PROBE_EVERY_S = 0.2  # how often it looks at the pending ranks (groups.watch_peers)
+TICK_S = 0.05  # how often the wait looks for a failure this rank heard of, and at the store (no store request)
+PROBE_EVERY_S = 0.2  # how often it looks at the pending ranks (groups.watch_peers: no store request)
 _STORE_FAILED = "the store failed"
 _MARGIN_S = 60.0  # the store's own wait outlasts the compile timeout: this thread ends it first
 STORE_ADVICE = (
@@ -85,7 +92,7 @@ def wait_for_posts(
     started = time.monotonic()
     deadline = started + config.settings.compile_timeout_s
     next_log = started + LOG_EVERY_S
-    probes = groups.watch_peers(order)
+    watch = groups.watch_peers(order)
     notices = groups.wait_posts([keys[r] for r in order], config.settings.compile_timeout_s + _MARGIN_S)
     why_not = "it stopped waiting"
     pending = list(order)
@@ -123,12 +130,17 @@ def wait_for_posts(
                     # for stops on it too, and its words say what happened where this rank waited.
                     stopped = failure_procedure.as_reported(stopped, pending[0], seq)
                 raise stopped
+            if watch.store() is not None:
+                raise store_failed(
+                    f"{notices.store} did not answer this rank's heartbeat within "
+                    f"{config.settings.timeout_s:.0f}s (COMPILER_COLLECTIVES_TIMEOUT)"
+                )
             now = time.monotonic()
             if now >= next_probe:
                 next_probe = now + PROBE_EVERY_S
                 for r in pending:
                     try:
-                        gone = probes[r]()
+                        gone = watch.peers[r]()
                         if gone is None or groups.read_post(keys[r]) is not None:
                             continue  # alive, or it posted (the wait had not got to its notice yet) and then went
                     except StoreUnresponsive as e:
@@ -181,6 +193,7 @@ def wait_for_posts(
                 f"{notices.store} failed while this rank waited on it ({store_error_text(cause)})"
             ) from cause
     finally:
+        watch.close()
         if why_not == _STORE_FAILED:
             notices.abandon()  # asking the store to end the wait would cost one more bounded call
         else:

@@ -7,10 +7,11 @@ One module per concern:
   (``stats()["store_requests"]``), how messages name a store, and how to
   reach the default group's store (a source install wires);
 * ``board``: one generation's side channel (``SideChannel``): the heartbeat
-  and its thread, the failure reports, and what the watches of a wait last
-  read of their peers (``PeerRecords``);
+  and its thread, the failure reports, and the records of the peers a wait
+  watches, which the heartbeat reads with its own request (``PeerRecords``);
 * ``mailbox``: notices a rank leaves for its peers, and the blocking wait
-  for them on a store connection of its own (``NoticeWait``);
+  for them on a store connection of its own (``NoticeWait``: two requests
+  per wait);
 * ``rendezvous``: our rendezvous before each later group of a generation.
 
 This layer writes and reads; what a record says of a peer (alive, stopped,

@@ -8,7 +8,9 @@ but not which rank is gone. A ``SideChannel`` keeps, under the key prefix
   from a daemon thread: a beat counter, the rank's process (pid, start time,
   host) and its progress (guard-collective number, compiler-collective number
   and frame). The hot path writes nothing: the thread reads counters the
-  collectives keep anyway;
+  collectives keep anyway. While a wait of this rank watches peers
+  (``PeerRecords``), the same thread reads their records in the request that
+  reads the failure count: a watch costs the store nothing of its own;
 * ``fail/<rank>`` and the counter ``failures``: a failing rank's report. The
   heartbeat thread of every rank watches the counter and hands a peer's report
   to its caller (transport's handler poisons the rank), so a rank waiting in
@@ -26,7 +28,8 @@ that a peer on the same host can look for it in ``/proc``.
 
 This module writes and reads the records; what they say of a peer (alive,
 stopped, gone...) is the health layer's verdict (``health.liveness``), which
-reads them through ``read_peer``, ``report`` and ``PeerRecords``.
+reads them through ``read_peer``, ``report`` and ``PeerRecords``, and tells
+from ``unanswered`` whether the store still answers this rank's heartbeat.
 
 At interpreter exit the heartbeat thread is stopped and joined (transport's
 ``shutdown``): a daemon thread that is inside a store call while Python
@@ -37,6 +40,7 @@ that aborts the process ("terminate called without an active exception").
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import threading
@@ -53,10 +57,6 @@ from .mailbox import Mailbox
 # The name logs were filtered by before the store had a layer of its own.
 log = logging.getLogger("compiler_collectives.watchdog")
 
-RECORD_EVERY_S = 1.0
-"""How often ``PeerRecords`` reads the failure key of a peer that beats no heartbeat (one
-store request; with heartbeats on, failure reports reach a rank through its heartbeat thread)."""
-
 # pid -> (state letter, start time in clock ticks) from /proc/<pid>/stat, or None if it is gone:
 # handed in by transport, kept for the health layer's look at peers on this host.
 ProcessProbe = Callable[[int], tuple[str, int] | None]
@@ -65,53 +65,38 @@ T = TypeVar("T")
 
 
 class PeerRecords:
-    """What the watches of one wait (health's ``watch_peer``) last read of their peers on the
-    store, and when: one read serves them all. The first reads every peer's failure key and
-    record; later ones read only what can change: one ``multi_get`` of the records of the peers
-    that beat, and the failure key of each that does not (heartbeats off: no heartbeat thread
-    hears its reports)."""
+    """The heartbeat records of the peers one wait watches (health's ``watch_peer``), at no store
+    request of the wait's own: while this rank beats, its heartbeat thread reads them in the
+    request that reads the failure count (``SideChannel.watch``), once a beat; without a
+    heartbeat thread (``COMPILER_COLLECTIVES_HEARTBEAT_S=0``) they never change after the one
+    written at start, and are read once per generation (``record``). ``close`` when the wait ends.
+
+    Every rank of a generation's groups wrote its record before the generation's first
+    rendezvous, so a wait (which follows an exchange on those groups) only watches records that
+    exist: the heartbeat's ``multi_get`` never waits for a missing key."""
 
     def __init__(self, side: SideChannel, ranks: Sequence[int]) -> None:
         self._side = side
         self.ranks = list(ranks)
-        self.read_at: float | None = None
-        self.failed: dict[int, bool] = {r: False for r in self.ranks}
-        self.records: dict[int, dict[str, Any] | None] = {r: None for r in self.ranks}
+        side.watch(self.ranks)
+        self._closed = False
 
-    def interval(self, rank: int) -> float:
-        """``rank``'s heartbeat interval as its record says (0: it beats none, or no record)."""
-        record = self.records.get(rank)
-        value = None if record is None else record.get("hb_s")
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-    def due(self, now: float, rank: int, again_s: float | None) -> bool:
-        """Whether to read the store again for ``rank``'s watch: never read; a peer without a
-        heartbeat's failure key every ``RECORD_EVERY_S``; a beating one once ``again_s`` passed
-        since the last read (None: not yet; the watch asks again while what it last read makes
-        the peer look silent or wedged)."""
-        if self.read_at is None:
-            return True
-        waited = now - self.read_at
-        if self.interval(rank) <= 0:
-            return self.records.get(rank) is not None and waited >= RECORD_EVERY_S
-        return again_s is not None and waited >= again_s
-
-    def read(self) -> None:
-        """Read the store (bounded, on the side channel's store-call thread)."""
-        self._side.call(self._read, config.settings.timeout_s, "reading a heartbeat")
-        self.read_at = time.monotonic()
-
-    def _read(self) -> None:
+    def record(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s record as last read (None: not read yet, for at most one beat). Without a
+        heartbeat thread, the first call reads those not read before this generation (bounded,
+        on the side channel's store-call thread; ``StoreUnresponsive`` or the store's error)."""
         side = self._side
-        if self.read_at is None:
-            for r in self.ranks:
-                self.failed[r], self.records[r] = side.read_peer(r)
-            return
-        beating = [r for r in self.ranks if self.interval(r) > 0]
-        self.records.update(zip(beating, side._read_records(beating)))
-        for r in self.ranks:
-            if r not in beating and self.records[r] is not None:
-                self.failed[r] = side._reported(r)
+        if not side.beating and rank not in side.records:
+            side.call(
+                functools.partial(side.read_records, self.ranks), config.settings.timeout_s, "reading a heartbeat"
+            )
+        return side.records.get(rank)
+
+    def close(self) -> None:
+        """The wait ended: the heartbeat stops reading these records (once every wait watching them closed)."""
+        if not self._closed:
+            self._closed = True
+            self._side.unwatch(self.ranks)
 
 
 class SideChannel:
@@ -149,6 +134,15 @@ class SideChannel:
         self._seen_failures = 0
         self._beats = 0
         self._store_failing = False
+        self._counted = False  # the failure count exists on the store (its first ``add`` made it)
+        # The first beat the store has not answered yet, and since when (monotonic): None once a
+        # beat was answered (``unanswered``).
+        self._unanswered: tuple[int, float] | None = None
+        self._watch_lock = threading.Lock()
+        self._watched: dict[int, int] = {}  # rank -> how many waits watch its record
+        self.records: dict[int, dict[str, Any] | None] = {}
+        """The latest heartbeat record read of each watched peer (``PeerRecords``): by the
+        heartbeat thread at each beat, or once without one."""
         self._caller = StoreCaller()  # the frequent store calls (``call``): one thread, not one per call
         self.mailbox = Mailbox(self.store, rank, self._caller)
         """Notices for the peers (``post``, ``read_post``, ``wait_posts``)."""
@@ -229,14 +223,37 @@ class SideChannel:
         count_requests()
         self.store.set(f"hb/{self.rank}", json.dumps(record))
 
+    def unanswered(self) -> tuple[int, float] | None:
+        """(the first beat the store has not answered, since when by the monotonic clock) from the
+        moment that beat began until a beat's store calls all return; None meanwhile, and without
+        a heartbeat thread. A store that stopped answering (or whose calls raise) leaves it set
+        for good (health's ``StoreWatch``)."""
+        return self._unanswered
+
+    def watch(self, ranks: Sequence[int]) -> None:
+        """Read the records of ``ranks`` at each beat from now on (``PeerRecords``), until ``unwatch``."""
+        with self._watch_lock:
+            for r in ranks:
+                self._watched[r] = self._watched.get(r, 0) + 1
+
+    def unwatch(self, ranks: Sequence[int]) -> None:
+        with self._watch_lock:
+            for r in ranks:
+                left = self._watched.get(r, 0) - 1
+                if left > 0:
+                    self._watched[r] = left
+                else:
+                    self._watched.pop(r, None)
+
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             if not self._current():
                 return  # the default group is gone (destroyed or replaced): so is our job here
+            if self._unanswered is None:
+                self._unanswered = (self._beats + 1, time.monotonic())
             try:
                 self._beat()
-                count_requests()
-                failures = self.store.add("failures", 0)
+                failures = self._read_board()
                 if failures > self._seen_failures:
                     self._seen_failures = failures
                     self._notice_failures()
@@ -255,9 +272,25 @@ class SideChannel:
                 else:
                     log.debug("heartbeat of rank %d: store still failing: %s", self.rank, e)
                 continue
+            self._unanswered = None
             if self._store_failing:
                 self._store_failing = False
                 log.warning("heartbeat of rank %d: the c10d store answers again", self.rank)
+
+    def _read_board(self) -> int:
+        """The failure count, and the records of the peers that waits watch, in one request: the
+        count's ``add`` of 0 (which makes it, the first time), or once it exists and while some
+        wait watches, one ``multi_get`` of the count (kept as decimal text) and those records."""
+        with self._watch_lock:
+            watched = sorted(self._watched)
+        count_requests()
+        if not watched or not self._counted:
+            failures = int(self.store.add("failures", 0))
+            self._counted = True
+            return failures
+        values = self.store.multi_get(["failures", *(f"hb/{r}" for r in watched)])
+        self.records.update(zip(watched, (_record(raw) for raw in values[1:])))
+        return int(values[0])
 
     def _notice_failures(self) -> None:
         # The lowest rank with an original report: a relayed one (a rank that stopped on
@@ -361,26 +394,30 @@ class SideChannel:
     def _read_record(self, r: int) -> dict[str, Any] | None:
         """Rank ``r``'s heartbeat record, known to exist (a ``get`` of a missing key would block)."""
         count_requests()
-        try:
-            record = json.loads(self.store.get(f"hb/{r}"))
-        except ValueError:
-            record = None
-        return record if isinstance(record, dict) else None
+        return _record(self.store.get(f"hb/{r}"))
 
-    def _read_records(self, ranks: Sequence[int]) -> list[dict[str, Any] | None]:
-        """The heartbeat records of ``ranks``, each known to exist: one request."""
-        if not ranks:
-            return []
+    def read_records(self, ranks: Sequence[int]) -> None:
+        """Read the records of ``ranks`` not read before into ``records`` (unbounded: for callers
+        already bounded): whether all exist, then all in one request; each apart where some do
+        not (one that never wrote a record reads as None)."""
+        missing = [r for r in ranks if r not in self.records]
+        if not missing:
+            return
+        keys = [f"hb/{r}" for r in missing]
         count_requests()
-        out: list[dict[str, Any] | None] = []
-        for raw in self.store.multi_get([f"hb/{r}" for r in ranks]):
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                record = None
-            out.append(record if isinstance(record, dict) else None)
-        return out
+        if self.store.check(keys):
+            count_requests()
+            self.records.update(zip(missing, (_record(raw) for raw in self.store.multi_get(keys))))
+            return
+        for r in missing:
+            count_requests()
+            self.records[r] = self._read_record(r) if self.store.check([f"hb/{r}"]) else None
 
-    def _reported(self, r: int) -> bool:
-        count_requests()
-        return bool(self.store.check([f"fail/{r}"]))
+
+def _record(raw: bytes) -> dict[str, Any] | None:
+    """A heartbeat record as stored (JSON), or None where it is not one."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None

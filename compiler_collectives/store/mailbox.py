@@ -4,11 +4,12 @@ A side channel's ``Mailbox`` keeps notices under ``post/<name>`` of the
 generation's store prefix. ``post`` and ``read_post`` are bounded like every
 store call of ours (on the side channel's ``StoreCaller``). A wait for
 notices (``NoticeWait``) blocks in the store's own ``wait`` on a connection of
-its own (one per generation, kept between waits and dropped with the side
-channel at ``GROUP_ENDING``), so that it asks the store a few requests per
-notice, not one per poll, and holds up no other store call. A wait that
-stops leaves ``GAVE_UP`` under the notice it waited for, which ends the
-store's wait on every rank.
+its own (one per generation, made with the generation's compile group where
+compile once is on, kept between waits and dropped with the side channel at
+``GROUP_ENDING``), so that it asks the store two requests per wait (a ``wait``
+for all its notices, a ``multi_get`` of them), not one per poll, and holds up
+no other store call. A wait that stops leaves ``GAVE_UP`` under the notices it
+waited for, which ends the store's wait on every rank.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ GAVE_UP_POLL_S = 0.2  # how often a wait that found another rank's GAVE_UP looks
 class NoticeWait:
     """Notices awaited with the store's own blocking ``wait``, on one daemon thread and a store
     connection of its own (``Store.clone``; the mailbox keeps one between waits, so a process
-    connects once per generation, not once per wait: ``Mailbox.notice_connection``): each
-    notice costs one wait and one get however long it takes, and the wait never holds up the
-    heartbeat's or any other store call (a TCPStore client runs one call at a time). The
-    waiting thread asks ``done`` (no store request) and ``cancel``s when it stops waiting: that
-    leaves ``GAVE_UP`` under the notice being waited for, which ends the store's wait, so this
-    thread never outlives its waiter by more than a store call. Every other rank waiting for
-    that notice then looks for the real post every ``GAVE_UP_POLL_S`` (it is hearing of the
-    failure that made this rank give up). A store that cannot be cloned (a Python ``Store``) is
-    polled at that pace instead.
+    connects once per generation, not once per wait: ``Mailbox.notice_connection``): one
+    ``wait`` for all the notices and one ``multi_get`` of them, however many and however long
+    they take, and the wait never holds up the heartbeat's or any other store call (a TCPStore
+    client runs one call at a time). The waiting thread asks ``done`` (no store request) and
+    ``cancel``s when it stops waiting: that leaves ``GAVE_UP`` under every notice not posted,
+    which ends the store's wait, so this thread never outlives its waiter by more than a store
+    call. Every other rank waiting for those notices then looks for the real posts every
+    ``GAVE_UP_POLL_S`` (it is hearing of the failure that made this rank give up). A store that
+    cannot be cloned (a Python ``Store``) is polled at that pace instead.
 
     A store that fails under the wait (its host gone: the connection closed; a call that
     raised) ends it at once: ``done``, and ``result`` raises ``StoreFailureError`` naming the
@@ -62,7 +63,6 @@ class NoticeWait:
         self._keys = list(keys)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._values: list[bytes | None] = [None] * len(self._keys)
-        self._at = 0  # the key being waited for
         self._stop = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -74,7 +74,8 @@ class NoticeWait:
         return self._done.wait(timeout_s)
 
     def posted(self) -> list[bytes | None]:
-        """Each key's notice, None where none arrived yet (``result`` raises the store's error)."""
+        """Each key's notice, None where none arrived yet (the store's ``wait`` returns once all
+        did: until then, none reads as arrived; ``result`` raises the store's error)."""
         return list(self._values)
 
     def result(self) -> list[bytes]:
@@ -82,9 +83,10 @@ class NoticeWait:
         the store failed under the wait."""
         error = self._error
         if error is not None:
+            waited = ", ".join(repr(k) for k, v in zip(self._keys, self._values) if v is None)
             raise StoreFailureError(
-                f"rank {self._mailbox.rank}: {self.store} failed while this rank waited on it for the notice "
-                f"{self._keys[self._at]!r} ({store_error_text(error)})",
+                f"rank {self._mailbox.rank}: {self.store} failed while this rank waited on it for the "
+                f"notice{'s' if ', ' in waited else ''} {waited} ({store_error_text(error)})",
                 rank=self._mailbox.rank,
             ) from error
         values = [v for v in self._values if v is not None]
@@ -97,7 +99,9 @@ class NoticeWait:
             return
         self._stop.set()
         try:
-            self._mailbox.give_up_on(self._keys[self._at], why)
+            for key, value in zip(self._keys, self._values):
+                if value is None:  # the store's wait returns once every key is there
+                    self._mailbox.give_up_on(key, why)
         except Exception as e:  # noqa: BLE001 - a store that does not answer ends the wait with an error
             log.debug("ending a wait for a notice: %s", e)
         self._thread.join(self.CANCEL_JOIN_S)
@@ -112,12 +116,15 @@ class NoticeWait:
         own = None
         try:
             own = self._mailbox.notice_connection()
-            for i, key in enumerate(self._keys):
-                self._at = i  # before looking at _stop: a cancel gives up on this key or finds _stop set
-                value = self._wait_for(own, key)
-                if value is None:
-                    break
-                self._values[i] = value
+            if own is not None and not self._stop.is_set():
+                count_requests()
+                own.wait(self._keys, self._timeout)
+                if not self._stop.is_set():  # a cancel's GAVE_UP woke it: nothing to read
+                    count_requests()
+                    for i, value in enumerate(own.multi_get(self._keys)):
+                        if not value.startswith(GAVE_UP):
+                            self._values[i] = value
+            self._poll(own if own is not None else self._mailbox.store)
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
         finally:
@@ -125,22 +132,17 @@ class NoticeWait:
                 self._mailbox.spare_connection(own)  # its calls all returned: the next wait takes it
             self._done.set()
 
-    def _wait_for(self, own: Any, key: str) -> bytes | None:
-        if own is not None and not self._stop.is_set():
-            count_requests(2)
-            own.wait([key], self._timeout)
-            value: bytes = own.get(key)
-            if not value.startswith(GAVE_UP):
-                return value
-        store = own if own is not None else self._mailbox.store
-        while not self._stop.wait(GAVE_UP_POLL_S):
-            count_requests()
-            if store.check([key]):
+    def _poll(self, store: Any) -> None:
+        """Look for each notice not read yet (another rank's ``GAVE_UP`` under it, or a store that
+        cannot be cloned) every ``GAVE_UP_POLL_S`` until all arrived or the wait stops."""
+        for i, key in enumerate(self._keys):
+            while self._values[i] is None and not self._stop.wait(GAVE_UP_POLL_S):
                 count_requests()
-                value = store.get(key)
-                if not value.startswith(GAVE_UP):
-                    return value
-        return None
+                if store.check([key]):
+                    count_requests()
+                    value = store.get(key)
+                    if not value.startswith(GAVE_UP):
+                        self._values[i] = value
 
 
 class Mailbox:
@@ -186,6 +188,13 @@ class Mailbox:
         connection of its own, so that the heartbeat's and every other store call go on meanwhile."""
         return NoticeWait(self, [f"post/{name}" for name in names], timeout_s)
 
+    def connect(self) -> None:
+        """Make the connection the next ``NoticeWait`` takes, now (bounded by the caller): a
+        generation's cost, paid where its groups are made, not in its first wait."""
+        connection = self.notice_connection()
+        if connection is not None:
+            self.spare_connection(connection)
+
     def notice_connection(self) -> Any:
         """A store connection for one ``NoticeWait`` alone: the spare one a wait before it left
         (``spare_connection``), else a new one (``Store.clone``: it connects); None where the
@@ -217,8 +226,8 @@ class Mailbox:
             self._spare = None
 
     def give_up_on(self, key: str, why: str) -> None:
-        """Leave ``GAVE_UP`` under ``key`` unless something is posted there (bounded): it ends a
-        store wait for that key, on any rank."""
+        """Leave ``GAVE_UP`` under ``key`` unless something is posted there (bounded): with one
+        under each key it waits for, a store wait ends, on any rank."""
 
         def leave() -> None:
             count_requests()

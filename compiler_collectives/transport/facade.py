@@ -20,8 +20,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..health.liveness import COMPILE_WAIT, WaitPolicy
-from ..health.watch import watch_peer
-from ..store.board import PeerRecords, SideChannel
+from ..health.watch import WaitWatch
+from ..store.board import SideChannel
 from ..store.mailbox import NoticeWait
 from . import generation as generation_mod
 from . import groups as build
@@ -167,33 +167,32 @@ class Groups:
     def wait_posts(self, names: Sequence[str], timeout_s: float) -> NoticeWait:
         """Start waiting for the notices ``names`` (``post``) on a store connection of their own
         (``store.mailbox.NoticeWait``): ``done``, ``posted``, ``result``, and ``cancel`` when the
-        caller stops waiting. A few store requests per notice, however long it takes."""
+        caller stops waiting. Two store requests (a ``wait`` and a ``multi_get``), however many
+        notices and however long they take."""
         return build.side_channel(self._gen).mailbox.wait_posts([self._notice(name) for name in names], timeout_s)
 
-    def watch_peers(
-        self, ranks: Sequence[int], *, policy: WaitPolicy = COMPILE_WAIT
-    ) -> dict[int, Callable[[], str | None]]:
-        """A probe of each global rank of ``ranks``: each call says why ``policy`` gives up on it
-        (it is absent), or None while ``policy`` waits for it. The default is compile once's loader
-        wait (its only caller): a gone or failed peer is absent; a stopped or wedged one on this
-        host, or a silent one on another, is waited for, with a warning every 30 s
-        (``health.liveness``). Cheap enough to call every poll: no thread per call, no store
-        request at most calls (the probes share one read of their records, made again only where
-        a record looks silent: ``store.board.PeerRecords``), ``/proc`` read for a peer on this
-        host, heartbeats or not, and for one elsewhere that is silent or beats no heartbeat, this
-        rank's gloo connection to it (in the compile group) looked at about once a second: a
-        reset connection is how a process that ended on another host is known."""
+    def watch_peers(self, ranks: Sequence[int], *, policy: WaitPolicy = COMPILE_WAIT) -> WaitWatch:
+        """The watches of one wait for the global ranks ``ranks`` (``health.watch.WaitWatch``;
+        ``close`` it when the wait ends): ``peers[rank]()`` says why ``policy`` gives up on that
+        rank (it is absent), or None while ``policy`` waits for it; ``store()`` says how long
+        this rank's heartbeat has waited for the store, once that reached
+        COMPILER_COLLECTIVES_TIMEOUT. The default is compile once's loader wait (its only
+        caller): a gone or failed peer is absent; a stopped or wedged one on this host, or a
+        silent one on another, is waited for, with a warning every 30 s (``health.liveness``).
+        Cheap enough to call every poll, and none asks the store anything: the peers' records
+        come with this rank's heartbeat (read once per generation without one:
+        ``store.board.PeerRecords``), ``/proc`` is read for a peer on this host, heartbeats or
+        not, and for one elsewhere that is silent or beats no heartbeat, this rank's gloo
+        connection to it (in the compile group) looked at about once a second: a reset
+        connection is how a process that ended on another host is known."""
         side = build.side_channel(self._gen)
         pg = self._gen.compile_pg
         members = self.member_ranks(pg) if pg is not None and connections_can_be_looked_at() else ()
-        records = PeerRecords(side, ranks)
-        probes = {}
+        connections: dict[int, Callable[[], str | None]] = {}
         for rank in ranks:
-            connection: Callable[[], str | None] | None = None
             if pg is not None and rank in members:
-                connection = functools.partial(broken_connection, pg, members.index(rank))
-            probes[rank] = watch_peer(side, rank, policy=policy, connection=connection, records=records)
-        return probes
+                connections[rank] = functools.partial(broken_connection, pg, members.index(rank))
+        return WaitWatch(side, ranks, policy=policy, connections=connections)
 
     def broken_peers(self, pg: Any) -> dict[int, str]:
         """The members of ``pg`` (global ranks) whose gloo connection to this rank broke, each with

@@ -105,12 +105,23 @@ def side_channel(gen: Generation) -> SideChannel:
 
 
 def compile_pg(gen: Generation) -> dist.ProcessGroup:
-    """The compile group of the current generation, made on every rank together at first use."""
+    """The compile group of the current generation, made on every rank together at first use;
+    where compile once is on, with the store connection its waits for notices take
+    (``Mailbox.connect``): a cost of the generation, not of its first graph."""
     gen.notice()
     with gen.lock:
         if gen.compile_pg is None:
             gen.compile_pg = _new_group(gen, "compiler_collectives_compile", "compiler")
+            if config.settings.compile_once:
+                _connect_for_notices(side_channel(gen))
         return gen.compile_pg
+
+
+def _connect_for_notices(side: SideChannel) -> None:
+    try:
+        bounded(side.mailbox.connect, config.settings.timeout_s, "connecting for notices")
+    except Exception as e:  # noqa: BLE001 - the first wait connects instead (and meets the store's trouble)
+        log.debug("rank %d: connecting for notices: %s", side.rank, e)
 
 
 def guard_channel(gen: Generation) -> GuardChannel:
