@@ -401,7 +401,7 @@ def host_keys(n: int, link: float, f: Figures) -> float:
 
 
 def exchanges(hosts: int, link: float, f: Figures) -> dict[str, float]:
-    """The exchanges per graph as built (``transport/hosttree.py``, ``protocol``)."""
+    """The exchanges per graph as built (``transport/hosttree.py``, ``agreements/once/exchanges.py``)."""
     n, k = hosts * f.ranks_per_host, sources(hosts, f)
     t = tree_min(hosts, link, f)
     results = tree_gather(hosts, link, f, k, f.result_kib * 1024) if k else None

@@ -98,7 +98,7 @@ def test_no_module_but_the_ledger_s_readers_writes_a_trace_event_or_an_artifact(
     [
         # the old ways: the agreements feeding the recorder by hand
         ("agreements.compiler", "timing.recorder.compiler(record)"),
-        ("agreements.once.ticket", "rec = timing.ensure(0, 1)"),
+        ("agreements.once.graph", "rec = timing.ensure(0, 1)"),
         ("agreements.guard", "from ..instrument.timing import recorder"),
         # an artifact written straight into torch's structured trace
         ("dynamo.compiler_seam", "bound.originals['trace_structured']('artifact', payload_fn=p)"),

@@ -19,7 +19,7 @@ for a cache bypass. The user must still get our error, as itself. So:
 
 The scope also holds what the seams keep for the compile in progress (the
 frame and its locals, the exchange boxes it opened, the frame the backend
-compiles, the state of compile once's lookup and its current ticket): per compile, not
+compiles, compile once's current graph): per compile, not
 per thread.
 """
 

@@ -7,7 +7,7 @@ globals of each agreement:
 * the compiler collective's sequence number and the frame of its latest exchange (``compiler``);
 * the program audit's sequence number (``audit_verdict``);
 * compile once's graph number, what its last full key exchange saw, and the compile group's
-  ranks by host (``once.protocol``, ``once.exchanges``).
+  ranks by host (``once.driver``, ``once.exchanges``).
 
 Every moment that ends a generation (``reset()``, a destroyed default group, a fork) has the
 runtime build a fresh instance and bind it here (``adopt``); nothing is zeroed in place, so an

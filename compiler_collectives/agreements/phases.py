@@ -36,7 +36,7 @@ ALL_GATHER = Phases(
     ),
 )
 
-# Compile once's exchanges over the host tree (``once.protocol``).
+# Compile once's exchanges over the host tree (``once.exchanges``).
 HOST_TREE = Phases(
     names={
         ONCE_KEYS: "compile once's keys",

@@ -21,7 +21,7 @@ first finds inductor imported (``audit_seam.ensure_backend_seams``):
 
 The AOTAutograd compile itself is wrapped here (``aot_compile``, called by the aot seam
 ``audit_seam.aot_module_simplified``): the backward lowered with the forward, the cache key
-computed with the user's own lowering setting, and compile once's ticket around it
+computed with the user's own lowering setting, and compile once's driver around it
 (``around_aot``). Every seam here leaves our code through ``compile_scope.boundary``: our error
 is latched in the compile's scope, and the seam around Dynamo's compile raises it in place of
 the ``BackendCompilerFailed`` torch wraps it in.

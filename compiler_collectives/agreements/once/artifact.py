@@ -7,7 +7,7 @@ what the threat model needs (docs/design.md, "compile once"):
 
 1. it refuses bytes that do not match their digest (``split_verified``, ``check_shared``), a path
    outside the cache layout (``safe_relpath``), a manifest without an entry (``manifest_problem``)
-   and an entry for another key (``foreign_entry``); the protocol refuses oversize artifacts;
+   and an entry for another key (``foreign_entry``); the driver refuses oversize artifacts;
 2. a kernel binary that exists with other bytes beside its own source is an equivalent build,
    kept as it is (``kernel_sources``, ``equivalent_build``);
 3. entries of the key that the manifest does not list are no reason to refuse
@@ -16,7 +16,7 @@ what the threat model needs (docs/design.md, "compile once"):
 5. the install is staged: all or nothing (``install``).
 
 Each check returns a ``Refusal`` saying why not; a load that goes ahead returns ``Accepted``.
-No counters and no exchanges: the protocol (``protocol.py``) counts, logs and talks.
+No counters and no exchanges: the driver (``driver.py``) counts, logs and talks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ files received (or found in its cache dir), checked against their SHA-256, and i
 tree (``transfer.receive``) and installs them, then tells its dir's readers; a reader waits for
 that install and checks the files in place, as a rank sharing the source's dir does; a rank that
 does not accept the artifact refuses on its own. ``Dir`` is this rank's cache dir as it needs it
-(with the protocol's store notices for a dir's readers); ``Installed`` what it came to: why it
+(with the mailbox's store notices for a dir's readers); ``Installed`` what it came to: why it
 refused, if it did, and its bytes and times for the graph's record.
 """
 
@@ -37,7 +37,7 @@ def install(root: str, result: Result, data: bytes, source: int) -> artifact.Acc
 class Dir:
     """This rank's cache dir as a loader's install needs it: its root, where the entry of its own
     key lives under it (``prefix``), and how the ranks of one dir hear of their receiver's install
-    (the protocol's notices on the store)."""
+    (the mailbox's notices on the store)."""
 
     root: str
     prefix: str

@@ -14,13 +14,13 @@ offers, the result), how each loader of one source gets the bytes:
 * ``NONE``: it does not accept the artifact (its size limit, or the manifest is unsafe): it
   refuses on its own, and no bytes come its way.
 
-The protocol hands each graph's transfer in as a ``Graph`` (its ``Link``, the plans, the offers,
+The driver hands each graph's transfer in as a ``Graph`` (its ``Link``, the plans, the offers,
 the level, the fan-out) once the result exchange ended: the source ``serve``s its bytes down its
 tree, and each loader calls ``loading.receive_and_install``, which follows its route to the files
-in its cache dir (``loading.Dir``: the dir, and the protocol's store notices by which a dir's
+in its cache dir (``loading.Dir``: the dir, and the mailbox's store notices by which a dir's
 readers hear of its receiver's install) and says why it refused, if it did; a dir's receiver
 takes its pieces here (``receive``). Who loads, and what a failure means,
-stay the protocol's: ``Link.failed`` publishes and counts a broken piece's error.
+stay the driver's: ``Link.failed`` publishes and counts a broken piece's error.
 
 The tree: the source is node 0, the receivers nodes 1..D in rank order, and node i's children
 are nodes F*i+1 .. F*i+F. The bytes go in pieces of ``chunk_bytes`` (the source's
@@ -107,7 +107,7 @@ class Link:
     rank: int
     seq: int
     where: Callable[[], str]
-    # How this rank publishes and counts the error of a failed transfer (the protocol's failure
+    # How this rank publishes and counts the error of a failed transfer (the driver's failure
     # procedure); the error already names the peer (``broken``).
     failed: Callable[[CollectiveError], CollectiveError]
     # The compile group's host tree: each parent and child meet on it first (``meet``); None: they do not.
