@@ -66,12 +66,18 @@ def job(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(400)
-def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a_world_gather(tmp_path):
-    rank_env = {
+def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
+    """Four ranks as two hosts (``GROUP_RANK``, as torchrun's agents set it), a cache dir per host."""
+    for host in (0, 1):
+        os.makedirs(tmp_path / f"host{host}")
+    return {
         r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
     }
-    os.makedirs(tmp_path / "host0"), os.makedirs(tmp_path / "host1")
+
+
+@pytest.mark.timeout(400)
+def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a_world_gather(tmp_path):
+    rank_env = two_hosts(tmp_path)
     results = run_ranks(job, 4, env=ENV, rank_env=rank_env, timeout=360).results
     for r in results:
         assert r["right"] == [True, True, True], r
@@ -126,10 +132,7 @@ def job_with_builds(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(400)
 def test_hosts_of_different_build_fingerprints_each_compile_their_own_kernels_with_equal_parameters(tmp_path):
-    rank_env = {
-        r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
-    }
-    os.makedirs(tmp_path / "host0"), os.makedirs(tmp_path / "host1")
+    rank_env = two_hosts(tmp_path)
     results = run_ranks(job_with_builds, 4, env=ENV, rank_env=rank_env, timeout=360).results
     for rank, r in enumerate(results):
         assert r["right"], r

@@ -194,9 +194,8 @@ class Driver:
                 t.wait_ended_at = time.time()
             return events.Posted()
         if isinstance(action, events.ExchangeResults):
-            mine = action.mine if action.mine is not None else None
             with _added(t, "exchange_s"):
-                results = exchanges.exchange_results(g, self.state.plans, mine)
+                results = exchanges.exchange_results(g, self.state.plans, action.mine)
             plan = self.state.plan
             if plan is not None and plan.role == LOAD and plan.source is not None:
                 t.artifact_bytes = results[plan.source].total()
@@ -303,7 +302,8 @@ class Driver:
         def post(said: bytes) -> None:
             waits.post(g, waits.dir_installed, said, "it installed the artifact for this cache dir")
 
-        here = loading.Dir(self.cache.root(), self._entry_prefix(), self.entry_key, installed, post)
+        prefix = self._entry_prefix()
+        here = loading.Dir(self.cache.root(), prefix, self.entry_key, installed, post)
         done = loading.receive_and_install(self._transfer(), result, plan.source, here)
         t.transfer_s += done.transfer_s
         t.install_s += done.install_s
@@ -319,7 +319,6 @@ class Driver:
                 done.refusal,
             )
             return events.Installed(done.refusal)
-        prefix = self._entry_prefix()
         self.sent_entries = frozenset(f.sha256 for f in result.manifest if f.relpath.startswith(prefix))
         return events.Installed(None, done.refetched)
 
