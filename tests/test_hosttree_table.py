@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from compiler_collectives.errors import WireFormatError
 from compiler_collectives.transport import Table
 
-SIZE = 64
+SIZE = 160
 LIMIT = 1 << 10
 
 
@@ -31,12 +31,20 @@ def contents(table: Table) -> dict[int, list[bytes]]:
 
 
 values = st.sampled_from([b"", b"a", b"b", b"key " * 20, bytes(range(256))])
-rows = st.dictionaries(st.integers(0, SIZE - 1), st.lists(values, min_size=3, max_size=3), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rows=rows, data=st.data())
-def test_folding_rows_in_any_grouping_gives_every_row_and_each_distinct_value_once(rows, data):
+def some_table(least: int) -> st.SearchStrategy[dict[int, list[bytes]]]:
+    row = st.lists(values, min_size=3, max_size=3)
+    return st.dictionaries(st.integers(0, SIZE - 1), row, min_size=least, max_size=least + 40)
+
+
+# A small job's tables stay Python lists (``table._LOOSE``, 64 rows); a bigger one's rows move
+# into tensors as they fold past it: both, and every mix of the two, give the same rows.
+@pytest.mark.parametrize("least", [1, 60])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_folding_rows_in_any_grouping_gives_every_row_and_each_distinct_value_once(least, data):
+    rows = data.draw(some_table(least))
     tables = [Table.of_row(r, row, SIZE) for r, row in rows.items()]
     while len(tables) > 1:  # a random tree of folds; every table travels before it is folded in
         i = data.draw(st.integers(0, len(tables) - 2))
@@ -80,7 +88,7 @@ def int32_at(data: bytearray, i: int, value: int) -> bytearray:
     return data
 
 
-@pytest.mark.parametrize("n", [2, 12])  # a host's few rows, and a table as the leaders pass it on
+@pytest.mark.parametrize("n", [2, 12, 100])  # a host's few rows, a small job's table, a big one's (tensors)
 @pytest.mark.parametrize(
     ("spoil", "says"),
     [

@@ -33,7 +33,11 @@ import torch
 from .gloo import tensor_view
 
 _HEAD = 2  # int64: rows, columns
-_LOOSE = 8  # a table of at most this many rows folds in row by row, without a tensor operation
+# A table of at most this many rows is folded, sorted, packed and read as Python lists, without
+# a tensor operation: a small job's first gather in a process would otherwise pay torch's first
+# calls of each operation (10-25 ms along the tree's path at 4 ranks, issue 43), more than the
+# rows' Python costs (a few microseconds a row).
+_LOOSE = 64
 Refuse = Callable[[str], Exception]  # the exchange's error for what a peer sent, naming that peer
 
 
@@ -65,8 +69,14 @@ class Table:
     def held(self) -> set[int]:
         """The group ranks of the rows."""
         if self._held is None:
-            self._held = set(self.rows[:, 0].tolist())
+            lists = self._lists()
+            self._held = {row[0] for row in lists} if lists is not None else set(self.rows[:, 0].tolist())
         return self._held
+
+    def _lists(self) -> list[list[int]] | None:
+        """The rows as lists (group rank, then an index per column) while no tensor holds any of
+        them; None once one does."""
+        return None if self._parts else self._loose
 
     @property
     def rows(self) -> torch.Tensor:
@@ -105,7 +115,8 @@ class Table:
         remap = [self._add(c, v) for c in range(self.columns) for v in other.values[c]]
         if len(other) <= _LOOSE:
             starts = list(itertools.accumulate((len(v) for v in other.values), initial=0))
-            for rank, *index in other.rows.tolist():
+            theirs_rows = other._lists()
+            for rank, *index in theirs_rows if theirs_rows is not None else other.rows.tolist():
                 self._loose.append([rank, *(remap[k + i] for k, i in zip(starts, index))])
             return
         # One gather maps every column's indices into this table's: column c's at its offset.
@@ -116,6 +127,10 @@ class Table:
 
     def row_of(self, rank: int) -> list[bytes] | None:
         """Group rank ``rank``'s row, or None."""
+        lists = self._lists()
+        if lists is not None:
+            row = next((r for r in lists if r[0] == rank), None)
+            return None if row is None else [self.values[c][i] for c, i in enumerate(row[1:])]
         found = (self.rows[:, 0] == rank).nonzero()
         if not len(found):
             return None
@@ -124,13 +139,18 @@ class Table:
 
     def sort(self) -> None:
         """Rows in group rank order (whatever order the folds left them in)."""
+        lists = self._lists()
+        if lists is not None:
+            lists.sort()
+            return
         rows = self.rows
         if len(rows) > 1 and not bool((rows[1:, 0] > rows[:-1, 0]).all()):  # a leader sorted it already
             self._parts = [rows[torch.argsort(rows[:, 0])]]
 
     def ranks(self) -> list[int]:
         """The group rank of each row, in row order."""
-        out: list[int] = self.rows[:, 0].tolist()
+        lists = self._lists()
+        out: list[int] = [row[0] for row in lists] if lists is not None else self.rows[:, 0].tolist()
         return out
 
     def column(self, c: int) -> tuple[list[bytes], list[int]]:
@@ -138,7 +158,8 @@ class Table:
         values = self.values[c]
         if len(values) == 1:
             return values, [0] * len(self)
-        index: list[int] = self.rows[:, 1 + c].tolist()
+        lists = self._lists()
+        index: list[int] = [row[1 + c] for row in lists] if lists is not None else self.rows[:, 1 + c].tolist()
         return values, index
 
     def pack(self) -> bytes:
@@ -146,8 +167,12 @@ class Table:
         counts = [len(v) for v in self.values]
         head = array("q", [len(self), self.columns, *counts])
         head.extend(len(v) for col in self.values for v in col)
-        rows = self.rows.contiguous().view(torch.uint8).reshape(-1)
-        return b"".join([head.tobytes(), bytes(tensor_view(rows)), *(v for col in self.values for v in col)])
+        lists = self._lists()
+        if lists is not None:
+            packed = array("i", [i for row in lists for i in row]).tobytes()
+        else:
+            packed = bytes(tensor_view(self.rows.contiguous().view(torch.uint8).reshape(-1)))
+        return b"".join([head.tobytes(), packed, *(v for col in self.values for v in col)])
 
     @classmethod
     def unpack(cls, data: memoryview, rows: int, columns: int, size: int, max_bytes: int, refuse: Refuse) -> Table:
