@@ -3,7 +3,7 @@
 
 Every agreement hands the ledger a record (``records.py``) of each exchange, audit, check or
 graph (``ledger.add``); one table (``COUNTS``) says which counters each kind of record adds to,
-and by how much. No module but this one writes a counter (``tests/test_ledger.py`` checks it).
+and by how much. No module but this one writes a counter (``tests/unit/test_ledger.py`` checks it).
 The table is applied once, as each record arrives, so that ``stats()`` costs nothing however
 long the job ran; the records themselves are kept, the latest ``KEEP`` of each kind, until
 ``reset_stats()``: a record's figures stay readable while memory stays bounded.
@@ -19,7 +19,7 @@ The ledger has readers: callables the composition root registers (``add_reader``
 every record as it is added, once it is counted. The Chrome trace and the timing samples
 (``instrument/timing.py``) and our structured-trace artifacts (``dynamo/tooling.py``) are
 written by readers, from the records alone: no other module writes a trace event or one of our
-artifacts (``tests/test_ledger_readers.py`` checks it). A guard call reaches the one guard
+artifacts (``tests/unit/test_ledger_readers.py`` checks it). A guard call reaches the one guard
 reader (``read_guards``) only while one is registered, and only for a call the hook timed.
 
 All of the ledger's state is on its instance; ``ledger`` is this process's one.

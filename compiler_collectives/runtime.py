@@ -23,11 +23,11 @@ generation (``reset()``, ``default_group_destroyed()``, a fork) or clear a
 cache of one (``torch_reset()``, ``default_group_ending()``,
 ``reset_stats()``): each moment's steps are written out below, in order, and
 a new generation is built here and handed to each layer (``Runtime.begin``).
-Every other module only defines when imported (``tests/test_import.py``,
-``tests/test_layering.py``).
+Every other module only defines when imported (``tests/contract/test_import.py``,
+``tests/contract/test_layering.py``).
 
 ``STATE`` says what global state the package holds, module by module, and
-what renews or clears each piece; ``tests/test_runtime_state.py`` fails on a
+what renews or clears each piece; ``tests/unit/test_runtime_state.py`` fails on a
 module-level mutable it does not list.
 """
 

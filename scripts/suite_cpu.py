@@ -9,7 +9,7 @@ that test's CPU. Needs a writable ``/sys/fs/cgroup/cpuacct`` (root); without
 one it records nothing and says so.
 
     PYTHONPATH=scripts scripts/dev test -p suite_cpu        # writes suite-cpu-<torch>-<worker>.json
-    scripts/dev python scripts/suite_cpu.py [DIR] [--torch RELEASE]   # the summary: by file, then the top tests
+    scripts/dev python scripts/suite_cpu.py [DIR] [--torch RELEASE]   # the summary: by folder, by file, then the top tests
 
 Files are named by torch's release, so that one directory can hold a whole CI run's
 (``PYTEST_ADDOPTS="-p suite_cpu" PYTHONPATH=scripts bash .ci/run``: each release's tier).
@@ -79,7 +79,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def summary(directory: str, top: int = 25, release: str = "*") -> str:
-    """By file, then the ``top`` tests, of the runs in ``directory`` on torch ``release`` (a glob)."""
+    """By folder, by file, then the ``top`` tests, of the runs in ``directory`` on torch ``release`` (a glob)."""
     pattern = os.path.join(directory, f"suite-cpu-{release}-*.json")
     rows = [row for path in glob.glob(pattern) for row in json.load(open(path))]
     total = sum(cpu for _, cpu, _ in rows)
@@ -88,7 +88,15 @@ def summary(directory: str, top: int = 25, release: str = "*") -> str:
     for nodeid, cpu, _ in rows:
         by_file[nodeid.split("::")[0]] += cpu
         count[nodeid.split("::")[0]] += 1
-    lines = [f"{len(rows)} tests, {total:.0f} CPU-s", "", "| file | tests | CPU-s | share |", "|---|---|---|---|"]
+    by_folder: collections.Counter[str] = collections.Counter()
+    in_folder: collections.Counter[str] = collections.Counter()
+    for nodeid, cpu, _ in rows:
+        folder = os.path.dirname(nodeid.split("::")[0])
+        by_folder[folder] += cpu
+        in_folder[folder] += 1
+    lines = [f"{len(rows)} tests, {total:.0f} CPU-s", "", "| folder | tests | CPU-s | share |", "|---|---|---|---|"]
+    lines += [f"| `{f}/` | {in_folder[f]} | {c:.0f} | {100 * c / total:.0f} % |" for f, c in by_folder.most_common()]
+    lines += ["", "| file | tests | CPU-s | share |", "|---|---|---|---|"]
     lines += [f"| `{f}` | {count[f]} | {c:.0f} | {100 * c / total:.0f} % |" for f, c in by_file.most_common()]
     lines += ["", "| test | CPU-s | wall-s |", "|---|---|---|"]
     for nodeid, cpu, wall in sorted(rows, key=lambda r: -r[1])[:top]:

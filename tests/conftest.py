@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import pool
 from tests.harness import machine_lock
 
 # The tiers (unit, multi-process; torch_seam or release_independent) and --tier/--fast: tests/tiers.py.
@@ -50,6 +51,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "whole_machine(reason): the test asserts a time or memory bound that other tests' load would break: "
         "under xdist workers it runs alone",
     )
+    config.addinivalue_line(
+        "markers",
+        "fresh_ranks(reason): in tests/ranks/, the test's ranks are processes of its own, not a pool's "
+        "(tests/pool.py): its marker says why",
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    pool.close_pool()  # this worker's pool of ranks, if it started one
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -57,6 +67,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mark = item.get_closest_marker("whole_machine")
         if mark is not None and not (mark.args or mark.kwargs.get("reason")):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.whole_machine needs a reason (why it runs alone)")
+        fresh = item.get_closest_marker("fresh_ranks")
+        if fresh is not None and not (fresh.args or fresh.kwargs.get("reason")):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fresh_ranks needs a reason (why not a pool's ranks)")
     # Side by side, the tests that run alone go first (each waits for the machine
     # once, before the others fill it), then the long multi-process tests; the
     # unit tests come last and fill the workers' tails.

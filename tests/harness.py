@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cc_launch as launch
+from tests import pool
 
 EXIT_GRACE_S = 30.0  # how long a rank that reported may take to exit
 # What the forkserver imports once for every rank; compile_fx: 1.5 CPU-s a rank
@@ -84,7 +85,7 @@ class Outcome:
     elapsed_s: float
 
 
-def _read_again_what_the_forkserver_read(env: dict[str, str]) -> None:
+def read_again_what_the_forkserver_read(env: dict[str, str]) -> None:
     """Settings that a preloaded module read from the environment at its import, in the
     forkserver, before this rank's ``env`` existed: read them again from ``env``.
 
@@ -108,7 +109,7 @@ def _child(
     results: Any,
 ) -> None:
     os.environ.update(env)
-    _read_again_what_the_forkserver_read(env)
+    read_again_what_the_forkserver_read(env)
     tempfile.tempdir = None  # the forkserver's may be cached; this job's TMPDIR is its own
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -162,6 +163,7 @@ def run_ranks(
     store: str = "file",
     expect_signals: dict[int, int] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
+    fresh: bool = False,
 ) -> Outcome:
     """Run ``fn(rank, world_size, *args)`` on every rank; return results in rank order.
 
@@ -171,6 +173,10 @@ def run_ranks(
     ``RanksFailed`` unless ``expect_signals`` maps that rank to that signal.
     ``rank_env`` adds variables for some ranks only (a setting that differs
     on one node), on top of ``env``.
+
+    Where pooling is on (``tests/ranks/``: ``pooled()``), a call a pool can serve
+    (``pool.eligible``) runs in this worker's pool of ranks instead of fresh
+    processes; ``fresh=True`` says the test needs processes of its own.
     """
     env = dict(env or {})
     tmp = tempfile.mkdtemp(prefix="cc-ranks-")
@@ -184,6 +190,8 @@ def run_ranks(
         init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         init_method = f"file://{os.path.join(tmp, 'store')}"
+    if _pooling and not fresh and pool.eligible(world_size, init, start_method, store, expect_signals, rank_env):
+        return _in_pool(fn, world_size, args, env, init_method, timeout, check)
     expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
     ranks = launch.start_ranks(
         _child,
@@ -248,6 +256,19 @@ def run_ranks(
     problems = [
         f"--- rank {rank} reported, but had not exited {EXIT_GRACE_S:.0f}s later: killed" for rank in stuck_at_exit
     ]
+    return _verdict(outcome, problems, expected, reported, timed_out, timeout, check)
+
+
+def _verdict(
+    outcome: Outcome,
+    problems: list[str],
+    expected: dict[int, int],
+    reported: set[int],
+    timed_out: list[int],
+    timeout: float,
+    check: bool,
+) -> Outcome:
+    """``outcome``, or ``RanksFailed`` with every problem found (``problems``: the caller's own)."""
     for rank, code in enumerate(outcome.exitcodes):
         if rank in outcome.timed_out or code is None or code >= 0 or expected.get(rank) == code:
             continue
@@ -261,7 +282,7 @@ def run_ranks(
                 f"but its exit code is {outcome.exitcodes[rank]}"
             )
     if check:
-        for rank, tb in sorted(errors.items()):
+        for rank, tb in sorted(outcome.errors.items()):
             problems.append(f"--- rank {rank} raised:\n{tb}")
         for rank, code in enumerate(outcome.exitcodes):
             if rank in outcome.timed_out or rank in expected:
@@ -275,6 +296,91 @@ def run_ranks(
     if problems:
         raise RanksFailed("\n".join(problems), outcome)
     return outcome
+
+
+_pooling = False
+
+
+@contextlib.contextmanager
+def pooled() -> Iterator[None]:
+    """Inside: ``run_ranks`` runs what a pool can serve in this worker's pool (``tests/pool.py``)."""
+    global _pooling
+    before, _pooling = _pooling, True
+    try:
+        yield
+    finally:
+        _pooling = before
+
+
+def _in_pool(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    env: dict[str, str],
+    init_method: str,
+    timeout: float,
+    check: bool,
+) -> Outcome:
+    """``run_ranks`` in this worker's pool: the same outcome and verdict, plus the leak check."""
+    ranks = pool.pool_for(pool.Key.of(world_size, env), PRELOAD)
+    job_env = {name: env[name] for name in pool.JOB_VARIABLES if name in env}
+    started = time.monotonic()
+    number = ranks.send((fn.__module__, fn.__qualname__), args, init_method, job_env)
+    values: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    reported: set[int] = set()
+    tidied: dict[int, list[str]] = {}
+
+    def take(message: tuple[str, int, Any] | None) -> bool:
+        if message is None:
+            return False
+        status, rank, value = message
+        if status == "tidy":
+            tidied[rank] = value
+        else:
+            reported.add(rank)
+            if status == "ok":
+                values[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
+        return True
+
+    def alive(rank: int) -> bool:
+        return ranks.procs[rank].is_alive()
+
+    deadline = started + timeout
+    while len(reported) < world_size and (remaining := deadline - time.monotonic()) > 0:
+        if not take(ranks.receive(number, min(remaining, 0.5))):
+            if not any(alive(r) for r in range(world_size) if r not in reported):
+                while take(ranks.receive(number, 0.2)):
+                    pass
+                break
+    tidy_by = time.monotonic() + pool.TIDY_S
+    while any(alive(r) and r not in tidied for r in reported) and (remaining := tidy_by - time.monotonic()) > 0:
+        take(ranks.receive(number, min(remaining, 0.5)))
+    untidy = [r for r in sorted(reported) if alive(r) and r not in tidied]
+    leaks = {r: left for r, left in tidied.items() if left}
+    dead = [r for r in range(world_size) if not alive(r)]
+    timed_out = [r for r in range(world_size) if r not in reported and alive(r)]
+    exitcodes = [p.exitcode for p in ranks.procs]  # before a poisoned pool's ranks are killed
+    if timed_out or untidy or leaks or dead:
+        ranks.poisoned = True
+        pool.close_pool()
+    outcome = Outcome(
+        results=values,
+        errors=errors,
+        exitcodes=exitcodes,
+        timed_out=timed_out + untidy,
+        elapsed_s=time.monotonic() - started,
+    )
+    problems = [
+        f"--- rank {r} (a pool's) did not finish its tidy-up {pool.TIDY_S:.0f}s after the test: killed" for r in untidy
+    ]
+    for r, left in sorted(leaks.items()):
+        problems.append(f"--- rank {r} (a pool's) was left holding, after the test: " + "; ".join(left))
+    if leaks and not check:  # a leak fails the test whatever it expected of its ranks
+        raise RanksFailed("\n".join(problems), outcome)
+    return _verdict(outcome, problems, {}, reported, timed_out, timeout, check)
 
 
 def release(name: str = "released") -> None:

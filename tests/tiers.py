@@ -33,6 +33,7 @@ import pytest
 SEAM = "torch_seam"
 INDEPENDENT = "release_independent"
 TIERS = ("all", "seam", "unit")
+UNIT_FOLDER = "tests/unit/"  # every test here starts no process (the collection check below)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -99,6 +100,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"the outcome: it goes through Dynamo/inductor, caches, c10d/gloo behaviour, torchrun or autoload) "
             f"nor @pytest.mark.{INDEPENDENT} (our code only). Mark each (tests/tiers.py says which is which):\n  "
             + shown
+        )
+    processes_in_unit = [
+        item.nodeid
+        for item in items
+        if item.nodeid.startswith(UNIT_FOLDER) and item.get_closest_marker("multiprocess") is not None
+    ]
+    if processes_in_unit:
+        raise pytest.UsageError(
+            f"{len(processes_in_unit)} test(s) in {UNIT_FOLDER} start processes (@pytest.mark.multiprocess): "
+            "that folder holds the tests that start none. Move each to tests/ranks/, tests/faults/ or "
+            "tests/contract/:\n  " + "\n  ".join(processes_in_unit[:20])
         )
     tier = "unit" if config.getoption("--fast") else config.getoption("--tier")
     if tier == "all":

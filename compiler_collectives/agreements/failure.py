@@ -27,7 +27,7 @@ failure word). This module decides what that means for the job:
   nobody's failure, told to nobody), and the user's own signal handler
   raising while this rank waited (``LEFT``: the peers are told it left).
   No other module counts a failure or poisons the latch
-  (``tests/test_error_exit.py``).
+  (``tests/unit/test_error_exit.py``).
 
 **A report keeps its type.** When this rank's collective stopped on a peer's
 report (the error's ``reported_by``: the failure word, the store report its

@@ -8,7 +8,7 @@ this rank is poisoned, so its later collectives refuse until
 ``compiler_collectives.reset()``; nothing is counted or published.
 
 Every agreement takes the compile group and the guard channel from here, and
-so do ``compiler_collectives.scope()`` and ``doctor`` (``tests/test_error_exit.py``
+so do ``compiler_collectives.scope()`` and ``doctor`` (``tests/unit/test_error_exit.py``
 flags a build that bypasses it). A refusal of ``scope()`` after a compile is
 no failure: it poisons nothing.
 """

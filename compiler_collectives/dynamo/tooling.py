@@ -6,7 +6,7 @@
   (``TORCH_TRACE``; tlparse shows them), each written from its record
   (``records.py``) as the ledger adds it. The agreements add their records
   inside the compile they belong to, so torch files each artifact under that
-  compile. No other module writes one (``tests/test_ledger_readers.py``).
+  compile. No other module writes one (``tests/unit/test_ledger_readers.py``).
 * ``convert_frame.get_and_maybe_log_recompilation_reasons``: after an agreed
   guard miss, every rank's reasons, recorded where Dynamo records its own
   (its ``recompiles`` log, the ``recompile_reasons`` artifact, the metrics).

@@ -43,7 +43,7 @@ failure report is wired here at install (``set_peer_report_handler``). The
 callers number and name their exchanges (``Phases``): this layer knows none.
 
 The layer above (the agreements) imports only what this module exports
-(``tests/test_layering.py`` checks it).
+(``tests/contract/test_layering.py`` checks it).
 """
 
 from .channel import GuardChannel

@@ -18,7 +18,7 @@
   (``recv_anysource``) is not ended by one peer's connection breaking, so no one
   wait watches several peers. So a daemon thread per pending receive waits for
   it untimed (a ten-year bound), and ends when the connection breaks
-  (``tests/test_connection_probes.py`` holds gloo to this). Every pending receive is ended when a generation ends
+  (``tests/faults/test_connection_probes.py`` holds gloo to this). Every pending receive is ended when a generation ends
   (``end_probes``: ``GROUP_ENDING``, ``GROUP_DESTROYED``, ``RESET``) by
   expiring one timed wait on it, which closes that group's connections (it is
   going, and a receive pending on it would keep its connections open).

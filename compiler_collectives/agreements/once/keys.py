@@ -2,7 +2,7 @@
 over the host tree, and every rank's offer read back from the reduced record.
 
 Pure: the same reduced record gives the same offers on every rank, with no counters and no I/O,
-so it is unit-tested on its own (``tests/test_compile_once_keysettle.py``); ``exchanges`` runs the
+so it is unit-tested on its own (``tests/unit/test_compile_once_key_settlement.py``); ``exchanges`` runs the
 exchanges around it (the MIN, and the table gather where the record does not settle the keys).
 
 The record: the exchange's phase; a digest of what must match everywhere (graph number, level,

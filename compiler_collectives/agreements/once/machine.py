@@ -1,7 +1,7 @@
 """Compile once's machine: one graph on this rank, as states, the events that move it and the
 actions each move asks for. Pure: ``advance(state, event) -> (state, actions)`` reads nothing
 but its arguments and does no I/O, so every order of events is tested without a process
-(``tests/test_compile_once_machine.py``, with hypothesis).
+(``tests/unit/test_compile_once_machine.py``, with hypothesis).
 
 Events are what torch's callbacks report (through the seam, ``dynamo/once_seam.py``): the cache
 lookup began, its key, its end (hit, miss, or it raised), the compile's end (or its raise), ours
@@ -16,7 +16,7 @@ Each ``Phase`` says what it waits for; a ``Span`` action says which of Dynamo's 
 record, made after every wait of the graph); an error a port raised (``Failed``) ends the graph
 there, its record kept, and the driver raises it on; one the machine decides (``Raise``) comes
 after the record. The states, drawn as ``docs/design.md``'s diagram, are ``TRANSITIONS``
-(``tests/test_compile_once_machine.py`` checks that the two agree and that ``advance`` takes
+(``tests/unit/test_compile_once_machine.py`` checks that the two agree and that ``advance`` takes
 no other).
 """
 

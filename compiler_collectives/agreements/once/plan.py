@@ -1,7 +1,7 @@
 """Compile once's plan: from every rank's offer, what each rank does for one graph.
 
 Pure: the same offers give the same plans on every rank, with no counters and no I/O, so it is
-unit-tested on its own (``tests/test_compile_once_plan.py``).
+unit-tested on its own (``tests/unit/test_compile_once_plan.py``).
 """
 
 from __future__ import annotations

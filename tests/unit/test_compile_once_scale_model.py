@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "once_scale_model.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "once_scale_model.py"
 
 
 @pytest.fixture(scope="module")

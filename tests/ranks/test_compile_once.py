@@ -36,7 +36,7 @@ ENV = {
 }
 # A local compile longer than the collective timeout the slow-miss test sets.
 SLOW_TIMEOUT_S, SLOW_COMPILE_S = 6, 9
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
   settings, inside it, and the fork handler registered there only.
 * The composition root and the package's ``__init__`` hold no module-level
   state but the runtime (which lists every other module's: test_runtime_state),
-  shown able to fail on a mutation; ``tests/test_layering.py`` checks that no
+  shown able to fail on a mutation; ``tests/contract/test_layering.py`` checks that no
   module calls anything when imported but the root's one ``install()``.
 * Two gloo ranks with different shapes compile the same graphs, and recompile
   alike, with the package imported but not enabled as with torch alone, and
@@ -28,8 +28,8 @@ import torch
 from tests.fixtures import REPO, clean_env
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder
-from tests.test_layering import TOP, TREE
-from tests.test_runtime_state import module_mutables
+from tests.contract.test_layering import TOP, TREE
+from tests.unit.test_runtime_state import module_mutables
 
 # The multi-process tests here: torch seam (tests/tiers.py).
 pytestmark = pytest.mark.torch_seam
@@ -203,7 +203,7 @@ def test_the_package_root_holds_no_state_but_the_runtime():
     ],
 )
 def test_the_root_state_check_flags_a_second_piece_of_state(module, snippet):
-    from tests.test_layering import mutated
+    from tests.contract.test_layering import mutated
 
     offences = check_root_state(mutated(module, snippet))
     assert offences and all("(mutated)" in o for o in offences), offences

@@ -22,8 +22,8 @@ import pytest
 
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
-from tests.test_compile_once import ENV, _assert_trained_right, _states, job
-from tests.test_compile_once_caches import COMPILING_RANK, WAITING_RANK
+from tests.ranks.test_compile_once import ENV, _assert_trained_right, _states, job
+from tests.ranks.test_compile_once_caches import COMPILING_RANK, WAITING_RANK
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 

@@ -7,7 +7,7 @@
 * No module but the readers (``instrument/timing.py``, ``dynamo/tooling.py``) writes a trace
   event or a structured-trace artifact: none names torch's structured trace or timing's
   recorder, and none but the composition root names a reader, and then only to register it.
-  Shown failing on mutations of the real tree, as ``tests/test_layering.py`` does.
+  Shown failing on mutations of the real tree, as ``tests/contract/test_layering.py`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from compiler_collectives import records
 from compiler_collectives.instrument import timing
 from compiler_collectives.ledger import Ledger, ledger
-from tests.test_layering import TOP, TREE, Tree, mutated
+from tests.contract.test_layering import TOP, TREE, Tree, mutated
 
 # The ledger's readers: the only modules that write a trace event or one of our artifacts.
 READERS = {f"{TOP}.instrument.timing", f"{TOP}.dynamo.tooling"}

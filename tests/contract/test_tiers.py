@@ -72,3 +72,14 @@ def test_the_seam_tier_runs_the_unit_tests_and_the_seam_tests_whose_own_mark_bea
 def test_the_unit_tier_and_fast_run_no_multiprocess_test(pytester: pytest.Pytester) -> None:
     _run(pytester, _TESTS, "--tier", "unit").assert_outcomes(passed=1, deselected=2)
     _run(pytester, _TESTS, "--fast").assert_outcomes(passed=1, deselected=2)
+
+
+def test_a_test_in_the_unit_folder_that_starts_processes_fails_collection_naming_it(pytester: pytest.Pytester) -> None:
+    folder = pytester.path / "tests" / "unit"  # not packages: the name ``tests`` is this suite's
+    folder.mkdir(parents=True)
+    (folder / "test_example.py").write_text(
+        "import pytest\n\n@pytest.mark.multiprocess\n@pytest.mark.release_independent\ndef test_ranks():\n    pass\n"
+    )
+    result = pytester.runpytest_inprocess("-p", "tests.tiers", "-p", "no:xdist", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*1 test(s) in tests/unit/ start processes*", "*tests/unit/test_example.py::test_ranks*"])

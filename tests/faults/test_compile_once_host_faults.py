@@ -25,8 +25,8 @@ import pytest
 
 from tests.fixtures import cache_per_rank, run_agents
 from tests.harness import run_ranks
-from tests.test_compile_once import ENV, _assert_trained_right, _states, job
-from tests.test_compile_once_caches import (
+from tests.ranks.test_compile_once import ENV, _assert_trained_right, _states, job
+from tests.ranks.test_compile_once_caches import (
     COMPILING_RANK,
     WAITING_RANK,
     _assert_no_refusals,
@@ -41,7 +41,7 @@ HOLD_GIL_S = 12
 _TRAIN = """
 import json, os, sys
 import torch.distributed as dist
-from tests.test_compile_once_caches import job_with_compile_fault
+from tests.ranks.test_compile_once_caches import job_with_compile_fault
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

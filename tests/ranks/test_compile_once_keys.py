@@ -2,7 +2,7 @@
 key, one reduce of a fixed record settles it, whatever the world size; so does a key that differs
 by the rank's index on its host (a GPU job's device) and is the same for that index on every host.
 The all-gather of every offer runs only at a generation's first graph and where keys differ
-otherwise (``tests/test_compile_once_hosts.py`` has two hosts).
+otherwise (``tests/ranks/test_compile_once_hosts.py`` has two hosts).
 
 Two real ranks of one host with a cache dir each, three inductor training steps in one job: the
 first graph gathers every offer (it learns the dirs), the second is settled by the reduce (one

@@ -48,7 +48,7 @@ from compiler_collectives.agreements import compile_scope
 from compiler_collectives.errors import CollectiveDesyncError, CollectivePoisonedError, CompileOnceError
 from compiler_collectives.health.latch import Latch
 
-from .test_layering import TOP, TREE, Tree, mutated
+from tests.contract.test_layering import TOP, TREE, Tree, mutated
 
 WRAPPERS = ("InternalTorchDynamoError", "BackendCompilerFailed", "BypassAOTAutogradCache")
 # Thread-locals that hold no error: what each holds.

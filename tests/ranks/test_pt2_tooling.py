@@ -20,8 +20,8 @@ from compiler_collectives.observations import DYNAMIC, InferStride, LocalState, 
 from tests.fixtures import cache_per_rank, clean_env, shared_cache
 from tests.harness import run_ranks
 from tests.rankside import kept_logs
-from tests.test_compile_once import ENV as ONCE_ENV
-from tests.test_compile_once import job as once_job
+from tests.ranks.test_compile_once import ENV as ONCE_ENV
+from tests.ranks.test_compile_once import job as once_job
 
 # Multi-process tests here: torch seam (tests/tiers.py).
 pytestmark = pytest.mark.torch_seam

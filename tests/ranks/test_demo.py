@@ -13,7 +13,7 @@ import pytest
 import compiler_collectives
 from tests.fixtures import gone
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 # scripts/demo*.py: the demo is not part of the library.
 import demo  # noqa: E402  (the command line)

@@ -410,7 +410,7 @@ def test_the_properties_catch_a_mutated_machine(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_the_diagram_in_the_design_doc_is_the_machine_s_own() -> None:
-    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     start = text.index("<!-- machine diagram:")
     start = text.index("\n", start) + 1
     end = text.index("<!-- end machine diagram -->")

@@ -1,6 +1,6 @@
 """The host tree's table (``transport/table.py``) without processes: rows folded as the leaders
 fold them (in any grouping, each table packed and unpacked as it would travel), and the checks on
-a table a peer sent. ``tests/test_hosttree.py`` takes the table gather on real gloo ranks."""
+a table a peer sent. ``tests/ranks/test_hosttree.py`` takes the table gather on real gloo ranks."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.fixtures import shared_cache
 from tests.harness import run_ranks
-from tests.test_compile_once import ENV, _assert_trained_right, _run, _states, job
+from tests.ranks.test_compile_once import ENV, _assert_trained_right, _run, _states, job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 

@@ -31,7 +31,7 @@ import functools
 
 import pytest
 
-from .test_layering import TOP, TREE, Tree, mutated
+from tests.contract.test_layering import TOP, TREE, Tree, mutated
 
 LAYERS = ("runtime", "torch_view", "agreements", "transport", "health", "store", "instrument")
 MUTABLE_CALLS = {

@@ -9,7 +9,7 @@ import re
 import compiler_collectives
 from compiler_collectives import config
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_configuration_doc_lists_every_setting_with_its_default():
@@ -63,7 +63,7 @@ def _pinned_type(node: ast.AST) -> str | None:
 
 def _tests_pinning_each_error_type() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         if path.name == "test_docs.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

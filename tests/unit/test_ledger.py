@@ -3,11 +3,11 @@ the counters of ``stats()``.
 
 * No module but the ledger writes a counter: no assignment (``=``, ``+=``, ``setattr``) to an
   attribute or key named for a counter, and no write through the ledger's instance. Shown
-  failing on mutations of the real tree, as ``tests/test_layering.py`` does.
+  failing on mutations of the real tree, as ``tests/contract/test_layering.py`` does.
 * Every kind of record has a row in the ledger's one table; one that lacks a row raises.
 * The guard hook's ledger call allocates nothing (timing off: the hook took no clock); store
   requests counted from many threads all count; ``reset_stats()`` forgets every record and zeroes
-  every counter. What the ledger offers its readers: ``tests/test_ledger_readers.py``.
+  every counter. What the ledger offers its readers: ``tests/unit/test_ledger_readers.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import compiler_collectives as cc
 from compiler_collectives import ledger as ledger_module
 from compiler_collectives import records
 from compiler_collectives.ledger import COUNTERS, COUNTS, Ledger, ledger
-from tests.test_layering import TOP, TREE, Tree, mutated
+from tests.contract.test_layering import TOP, TREE, Tree, mutated
 
 LEDGER = f"{TOP}.ledger"
 # Names a write through which is a write to the ledger's state, whatever the attribute.

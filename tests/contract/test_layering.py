@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "compiler_collectives"
 TOP = "compiler_collectives"
 

@@ -1,0 +1,291 @@
+"""Ranks reused across tests: a pool of 2 or 4 rank processes per pytest worker.
+
+A multi-rank test in ``tests/ranks/`` runs its function in a pool's ranks instead of fresh
+processes (``run_ranks`` sends it here; ``tests/ranks/conftest.py`` switches that on). The
+ranks start once, from the harness's forkserver, with the pool's environment in place, and
+import the package there: each test then saves a rank the package's install (0.4-0.5 CPU-s
+on this machine), torch's first compile's warm-up (0.2-0.3 CPU-s) and its process start.
+
+One test on a pool's rank, in order:
+
+1. the job's own variables (``HARNESS_JOB_DIR``, ``TMPDIR``, the inductor cache dir);
+2. a default group of its own (gloo over a FileStore in the job's directory): joining it
+   starts a new generation of ours, as in any job;
+3. the test's function; its result (or its error) goes to the parent;
+4. the tidy-up, every rank alone: ``destroy_process_group()`` (our generation ends),
+   ``compiler_collectives.reset()``, Dynamo's reset, and what a job may set and leave put
+   back: torch's Dynamo and inductor configs and our two switches, as they were before
+   the test;
+5. the leak check: nothing of ours may be left (a thread named ``compiler_collectives-*``,
+   a ``/dev/shm`` segment this rank made, a process group, a setting whose value differs
+   from the pool's, a variable of the environment). A rank reports what it found; the test
+   fails, naming it, and the pool is replaced.
+
+The pool is keyed on its world size and its environment (less the job's own variables): a
+test with another environment closes the worker's pool and starts one of its own, so a rank
+never runs a test under settings it did not start with. A test that times out, or whose rank
+dies or leaks, poisons its pool: its ranks are killed and the next test starts a fresh one,
+so a failure never reaches the next test's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cc_launch as launch
+
+# Set per test, not per pool: the rank reads them again for each job.
+JOB_VARIABLES = ("HARNESS_JOB_DIR", "TMPDIR", "TORCHINDUCTOR_CACHE_DIR")
+SIZES = (2, 4)  # the world sizes a pool serves
+THREAD_PREFIX = "compiler_collectives-"
+SEGMENT_GLOB = "/dev/shm/compiler_collectives-{pid}-*"
+THREADS_END_S = 5.0  # how long a rank waits for our threads to end after the tidy-up (probes end on their own)
+TIDY_S = 30.0  # how long the parent waits for every rank's tidy-up and check after the test's results
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What a pool's ranks were started with: a test with another key gets another pool."""
+
+    world_size: int
+    env: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, world_size: int, env: dict[str, str]) -> Key:
+        return cls(world_size, tuple(sorted((k, v) for k, v in env.items() if k not in JOB_VARIABLES)))
+
+
+# ------------------------------------------------------------------ the rank's side
+
+
+@dataclasses.dataclass
+class _Saved:
+    """What a job may change and the pool puts back, taken before the job."""
+
+    dynamo: dict[str, Any]
+    inductor: dict[str, Any]
+    compiler: bool
+    guards: bool
+
+
+def _save() -> _Saved:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    import compiler_collectives as cc
+
+    return _Saved(
+        dynamo_config.get_config_copy(), inductor_config.get_config_copy(), cc.is_enabled(), cc.guards_enabled()
+    )
+
+
+def _settings() -> dict[str, Any]:
+    from compiler_collectives import config
+
+    return {row.attr: getattr(config.settings, row.attr) for row in config.SETTINGS_TABLE}
+
+
+def _tidy(saved: _Saved) -> None:
+    """The end of a test on this rank: our generation ends, and what the job set goes back."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    import torch.distributed as dist
+
+    import compiler_collectives as cc
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    cc.reset()
+    torch._dynamo.reset()
+    for module, before in ((dynamo_config, saved.dynamo), (inductor_config, saved.inductor)):
+        now = module.get_config_copy()
+        changed = {k: v for k, v in before.items() if now.get(k) != v}
+        if changed:  # only those: setting a deprecated one again would warn
+            module.load_config(changed)
+    cc.disable()
+    if saved.compiler or saved.guards:
+        cc.enable(compiler=saved.compiler, guards=saved.guards)
+    cc.reset_stats()
+
+
+def left_behind(settings: dict[str, Any], environ: dict[str, str]) -> list[str]:
+    """What of ours this rank still holds after a test's tidy-up, in words (empty: nothing)."""
+    import torch.distributed as dist
+
+    left = []
+    deadline = time.monotonic() + THREADS_END_S
+    while True:  # a probe's thread ends once its receive did: give them their moment
+        ours = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive())
+        if not ours or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if ours:
+        left.append(f"threads {ours} still running {THREADS_END_S:.0f}s after the test's group was destroyed")
+    segments = sorted(glob.glob(SEGMENT_GLOB.format(pid=os.getpid())))
+    if segments:
+        left.append(f"shared-memory segments {segments}")
+        for path in segments:  # the next pool must not meet them
+            os.unlink(path)
+    if dist.is_initialized():
+        left.append("a default process group (destroy_process_group() did not end it)")
+    changed = {k: (v, now) for k, v in settings.items() if (now := _settings()[k]) != v}
+    if changed:
+        said = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
+        left.append(f"settings changed and not put back ({said})")
+    moved = sorted(k for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k))
+    if moved:
+        left.append(f"environment variables changed and not put back: {moved}")
+    return left
+
+
+def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: Any) -> None:
+    """A pool's rank: the pool's environment, the package installed, then one job after another."""
+    import datetime
+    import importlib
+
+    os.environ.update(env)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    from tests.harness import read_again_what_the_forkserver_read
+
+    read_again_what_the_forkserver_read(env)
+    import torch.distributed as dist
+
+    import compiler_collectives  # noqa: F401  - installed once, with the pool's environment
+
+    settings = _settings()
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        number, target, args, init_method, job_env = job
+        os.environ.update(job_env)
+        tempfile.tempdir = None  # the job's TMPDIR is its own
+        environ = dict(os.environ)
+        saved = _save()
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=float(os.environ.get("HARNESS_PG_TIMEOUT", "60"))),
+            )
+            module_name, qualname = target
+            fn = getattr(importlib.import_module(module_name), qualname)
+            value = fn(rank, world_size, *args)
+            results.put(("ok", rank, number, pickle.dumps(value)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put(("err", rank, number, traceback.format_exc()))
+        try:
+            _tidy(saved)
+            left = left_behind(settings, environ)
+        except BaseException:  # noqa: BLE001
+            left = [f"the tidy-up raised:\n{traceback.format_exc()}"]
+        results.put(("tidy", rank, number, left))
+        if left:
+            return  # this process is no longer as the pool started it: the parent replaces the pool
+
+
+# ------------------------------------------------------------------ the parent's side
+
+
+class Pool:
+    """``world_size`` ranks started with ``env``, serving one test at a time."""
+
+    def __init__(self, key: Key, preload: Sequence[str]) -> None:
+        self.key, self.jobs, self.poisoned = key, 0, False
+        ctx = launch.context("forkserver", preload)
+        self.inboxes = [ctx.Queue() for _ in range(key.world_size)]
+        self.ranks = launch.start_ranks(
+            _rank,
+            key.world_size,
+            lambda rank, results: (rank, key.world_size, dict(key.env), self.inboxes[rank], results),
+            preload=preload,
+            name="pool",
+        )
+
+    @property
+    def procs(self) -> list[Any]:
+        return self.ranks.procs
+
+    def send(self, target: tuple[str, str], args: Sequence[Any], init_method: str, job_env: dict[str, str]) -> int:
+        self.jobs += 1
+        for inbox in self.inboxes:
+            inbox.put((self.jobs, target, tuple(args), init_method, job_env))
+        return self.jobs
+
+    def receive(self, number: int, timeout: float) -> tuple[str, int, Any] | None:
+        """The next message of job ``number`` (older jobs' stragglers are dropped)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            message = self.ranks.receive(timeout=remaining)
+            if message is None:
+                return None
+            status, rank, job, value = message
+            if job == number:
+                return status, rank, value
+        return None
+
+    def close(self, grace_s: float = 5.0) -> list[int]:
+        """Stop the ranks (the pill, then SIGKILL after ``grace_s``); the indices of those killed."""
+        if not self.poisoned:
+            for inbox in self.inboxes:
+                inbox.put(None)
+        killed = launch.reap(self.procs, 0.0 if self.poisoned else grace_s)
+        self.ranks.close()
+        for inbox in self.inboxes:
+            inbox.close()
+            inbox.join_thread()
+        return killed
+
+
+_pool: Pool | None = None
+
+
+def pool_for(key: Key, preload: Sequence[str]) -> Pool:
+    """This worker's pool for ``key``: the one it has, or a new one (closing another key's)."""
+    global _pool
+    if _pool is not None and (_pool.key != key or _pool.poisoned or not all(p.is_alive() for p in _pool.procs)):
+        _pool.close()
+        _pool = None
+    if _pool is None:
+        _pool = Pool(key, preload)
+    return _pool
+
+
+def close_pool() -> None:
+    """The worker is done (``tests/conftest.py`` at the session's end)."""
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+def eligible(
+    world_size: int, init: bool, start_method: str, store: str, expect_signals: Any, rank_env: Any
+) -> bool:
+    """Whether a ``run_ranks`` call can run in a pool: a default group over a FileStore, from the
+    forkserver, no rank expected to die by a signal, the same environment on every rank."""
+    return (
+        world_size in SIZES
+        and init
+        and start_method == "forkserver"
+        and store == "file"
+        and not expect_signals
+        and not rank_env
+        and "pytest" in sys.modules
+    )
+
+
+Run = Callable[..., Any]
