@@ -191,7 +191,11 @@ def run_ranks(
     else:
         init_method = f"file://{os.path.join(tmp, 'store')}"
     if _pooling and not fresh and pool.eligible(world_size, init, start_method, store, expect_signals, rank_env):
-        return _in_pool(fn, world_size, args, env, init_method, timeout, check)
+        with pool.claimed() as free:
+            pooled = _in_pool(fn, world_size, args, env, init_method, timeout, check) if free else None
+        if pooled is not None:
+            return pooled
+        init_method = f"file://{os.path.join(tempfile.mkdtemp(prefix='cc-ranks-'), 'store')}"  # afresh
     expected = {rank: -abs(sig) for rank, sig in (expect_signals or {}).items()}
     ranks = launch.start_ranks(
         _child,
@@ -320,8 +324,10 @@ def _in_pool(
     init_method: str,
     timeout: float,
     check: bool,
-) -> Outcome:
-    """``run_ranks`` in this worker's pool: the same outcome and verdict, plus the leak check."""
+) -> Outcome | None:
+    """``run_ranks`` in this worker's pool: the same outcome and verdict, plus the leak check;
+    None where a pool's rank could not join the test's group (the pool is replaced, and the
+    test runs on processes of its own)."""
     ranks = pool.pool_for(pool.Key.of(world_size, env), PRELOAD)
     job_env = {name: env[name] for name in pool.JOB_VARIABLES if name in env}
     started = time.monotonic()
@@ -330,12 +336,15 @@ def _in_pool(
     errors: dict[int, str] = {}
     reported: set[int] = set()
     tidied: dict[int, list[str]] = {}
+    setup_failed: list[int] = []
 
     def take(message: tuple[str, int, Any] | None) -> bool:
         if message is None:
             return False
         status, rank, value = message
-        if status == "tidy":
+        if status == "setup":
+            setup_failed.append(rank)
+        elif status == "tidy":
             tidied[rank] = value
         else:
             reported.add(rank)
@@ -349,12 +358,16 @@ def _in_pool(
         return ranks.procs[rank].is_alive()
 
     deadline = started + timeout
-    while len(reported) < world_size and (remaining := deadline - time.monotonic()) > 0:
+    while len(reported) < world_size and not setup_failed and (remaining := deadline - time.monotonic()) > 0:
         if not take(ranks.receive(number, min(remaining, 0.5))):
             if not any(alive(r) for r in range(world_size) if r not in reported):
                 while take(ranks.receive(number, 0.2)):
                     pass
                 break
+    if setup_failed:
+        ranks.poisoned = True
+        pool.close_pool()
+        return None
     tidy_by = time.monotonic() + pool.TIDY_S
     while any(alive(r) and r not in tidied for r in reported) and (remaining := tidy_by - time.monotonic()) > 0:
         take(ranks.receive(number, min(remaining, 0.5)))

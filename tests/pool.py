@@ -18,18 +18,24 @@ One test on a pool's rank, in order:
    the test;
 5. the leak check: nothing of ours may be left (a thread named ``compiler_collectives-*``,
    a ``/dev/shm`` segment this rank made, a process group, a setting whose value differs
-   from the pool's, a variable of the environment). A rank reports what it found; the test
-   fails, naming it, and the pool is replaced.
+   from the pool's). A rank reports what it found; the test
+   fails, naming it, and the pool is replaced. The environment is put back as the job found it
+   (a rank may set ``GROUP_RANK`` to make hosts of one machine; inductor sets variables of its
+   own), which leaves nothing of it behind.
 
 The pool is keyed on its world size and its environment (less the job's own variables): a
 test with another environment closes the worker's pool and starts one of its own, so a rank
 never runs a test under settings it did not start with. A test that times out, or whose rank
 dies or leaks, poisons its pool: its ranks are killed and the next test starts a fresh one,
-so a failure never reaches the next test's result.
+so a failure never reaches the next test's result; should a pool's rank fail to join the next
+test's group all the same, that test runs on processes of its own (``run_ranks``), never
+failing for the pool's sake. One test at a time uses the pool: a test that runs two jobs at
+once (from threads) runs the second on processes of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -39,7 +45,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cc_launch as launch
@@ -119,7 +125,7 @@ def _tidy(saved: _Saved) -> None:
     cc.reset_stats()
 
 
-def left_behind(settings: dict[str, Any], environ: dict[str, str]) -> list[str]:
+def left_behind(settings: dict[str, Any]) -> list[str]:
     """What of ours this rank still holds after a test's tidy-up, in words (empty: nothing)."""
     import torch.distributed as dist
 
@@ -143,10 +149,15 @@ def left_behind(settings: dict[str, Any], environ: dict[str, str]) -> list[str]:
     if changed:
         said = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
         left.append(f"settings changed and not put back ({said})")
-    moved = sorted(k for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k))
-    if moved:
-        left.append(f"environment variables changed and not put back: {moved}")
     return left
+
+
+def _put_back(environ: dict[str, str]) -> None:
+    """The environment as the job found it: a test may set a variable in its rank (``GROUP_RANK``
+    to make hosts of one machine), and inductor sets some of its own."""
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
 
 
 def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: Any) -> None:
@@ -181,6 +192,10 @@ def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: 
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=float(os.environ.get("HARNESS_PG_TIMEOUT", "60"))),
             )
+        except BaseException:  # noqa: BLE001 - the pool's fault, not the test's: the parent runs it afresh
+            results.put(("setup", rank, number, traceback.format_exc()))
+            return
+        try:
             module_name, qualname = target
             fn = getattr(importlib.import_module(module_name), qualname)
             value = fn(rank, world_size, *args)
@@ -189,7 +204,8 @@ def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: 
             results.put(("err", rank, number, traceback.format_exc()))
         try:
             _tidy(saved)
-            left = left_behind(settings, environ)
+            _put_back(environ)
+            left = left_behind(settings)
         except BaseException:  # noqa: BLE001
             left = [f"the tidy-up raised:\n{traceback.format_exc()}"]
         results.put(("tidy", rank, number, left))
@@ -251,6 +267,19 @@ class Pool:
 
 
 _pool: Pool | None = None
+_in_use = threading.Lock()
+
+
+@contextlib.contextmanager
+def claimed() -> Iterator[bool]:
+    """Whether this worker's pool is free for one test (True inside, until it ends); False where
+    another job of this process holds it (a test running two jobs at once, from threads)."""
+    free = _in_use.acquire(blocking=False)
+    try:
+        yield free
+    finally:
+        if free:
+            _in_use.release()
 
 
 def pool_for(key: Key, preload: Sequence[str]) -> Pool:
@@ -272,9 +301,7 @@ def close_pool() -> None:
         _pool = None
 
 
-def eligible(
-    world_size: int, init: bool, start_method: str, store: str, expect_signals: Any, rank_env: Any
-) -> bool:
+def eligible(world_size: int, init: bool, start_method: str, store: str, expect_signals: Any, rank_env: Any) -> bool:
     """Whether a ``run_ranks`` call can run in a pool: a default group over a FileStore, from the
     forkserver, no rank expected to die by a signal, the same environment on every rank."""
     return (
@@ -286,6 +313,3 @@ def eligible(
         and not rank_env
         and "pytest" in sys.modules
     )
-
-
-Run = Callable[..., Any]

@@ -82,4 +82,6 @@ def test_a_test_in_the_unit_folder_that_starts_processes_fails_collection_naming
     )
     result = pytester.runpytest_inprocess("-p", "tests.tiers", "-p", "no:xdist", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*1 test(s) in tests/unit/ start processes*", "*tests/unit/test_example.py::test_ranks*"])
+    result.stderr.fnmatch_lines(
+        ["*1 test(s) in tests/unit/ start processes*", "*tests/unit/test_example.py::test_ranks*"]
+    )

@@ -105,6 +105,7 @@ def ours_on_gloo(rank: int, world: int) -> dict:
     return {"ok": bool(torch.allclose(out, _fn(torch.ones(5 + rank, 3))))}
 
 
+@pytest.mark.fresh_ranks("torch's own implementation runs here: our package must not be installed in the ranks")
 @pytest.mark.multiprocess
 def test_torch_own_compiler_collective_fails_on_gloo_where_ours_works():
     theirs = run_ranks(torch_own_on_gloo, 2, timeout=60)

@@ -27,7 +27,11 @@ from tests.fixtures import cache_per_rank, shared_cache
 from tests.harness import free_port, run_ranks
 from tests.rankside import kept_logs
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.torch_seam,
+    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
+]
 
 ENV = {
     "COMPILER_COLLECTIVES_TIMEOUT": "60",

@@ -24,7 +24,11 @@ from tests.fixtures import shared_cache
 from tests.harness import run_ranks
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _run, _states, job
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.torch_seam,
+    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
+]
 
 # With no warm entry, ``plan.decide`` hands graph #1 to members[(seq 1 + turn 0) % 2] = rank 1.
 KERNELS = {"kernels": True}  # test_compile_once's job with its C++ kernel step

@@ -18,7 +18,11 @@ import torch
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.torch_seam,
+    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
+]
 
 ENV = {
     "COMPILER_COLLECTIVES_TIMEOUT": "60",

@@ -25,7 +25,11 @@ from tests.harness import run_ranks
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _states, job
 from tests.ranks.test_compile_once_caches import COMPILING_RANK, WAITING_RANK
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.torch_seam,
+    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
+]
 
 MAX_PER_GRAPH = 2  # the target: the wait's own requests, whatever the compile's length
 BEAT_REQUESTS = 2  # a heartbeat: the record's set, the read of the failure count (and watched records)

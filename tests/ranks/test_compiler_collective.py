@@ -347,11 +347,11 @@ def ranks_skip_switched_off(rank: int, world: int) -> dict:
     from compiler_collectives import config
 
     cc.enable()
-    config.set_value("skip_needless_restart", False)
-    rec = GraphRecorder()
-    f = torch.compile(_fn, backend=rec)
-    f(torch.ones(8, 4))
-    return summary(rec)
+    with config.override(skip_needless_restart=False):  # put back after: the rank may serve other tests
+        rec = GraphRecorder()
+        f = torch.compile(_fn, backend=rec)
+        f(torch.ones(8, 4))
+        return summary(rec)
 
 
 def test_with_skipping_switched_off_identical_sizes_restart_like_torch():

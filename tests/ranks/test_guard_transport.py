@@ -527,6 +527,7 @@ def leak_a_segment(rank: int, world: int, token: int, note: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.fresh_ranks("a segment's owners must be processes that ended")
 @pytest.mark.timeout(120)
 @pytest.mark.whole_machine(
     "/dev/shm is the machine's: any job setting up beside it collects the leaked segment first "
