@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# Reads the settings table without importing the package: safe in the forkserver, which preloads us.
+from tests.rank_env import rank_env
+
 # Every guard-path behaviour runs on both mechanisms: the shared-memory channel
 # ("auto" picks it on one host) and gloo. Each test takes ``transport``.
 GUARD_TRANSPORTS = pytest.mark.parametrize("transport", ["shm", "gloo"])
@@ -60,7 +63,7 @@ def gone(pid: int) -> bool:
 
 def guard_env(transport: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` plus the setting that selects ``transport`` for the guard collective."""
-    return {**(base or {}), "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "auto" if transport == "shm" else "gloo"}
+    return {**(base or {}), **rank_env(guard_transport="auto" if transport == "shm" else "gloo")}
 
 
 def clean_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:

@@ -25,10 +25,10 @@ import textwrap
 import pytest
 import torch
 
+from tests.contract.test_layering import TOP, TREE
 from tests.fixtures import REPO, clean_env
 from tests.harness import run_ranks
 from tests.rankside import GraphRecorder
-from tests.contract.test_layering import TOP, TREE
 from tests.unit.test_runtime_state import module_mutables
 
 # The multi-process tests here: torch seam (tests/tiers.py).

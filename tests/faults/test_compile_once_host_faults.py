@@ -25,6 +25,7 @@ import pytest
 
 from tests.fixtures import cache_per_rank, run_agents
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _states, job
 from tests.ranks.test_compile_once_caches import (
     COMPILING_RANK,
@@ -121,7 +122,7 @@ def test_a_compiler_killed_on_another_host_is_named_within_seconds_with_heartbea
     """Static rendezvous: no agent tears the job down; with heartbeats off, only the reset
     connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
     kill = {COMPILING_RANK: signal.SIGKILL}
-    off = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0"}
+    off = rank_env(heartbeat_s=0)
     _named_within_30_s(*_on_two_agents(tmp_path, "static", "die", 0, off, expect_signals=kill))
 
 
@@ -207,7 +208,7 @@ def failing_store(request, tmp_path_factory):
             job_whose_store_fails,
             2,
             args=({"port": port, "pid": host.pid, "fault": fault},),
-            env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": str(STORE_TIMEOUT_S)},
+            env=rank_env(timeout_s=STORE_TIMEOUT_S, inductor_single_thread=True),
             rank_env=hosts,
             init=False,
             timeout=150,
@@ -297,7 +298,7 @@ def test_a_collective_broken_by_a_peer_killed_on_another_host_names_it_with_hear
     outcome = run_ranks(
         peer_killed_before_a_compiler_collective,
         2,
-        env={"COMPILER_COLLECTIVES_TIMEOUT": "60", "COMPILER_COLLECTIVES_HEARTBEAT_S": "0"},
+        env=rank_env(timeout_s=60, heartbeat_s=0),
         rank_env={r: {"GROUP_RANK": str(r)} for r in range(2)},
         timeout=90,
         check=False,

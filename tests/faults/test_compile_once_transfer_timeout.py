@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import release, run_ranks, stay_until
+from tests.rank_env import rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
@@ -41,7 +42,7 @@ def source_whose_receiver_is_elsewhere(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(90)
 def test_a_transfer_whose_receiver_never_takes_its_part_times_out_naming_it_stuck_not_crashed():
-    env = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": str(TIMEOUT_S)}
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=TIMEOUT_S)
     source = run_ranks(source_whose_receiver_is_elsewhere, 2, env=env, timeout=60).results[0]
     assert source["type"] == "CollectiveTimeoutError" and source["ranks"] == (1,), source
     assert f"rank 1 (its child in the artifact's tree) did not take its part within {TIMEOUT_S}s" in source["message"]

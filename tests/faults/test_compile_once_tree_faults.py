@@ -24,18 +24,13 @@ import torch
 
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 WORLD, PER_DIR = 8, 2
 SOURCE, FORWARDER, GRANDCHILD = 1, 2, 6
-ENV = {
-    "COMPILER_COLLECTIVES_TIMEOUT": "60",
-    "COMPILER_COLLECTIVES_ONCE_CHUNK_BYTES": "4096",
-    "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-}
+ENV = rank_env(timeout_s=60, once_chunk_bytes=4096, heartbeat_s=0.5, inductor_single_thread=True)
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -33,12 +34,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 # thread: inductor's pool of compile workers (two fresh interpreters per rank) would start at the
 # first compile and be shut down at exit, which beside other tests took past the harness's grace
 # for an exit; what these tests pin is our own exit path.
-ENV = {
-    "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.0005",
-    "COMPILER_COLLECTIVES_TIMEOUT": "10",
-    "HARNESS_PG_TIMEOUT": "120",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-}
+ENV = rank_env(heartbeat_s=0.0005, timeout_s=10, pg_timeout_s=120, extra={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
 
 

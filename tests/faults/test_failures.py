@@ -18,16 +18,18 @@ import torch.distributed as dist
 
 from tests.fixtures import GUARD_TRANSPORTS, NAMED_WITHIN_SECONDS, guard_env
 from tests.harness import release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import caught
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 TIMEOUT_S = 6.0
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
+PG_TIMEOUT_S = 1800
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 # Where a test measures how fast a failure is noticed: far from any timeout.
 LONG_TIMEOUT_S = 60.0
-LONG_ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(LONG_TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
+LONG_ENV = rank_env(timeout_s=LONG_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 
 
 def _stay_until_every_survivor_has_its_error(survivors: int) -> None:
@@ -222,7 +224,7 @@ def test_a_rank_waiting_in_our_collective_stops_within_seconds_when_a_peer_repor
         3,
         env=_env(transport, LONG_ENV),
         timeout=90,
-        rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "3"}},
+        rank_env={2: rank_env(timeout_s=3)},
     )
     waiting, failing = outcome.results[0], outcome.results[2]
     assert failing["type"] == "CollectiveDesyncError" and failing["ranks"] == [1], failing  # rank 1 is elsewhere
@@ -523,7 +525,7 @@ def bad_payload_from_rank_1(rank: int, world: int, how: str) -> dict:
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "oversized", "old_version"])
 def test_a_bad_payload_from_one_rank_makes_every_rank_raise_the_same_payload_error(how):
-    env = dict(ENV, COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES="65536")
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, max_payload_bytes=65536)
     outcome = run_ranks(bad_payload_from_rank_1, 3, args=(how,), env=env, timeout=60)
     messages = set()
     for r in outcome.results:
@@ -536,7 +538,7 @@ def test_a_bad_payload_from_one_rank_makes_every_rank_raise_the_same_payload_err
 
 def test_a_payload_crafted_to_run_code_when_unpickled_runs_nothing(tmp_path):
     marker = tmp_path / "exploited"
-    env = dict(ENV, EXPLOIT_MARKER=str(marker))
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, extra={"EXPLOIT_MARKER": str(marker)})
     outcome = run_ranks(bad_payload_from_rank_1, 2, args=("pickle",), env=env, timeout=60)
     for r in outcome.results:
         assert r["type"] == "WireFormatError", r
@@ -770,7 +772,7 @@ def interrupted_inside_the_guard_collective(rank: int, world: int) -> dict:
 @pytest.mark.torch_seam
 def test_ctrl_c_inside_the_guard_hook_stays_a_keyboard_interrupt_and_does_not_poison_other_ranks(transport):
     """Rank 0 listens for failure reports for three heartbeats, 0.25 s apart here."""
-    env = {**_env(transport), "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.25"}
+    env = _env(transport, rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, heartbeat_s=0.25))
     outcome = run_ranks(interrupted_inside_the_guard_collective, 2, env=env, timeout=60)
     interrupted, other = outcome.results[1], outcome.results[0]
     assert interrupted["raised"] == "KeyboardInterrupt", interrupted

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
@@ -54,7 +55,7 @@ def desync_job(rank: int, world: int, in_tree: int | None, op: str) -> dict:
     return {"type": None, "s": time.monotonic() - start}
 
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": str(TIMEOUT_S + 2)}
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=TIMEOUT_S + 2)
 
 
 @pytest.mark.timeout(120)

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import caught, kept_logs, line_of
 
 # Multi-process tests here: torch seam (tests/tiers.py).
 pytestmark = pytest.mark.torch_seam
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
+TIMEOUT_S = 30
+ENV = rank_env(timeout_s=TIMEOUT_S)
 
 
 # ---------------------------------------------------------------- divergence at the first compile
@@ -141,7 +143,7 @@ def rank_constant_traced(rank: int, world: int) -> None:
 def test_each_audit_is_a_structured_trace_artifact_that_names_the_report_only_levels(tmp_path):
     import json
 
-    env = dict(ENV, TORCH_TRACE=str(tmp_path))  # read when torch is imported: spawn
+    env = rank_env(timeout_s=TIMEOUT_S, extra={"TORCH_TRACE": str(tmp_path)})  # read when torch is imported: spawn
     run_ranks(rank_constant_traced, 2, env=env, timeout=120, start_method="spawn")
     payloads = []
     for log_file in sorted(tmp_path.glob("*rank_*")):
@@ -187,7 +189,7 @@ def audit_switched_off(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_with_the_audit_switched_off_compiles_run_no_audit_exchange():
-    env = dict(ENV, COMPILER_COLLECTIVES_AUDIT="0")
+    env = rank_env(timeout_s=TIMEOUT_S, audit=False)
     outcome = run_ranks(audit_switched_off, 2, env=env, timeout=120)
     for s in outcome.results:
         assert s["compiler_collectives"] == 1  # compiler collectives stay on
@@ -327,7 +329,7 @@ def test_the_ranks_that_did_not_recompile_wait_for_a_recompile_longer_than_the_c
     """The wait tested: COMPILER_COLLECTIVES_TIMEOUT (4 s) against a recompile 7 s long. Rank 0
     waits for rank 1's recompile without caches (alive, up to the compile timeout) before the
     second exchange, which would measure it against the collective timeout."""
-    env = {**ENV, "COMPILER_COLLECTIVES_TIMEOUT": str(SLOW_TIMEOUT_S)}
+    env = rank_env(timeout_s=SLOW_TIMEOUT_S)
     r0, r1 = run_ranks(slow_recompile, 2, env=env, timeout=120).results
     assert r0["error"]["type"] is None and r1["error"]["type"] is None, (r0["error"], r1["error"])
     assert (r0["stats"]["audit_cache_recompiles"], r1["stats"]["audit_cache_recompiles"]) == (0, 1)
@@ -339,7 +341,7 @@ def test_the_ranks_that_did_not_recompile_wait_for_a_recompile_longer_than_the_c
 @pytest.mark.release_independent
 def test_a_recompile_past_the_compile_timeout_is_named_on_the_waiting_rank():
     """The wait tested: COMPILER_COLLECTIVES_COMPILE_TIMEOUT (2 s) against rank 1's 7 s recompile."""
-    env = {**ENV, "COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "2"}
+    env = rank_env(timeout_s=TIMEOUT_S, compile_timeout_s=2)
     waiting, recompiling = run_ranks(slow_recompile, 2, env=env, timeout=120, check=False).results
     assert waiting["error"]["type"] == "CompileTimeoutError"
     assert "rank 1 to compile this graph again without caches" in waiting["error"]["message"]

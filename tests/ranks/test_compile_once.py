@@ -25,6 +25,7 @@ import torch
 
 from tests.fixtures import cache_per_rank, shared_cache
 from tests.harness import free_port, run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import kept_logs
 
 pytestmark = [
@@ -33,11 +34,7 @@ pytestmark = [
     pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
-ENV = {
-    "COMPILER_COLLECTIVES_TIMEOUT": "60",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-}
+ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 # A local compile longer than the collective timeout the slow-miss test sets.
 SLOW_TIMEOUT_S, SLOW_COMPILE_S = 6, 9
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -193,9 +190,9 @@ def job(rank: int, world: int, case: dict) -> dict:
 
 def _run(tmp_path, case: dict | None = None, *, separate: bool = False, env: dict | None = None, **kw):
     shared = shared_cache(tmp_path)
-    rank_env = cache_per_rank(tmp_path, 2) if separate else None
+    per_rank = cache_per_rank(tmp_path, 2) if separate else None
     return run_ranks(
-        job, 2, args=(case or {},), env={**ENV, **shared, **(env or {})}, rank_env=rank_env, timeout=240, **kw
+        job, 2, args=(case or {},), env={**ENV, **shared, **(env or {})}, rank_env=per_rank, timeout=240, **kw
     )
 
 
@@ -226,9 +223,7 @@ def test_ranks_sharing_a_cache_dir_compile_each_graph_once_and_load_it_elsewhere
 @pytest.mark.timeout(300)
 def test_ranks_with_a_cache_dir_each_receive_the_artifact_over_gloo_and_load_it(tmp_path):
     traces = tmp_path / "traces"
-    results = _run(
-        tmp_path, {"kernels": True}, separate=True, env={"COMPILER_COLLECTIVES_TRACE_DIR": str(traces)}
-    ).results
+    results = _run(tmp_path, {"kernels": True}, separate=True, env=rank_env(trace_dir=traces)).results
     _assert_trained_right(results)
     assert sorted(_states(results)) == ["compiled", "loaded"]
     loader = next(r for r in results if r["records"][-1]["state"] == "loaded")
@@ -267,7 +262,7 @@ def test_ranks_whose_graphs_differ_compile_them_locally_with_correct_results(tmp
 
 @pytest.mark.timeout(300)
 def test_with_compile_once_off_every_rank_compiles_as_before(tmp_path):
-    results = _run(tmp_path, env={"COMPILER_COLLECTIVES_COMPILE_ONCE": "0"}).results
+    results = _run(tmp_path, env=rank_env(compile_once=False)).results
     _assert_trained_right(results)
     assert all(r["records"] == [] and r["stats"]["once_exchanges"] == 0 for r in results)
 
@@ -298,7 +293,7 @@ def test_the_ranks_that_loaded_wait_for_a_local_compile_longer_than_the_collecti
     timeout), not at the audit's next exchange, which would measure that compile against the
     collective timeout."""
     case = {"fault": "alter", "fault_rank": 1, "slow_rank": 0}
-    results = _run(tmp_path, case, separate=True, env={"COMPILER_COLLECTIVES_TIMEOUT": str(SLOW_TIMEOUT_S)}).results
+    results = _run(tmp_path, case, separate=True, env=rank_env(timeout_s=SLOW_TIMEOUT_S)).results
     _assert_trained_right(results)
     assert _states(results) == ["compiled locally", "compiled"]
     assert results[1]["records"][-1]["waited_s"] >= SLOW_COMPILE_S - 1
@@ -358,7 +353,7 @@ def test_a_compiling_rank_killed_mid_compile_is_named_and_nobody_hangs(tmp_path)
     outcome = _run(
         tmp_path,
         {"fault": "kill", "fault_rank": 1},
-        env={"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"},
+        env=rank_env(heartbeat_s=0.5),
         check=False,
         expect_signals={1: signal.SIGKILL},
     )
@@ -407,8 +402,8 @@ def test_with_torchs_compile_time_collectives_on_every_rank_compiles_and_enters_
     # A cache dir per rank: in a shared one, the rank that finished first would leave inductor's
     # entries that the other's compile finds, and the audit would compile that graph again.
     env = {**ENV, **shared_cache(tmp_path)}
-    rank_env = cache_per_rank(tmp_path, 2)
-    results = run_ranks(with_compile_time_collectives, 2, env=env, rank_env=rank_env, timeout=240).results
+    per_rank = cache_per_rank(tmp_path, 2)
+    results = run_ranks(with_compile_time_collectives, 2, env=env, rank_env=per_rank, timeout=240).results
     for r in results:
         assert r["type"] is None, r
         assert r["records"][-1]["state"] == "compiled locally"
@@ -575,8 +570,8 @@ def ddp_split_job(rank: int, world: int) -> dict:
 @pytest.mark.timeout(300)
 def test_ddp_graphs_that_aotautograd_will_not_cache_share_their_inductor_compiles_instead(tmp_path):
     env = {**ENV, **shared_cache(tmp_path)}
-    rank_env = cache_per_rank(tmp_path, 2)
-    results = run_ranks(ddp_split_job, 2, env=env, rank_env=rank_env, timeout=240).results
+    per_rank = cache_per_rank(tmp_path, 2)
+    results = run_ranks(ddp_split_job, 2, env=env, rank_env=per_rank, timeout=240).results
     for r in results:
         assert r["loss"] == pytest.approx(r["expected"], rel=1e-4), r  # loaded code computes what eager does
         assert r["recompiles"] == 0

@@ -22,6 +22,7 @@ import pytest
 
 from tests.fixtures import shared_cache
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _run, _states, job
 
 pytestmark = [
@@ -75,7 +76,7 @@ def test_a_dir_warmed_by_a_1_rank_run_serves_a_rank_whose_dir_is_empty(tmp_path)
 
 @pytest.mark.timeout(420)
 def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
-    _run(tmp_path, KERNELS, separate=True, env={"COMPILER_COLLECTIVES_COMPILE_ONCE": "0"})
+    _run(tmp_path, KERNELS, separate=True, env=rank_env(compile_once=False))
     # Each dir built its own kernels: the same names, other bytes (a binary embeds its build dir).
     own = [_binaries(tmp_path / f"rank{r}") for r in range(2)]
     assert any(own[1].get(name, blob) != blob for name, blob in own[0].items()), "no kernel binary differs"
@@ -186,7 +187,7 @@ def test_a_compiling_rank_stopped_longer_than_its_heartbeat_staleness_is_waited_
     compiler's process is stopped (SIGSTOP) for 4 s, past the 1.75 s after which a 0.5 s
     heartbeat counts as silent; on this host /proc says it is stopped, so the loader waits,
     warns once, and takes the artifact once it resumes (SIGCONT)."""
-    results = _faulty(tmp_path, "stop", 4, {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"}).results
+    results = _faulty(tmp_path, "stop", 4, rank_env(heartbeat_s=0.5)).results
     _assert_trained_right(results)
     _assert_no_refusals(results)
     assert _states(results) == ["loaded", "compiled"]
@@ -207,7 +208,7 @@ def test_a_compiling_rank_stopped_longer_than_its_heartbeat_staleness_is_waited_
 @pytest.mark.timeout(300)
 @pytest.mark.release_independent
 def test_a_compile_past_the_compile_timeout_ends_the_job_on_every_rank_naming_it(tmp_path):
-    outcome = _faulty(tmp_path, "stall", 6, {"COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "2"}, check=False)
+    outcome = _faulty(tmp_path, "stall", 6, rank_env(compile_timeout_s=2), check=False)
     waiting, compiling = outcome.results[WAITING_RANK], outcome.results[COMPILING_RANK]
     assert "CompileOnceError" in waiting["chain"], waiting
     assert "COMPILER_COLLECTIVES_COMPILE_TIMEOUT" in waiting["message"]
@@ -226,7 +227,7 @@ def test_a_compile_past_the_compile_timeout_ends_the_job_on_every_rank_naming_it
 @pytest.mark.release_independent
 def test_a_compiling_rank_that_dies_with_heartbeats_off_is_named_within_seconds(tmp_path):
     # On this host /proc shows the death; no heartbeat is needed, nor the compile timeout.
-    env = {"COMPILER_COLLECTIVES_HEARTBEAT_S": "0", "COMPILER_COLLECTIVES_COMPILE_TIMEOUT": "120"}
+    env = rank_env(heartbeat_s=0, compile_timeout_s=120)
     outcome = _faulty(tmp_path, "die", 0, env, check=False, expect_signals={COMPILING_RANK: signal.SIGKILL})
     waiting = outcome.results[WAITING_RANK]
     assert waiting is not None and "PeerFailureError" in waiting["chain"], outcome

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -26,11 +27,7 @@ pytestmark = [
     pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
-ENV = {
-    "COMPILER_COLLECTIVES_TIMEOUT": "60",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-}
+ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 INDEX = 0  # the rank's index on its host: Dynamo guards on it, so the graph (and key) differ by it
 
 
@@ -81,8 +78,8 @@ def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
 
 @pytest.mark.timeout(400)
 def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a_world_gather(tmp_path):
-    rank_env = two_hosts(tmp_path)
-    results = run_ranks(job, 4, env=ENV, rank_env=rank_env, timeout=360).results
+    per_rank = two_hosts(tmp_path)
+    results = run_ranks(job, 4, env=ENV, rank_env=per_rank, timeout=360).results
     for r in results:
         assert r["right"] == [True, True, True], r
         first, second, third = r["stats"]
@@ -136,8 +133,8 @@ def job_with_builds(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(400)
 def test_hosts_of_different_build_fingerprints_each_compile_their_own_kernels_with_equal_parameters(tmp_path):
-    rank_env = two_hosts(tmp_path)
-    results = run_ranks(job_with_builds, 4, env=ENV, rank_env=rank_env, timeout=360).results
+    per_rank = two_hosts(tmp_path)
+    results = run_ranks(job_with_builds, 4, env=ENV, rank_env=per_rank, timeout=360).results
     for rank, r in enumerate(results):
         assert r["right"], r
         assert r["w"] == results[0]["w"], (rank, r)

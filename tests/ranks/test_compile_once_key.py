@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -25,7 +26,7 @@ pytestmark = [
     pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -57,8 +58,8 @@ def job(rank: int, world: int, service: bool) -> dict:
 
 
 def _run(dirs: list[str], service: bool) -> list[dict]:
-    rank_env = {r: {"TORCHINDUCTOR_CACHE_DIR": d} for r, d in enumerate(dirs)}
-    return run_ranks(job, 2, args=(service,), env=ENV, rank_env=rank_env, timeout=240).results
+    per_rank = {r: {"TORCHINDUCTOR_CACHE_DIR": d} for r, d in enumerate(dirs)}
+    return run_ranks(job, 2, args=(service,), env=ENV, rank_env=per_rank, timeout=240).results
 
 
 @pytest.fixture(scope="module")

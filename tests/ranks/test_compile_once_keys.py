@@ -17,6 +17,7 @@ import torch
 
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -24,11 +25,7 @@ pytestmark = [
     pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
-ENV = {
-    "COMPILER_COLLECTIVES_TIMEOUT": "60",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-}
+ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 RANK = 0  # set per rank: Dynamo guards on it, so the third graph differs by rank
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import GraphRecorder, summary
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -47,7 +48,7 @@ def test_different_sizes_make_the_dim_dynamic_on_every_rank_in_one_compile(world
 
 
 def test_without_the_input_exchange_different_sizes_cost_a_preflight_and_one_restart_like_torch():
-    env = {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0"}
+    env = rank_env(exchange_inputs_first=False)
     outcome = run_ranks(ranks_with_different_sizes, 2, env=env)
     for r in outcome.results:
         assert r["graphs"] == [[["s", 4]]]
@@ -325,7 +326,7 @@ def ranks_same_new_size_after_static(rank: int, world: int) -> dict:
 
 
 def test_restart_is_not_skipped_when_the_prior_frame_state_changes_the_decision():
-    env = {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0"}  # the all-static preflight path
+    env = rank_env(exchange_inputs_first=False)  # the all-static preflight path
     outcome = run_ranks(ranks_same_new_size_after_static, 2, env=env)
     for r in outcome.results:
         assert r["graphs"] == [[[8, 4]], [["s", 4]]]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import free_port, run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import init_gloo
 
 # Every test here starts rank processes; re-init goes through c10d's store and gloo's set-up.
@@ -90,7 +91,7 @@ def test_generations_on_the_same_port_back_to_back_never_hang(tmp_path):
         generations_back_to_back,
         2,
         args=([free_port() for _ in range(rounds)], generations, str(tmp_path / "clock"), True),
-        env={"COMPILER_COLLECTIVES_TIMEOUT": "10"},
+        env=rank_env(timeout_s=10),
         init=False,
         timeout=120,
     )

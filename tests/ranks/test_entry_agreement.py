@@ -7,12 +7,14 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import caught, line_of
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
+TIMEOUT_S = 30
+ENV = rank_env(timeout_s=TIMEOUT_S)
 TRANSPORTS = ["auto", "gloo"]
 
 
@@ -51,7 +53,7 @@ def three_phases(rank: int, world: int) -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_ranks_hitting_entries_with_different_collectives_raise_before_the_lone_all_reduce_runs(transport):
-    env = dict(ENV, COMPILER_COLLECTIVES_GUARD_TRANSPORT=transport)
+    env = rank_env(timeout_s=TIMEOUT_S, guard_transport=transport)
     outcome = run_ranks(three_phases, 2, env=env, timeout=180)  # a rank killed by a signal fails here
     line = line_of(__file__, "the lone all_reduce")
     for _rank, r in enumerate(outcome.results):
@@ -193,12 +195,12 @@ def test_a_rank_with_a_warm_inductor_cache_still_has_every_level_compared_and_a_
     dirs = {name: str(tmp_path / name) for name in ("warm", "cold_a", "cold_b", "cold_c")}
 
     def run(rank0: str, swap: bool):
-        rank_env = {0: {"TORCHINDUCTOR_CACHE_DIR": dirs[rank0]}, 1: {"TORCHINDUCTOR_CACHE_DIR": dirs["warm"]}}
+        per_rank = {0: {"TORCHINDUCTOR_CACHE_DIR": dirs[rank0]}, 1: {"TORCHINDUCTOR_CACHE_DIR": dirs["warm"]}}
         # The cold rank compiles inductor's C++ while the warm one waits: a loaded box needs minutes.
         # Compile once off: with it the warm rank would serve its entry to the cold one and nothing
         # would be compiled again; this is the audit's own path, for keys that differ across ranks.
-        env = dict(ENV, COMPILER_COLLECTIVES_TIMEOUT="180", COMPILER_COLLECTIVES_COMPILE_ONCE="0")
-        return run_ranks(inductor_with_caches, 2, args=(swap,), env=env, rank_env=rank_env, timeout=400).results
+        env = rank_env(timeout_s=180, compile_once=False)
+        return run_ranks(inductor_with_caches, 2, args=(swap,), env=env, rank_env=per_rank, timeout=400).results
 
     warmup = run("cold_a", False)  # fills rank 1's cache dir
     assert [r["type"] for r in warmup] == [None, None], warmup

@@ -16,12 +16,14 @@ import torch.distributed as dist
 
 from tests.fixtures import shared_cache
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import caught, kept_logs, line_of
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "30"}
+TIMEOUT_S = 30
+ENV = rank_env(timeout_s=TIMEOUT_S)
 # Rows per rank and phase: two compiles together (static, then dynamic with the
 # dim <= 20), then the ranks' guards pick different entries (32 rows: the
 # static one; 8 rows: the dynamic one), both ways round.
@@ -336,7 +338,9 @@ def sweep(rank: int, world: int, backend: str) -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_ddp_training_whose_ranks_pick_different_entries_runs_on_and_matches_eager(backend, tmp_path):
-    env = {**ENV, **shared_cache(tmp_path, "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    env = rank_env(
+        timeout_s=TIMEOUT_S, extra={**shared_cache(tmp_path, "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    )
     tolerance = 1e-3 if backend == "inductor" else 1e-5
     for r in run_ranks(sweep, 2, args=(backend,), env=env, timeout=540).results:
         assert r["type"] is None, r

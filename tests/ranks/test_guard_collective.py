@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import GraphRecorder, summary
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -96,7 +97,7 @@ def test_when_one_rank_misses_its_guards_every_rank_recompiles_and_the_job_finis
 
 
 def test_without_the_desync_check_every_rank_still_recompiles_together():
-    env = {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}
+    env = rank_env(guard_desync_check=False)
     outcome = run_ranks(one_rank_misses_with_guards, 2, timeout=60, env=env)
     for r in outcome.results:
         assert r["compiles"] == 2 and r["collectives"] == 2
@@ -112,7 +113,7 @@ def test_without_guard_collectives_the_same_loop_hangs(tmp_path):
         2,
         timeout=60,
         check=False,
-        env={"COMPILER_COLLECTIVES_TIMEOUT": "120", "HARNESS_PG_TIMEOUT": "120", "HARNESS_JOB_DIR": str(tmp_path)},
+        env=rank_env(timeout_s=120, pg_timeout_s=120, extra={"HARNESS_JOB_DIR": str(tmp_path)}),
     )
     assert outcome.results == [None, None] and not outcome.timed_out, outcome  # neither finished its loop
     stuck = {rank: json.loads((tmp_path / f"stuck.{rank}.json").read_text()) for rank in (0, 1)}
@@ -266,7 +267,7 @@ def guards_from_env_only(rank: int, world: int) -> dict:
 
 
 def test_the_guard_env_var_alone_turns_guard_collectives_on():
-    outcome = run_ranks(guards_from_env_only, 2, env={"COMPILER_COLLECTIVES_GUARDS": "1"})
+    outcome = run_ranks(guards_from_env_only, 2, env=rank_env(guards=True))
     for r in outcome.results:
         assert r == {"guard_collectives": 2, "active": True}
 

@@ -25,13 +25,15 @@ from hypothesis import strategies as st
 from compiler_collectives.transport import futex, segment, shm
 from tests.fixtures import NAMED_WITHIN_SECONDS, clean_env
 from tests.harness import free_port, release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import kept_logs
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
 TIMEOUT_S = 6.0
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
+PG_TIMEOUT_S = 1800
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 SEGMENT_PREFIX = "compiler_collectives-"
 
 
@@ -274,9 +276,9 @@ def test_a_failure_published_on_the_host_wakes_a_sleeping_rank():
     outcome = run_ranks(
         sleeps_while_a_peer_fails,
         3,
-        env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "40"},
+        env=rank_env(timeout_s=40, pg_timeout_s=PG_TIMEOUT_S),
         timeout=80,
-        rank_env={2: {"COMPILER_COLLECTIVES_TIMEOUT": "2"}},
+        rank_env={2: rank_env(timeout_s=2)},
     )
     sleeper, failing = outcome.results[0], outcome.results[2]
     assert failing["type"] == "CollectiveDesyncError", failing  # rank 1 is alive, elsewhere
@@ -409,7 +411,7 @@ def test_a_leader_waiting_for_a_host_that_left_stops_within_about_a_heartbeat_of
     outcome = run_ranks(
         leader_waits_while_another_host_leaves,
         2,
-        env={**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "30", "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"},
+        env=rank_env(timeout_s=30, pg_timeout_s=PG_TIMEOUT_S, heartbeat_s=0.5),
         timeout=60,
     )
     waiter = outcome.results[0]
@@ -574,7 +576,11 @@ def test_a_rank_with_a_private_dev_shm_makes_every_rank_fall_back_to_gloo_with_o
 def test_the_gloo_setting_keeps_the_all_reduce_path():
     pattern = _random_pattern(3, 2, 50)
     outcome = run_ranks(
-        agree_pattern, 2, args=(1, pattern), env={**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "gloo"}, timeout=60
+        agree_pattern,
+        2,
+        args=(1, pattern),
+        env=rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, guard_transport="gloo"),
+        timeout=60,
     )
     for r in outcome.results:
         assert r["transport"] == "gloo"
@@ -613,13 +619,12 @@ def test_two_torchrun_agents_on_one_machine_are_two_hosts_and_a_miss_on_the_seco
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TWO_AGENTS_SCRIPT))
     port = free_port()
-    env = clean_env()
-    env.update(
-        TORCH_COMPILER_COLLECTIVES="1",
-        COMPILER_COLLECTIVES_GUARDS="1",
-        OMP_NUM_THREADS="1",
-        RESULT_DIR=str(tmp_path),
-        COMPILER_COLLECTIVES_TIMEOUT="60",
+    env = clean_env(
+        **rank_env(
+            guards=True,
+            timeout_s=60,
+            extra={"TORCH_COMPILER_COLLECTIVES": "1", "OMP_NUM_THREADS": "1", "RESULT_DIR": str(tmp_path)},
+        )
     )
     from cc_launch import Agents
 

@@ -16,6 +16,7 @@ import os
 import pytest
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
@@ -123,7 +124,7 @@ def mismatch_job(rank: int, world: int) -> dict:
 @pytest.mark.timeout(120)
 def test_a_rank_in_a_gather_while_its_peers_take_a_min_is_named_at_once_by_them_and_names_them():
     # COMPILER_COLLECTIVES_TIMEOUT is the wait a rank would otherwise take before it raised.
-    env = {"COMPILER_COLLECTIVES_TIMEOUT": "8", "HARNESS_PG_TIMEOUT": "10"}
+    env = rank_env(timeout_s=8, pg_timeout_s=10)
     results = run_ranks(mismatch_job, 3, env=env, timeout=90).results
     assert [r["type"] for r in results] == ["CollectiveDesyncError"] * 3, results
     assert all(r["s"] < 4 for r in results), results

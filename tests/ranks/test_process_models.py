@@ -16,13 +16,15 @@ import torch.distributed as dist
 
 from tests.fixtures import GUARD_TRANSPORTS, NAMED_WITHIN_SECONDS, guard_env
 from tests.harness import free_port, release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import caught, init_gloo
 
 # Every test here starts rank processes: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 TIMEOUT_S = 6.0
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(TIMEOUT_S), "HARNESS_PG_TIMEOUT": "1800"}
+PG_TIMEOUT_S = 1800
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 
 
 def _env(transport: str, base: dict[str, str] = ENV) -> dict[str, str]:
@@ -242,7 +244,7 @@ def gloo_wait_in_a_forked_child(rank: int, world: int) -> dict:
 
 
 def test_a_wait_on_gloo_ends_at_our_timeout_even_in_a_forked_child_that_has_no_gloo_threads():
-    env = {**ENV, "COMPILER_COLLECTIVES_TIMEOUT": "3"}
+    env = rank_env(timeout_s=3, pg_timeout_s=PG_TIMEOUT_S)
     outcome = run_ranks(gloo_wait_in_a_forked_child, 2, env=env, timeout=90)
     child = outcome.results[0]["child"]
     assert child["status"] == "ok", child

@@ -19,9 +19,9 @@ from compiler_collectives.instrument import artifacts
 from compiler_collectives.observations import DYNAMIC, InferStride, LocalState, SizeEntry
 from tests.fixtures import cache_per_rank, clean_env, shared_cache
 from tests.harness import run_ranks
-from tests.rankside import kept_logs
 from tests.ranks.test_compile_once import ENV as ONCE_ENV
 from tests.ranks.test_compile_once import job as once_job
+from tests.rankside import kept_logs
 
 # Multi-process tests here: torch seam (tests/tiers.py).
 pytestmark = pytest.mark.torch_seam

@@ -21,12 +21,14 @@ import torch
 
 from tests.fixtures import NAMED_WITHIN_SECONDS
 from tests.harness import release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import caught
 
 # Multi-process tests here: release independent (tests/tiers.py).
 pytestmark = pytest.mark.release_independent
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "120"}
+TIMEOUT_S, PG_TIMEOUT_S = 60, 120
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -81,17 +83,17 @@ def mismatched_scopes(rank: int, world: int) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_scope_check_failure_reaches_the_other_scope_as_a_peer_failure_never_a_desync_blaming_a_bystander():
-    env = {**ENV, "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5"}
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, heartbeat_s=0.5)
     outcome = run_ranks(
         mismatched_scopes,
         4,
         env=env,
         timeout=100,
         rank_env={
-            0: {"COMPILER_COLLECTIVES_SCOPE": "strided:2"},
-            1: {"COMPILER_COLLECTIVES_SCOPE": "strided:2"},
-            2: {"COMPILER_COLLECTIVES_SCOPE": "consecutive:2"},
-            3: {"COMPILER_COLLECTIVES_SCOPE": "consecutive:2"},
+            0: rank_env(scope="strided:2"),
+            1: rank_env(scope="strided:2"),
+            2: rank_env(scope="consecutive:2"),
+            3: rank_env(scope="consecutive:2"),
         },
     )
     results = outcome.results
@@ -154,7 +156,7 @@ def left_while_a_bystander_refuses(rank: int, world: int) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_rank_waiting_for_a_bystander_that_stopped_on_a_report_names_the_reporter_not_the_bystander():
-    env = {**ENV, "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "gloo"}
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, guard_transport="gloo")
     outcome = run_ranks(left_while_a_bystander_refuses, 3, env=env, timeout=80)
     assert outcome.results[0]["raised"] == "Preempted", outcome.results[0]
     for r in outcome.results[1:]:
@@ -194,7 +196,7 @@ def leaves_while_its_same_host_peer_waits(rank: int, world: int) -> dict:
 def test_a_rank_that_left_reaches_its_same_host_peer_through_the_failure_word_at_once_as_left_not_as_a_crash():
     # Heartbeats 30 s apart (and a timeout past the 0.5 s rank 1 waits before it leaves): only
     # the failure word can tell rank 0 within a second.
-    env = {**ENV, "COMPILER_COLLECTIVES_HEARTBEAT_S": "30", "COMPILER_COLLECTIVES_TIMEOUT": "10"}
+    env = rank_env(timeout_s=10, pg_timeout_s=PG_TIMEOUT_S, heartbeat_s=30)
     outcome = run_ranks(leaves_while_its_same_host_peer_waits, 2, env=env, timeout=80)
     assert outcome.results[1]["raised"] == "Preempted", outcome.results[1]
     peer = outcome.results[0]

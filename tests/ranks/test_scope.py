@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import release, run_ranks, stay_until
+from tests.rank_env import rank_env
 from tests.rankside import GraphRecorder, summary
 
 # Multi-process tests here: release independent (tests/tiers.py).
 pytestmark = pytest.mark.release_independent
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "120"}
+TIMEOUT_S, PG_TIMEOUT_S = 60, 120
+ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 SHORT_TIMEOUT_S = 4.0
-SHORT_ENV = {"COMPILER_COLLECTIVES_TIMEOUT": str(SHORT_TIMEOUT_S), "HARNESS_PG_TIMEOUT": "120"}
+SHORT_ENV = rank_env(timeout_s=SHORT_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 STEPS = 6
 ONE_SIDED_STEP = 3  # from here dp rank 0 of stage 0 passes another int: a guard miss on that rank only
 
@@ -118,7 +120,7 @@ def two_stages_strided_by_the_variable(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_the_strided_layout_through_the_variable_scopes_each_stage_without_a_call():
-    env = {**ENV, "COMPILER_COLLECTIVES_SCOPE": "strided:2"}
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, scope="strided:2")
     outcome = run_ranks(two_stages_strided_by_the_variable, 4, env=env, timeout=120)
     _check_stages(outcome.results, {0: [0, 2], 1: [1, 3]})
 
@@ -133,7 +135,7 @@ def two_stages_consecutive_by_the_variable(rank: int, world: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_the_consecutive_layout_through_the_variable_scopes_each_stage_without_a_call():
-    env = {**ENV, "COMPILER_COLLECTIVES_SCOPE": "consecutive:2"}
+    env = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S, scope="consecutive:2")
     outcome = run_ranks(two_stages_consecutive_by_the_variable, 4, env=env, timeout=120)
     _check_stages(outcome.results, {0: [0, 1], 1: [2, 3]})
 

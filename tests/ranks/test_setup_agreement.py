@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 
 # Multi-process tests here: release independent (tests/tiers.py).
 pytestmark = pytest.mark.release_independent
 
 # Long enough that only the setup check, never a timeout, can end these jobs in time.
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "60", "HARNESS_PG_TIMEOUT": "1800"}
+ENV = rank_env(timeout_s=60, pg_timeout_s=1800)
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,7 @@ def test_a_collective_shaping_setting_set_on_one_rank_only_fails_every_rank_with
         args=(True,),
         env=ENV,
         timeout=90,
-        rank_env={1: {"COMPILER_COLLECTIVES_GUARD_DESYNC_CHECK": "0"}},
+        rank_env={1: rank_env(guard_desync_check=False)},
     )
     assert [r["desync_check"] for r in outcome.results] == [True, False, True]  # the env really differed
     for r in outcome.results:
@@ -73,9 +74,7 @@ def test_a_collective_shaping_setting_set_on_one_rank_only_fails_every_rank_with
 
 @pytest.mark.multiprocess
 def test_the_guard_switch_on_one_rank_only_fails_every_rank_naming_the_switch():
-    outcome = run_ranks(
-        compile_and_call, 2, args=(False,), env=ENV, timeout=90, rank_env={0: {"COMPILER_COLLECTIVES_GUARDS": "1"}}
-    )
+    outcome = run_ranks(compile_and_call, 2, args=(False,), env=ENV, timeout=90, rank_env={0: rank_env(guards=True)})
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
         assert r["seconds"] < 10.0, r
@@ -117,9 +116,7 @@ def test_every_differing_item_and_every_differing_rank_is_named():
         4,
         env=ENV,
         timeout=90,
-        rank_env={
-            3: {"COMPILER_COLLECTIVES_EXCHANGE_INPUTS_FIRST": "0", "COMPILER_COLLECTIVES_MAX_PAYLOAD_BYTES": "1000"}
-        },
+        rank_env={3: rank_env(exchange_inputs_first=False, max_payload_bytes=1000)},
     )
     for r in outcome.results:
         assert r["type"] == "SetupMismatchError", r
@@ -145,12 +142,12 @@ def test_settings_that_may_differ_do_not_stop_the_job():
         env=ENV,
         timeout=90,
         rank_env={
-            1: {
-                "COMPILER_COLLECTIVES_LOG_LEVEL": "ERROR",
-                "COMPILER_COLLECTIVES_TIMING": "1",
-                "COMPILER_COLLECTIVES_TIMEOUT": "45",
-                "COMPILER_COLLECTIVES_HEARTBEAT_S": "0.5",
-            }
+            1: rank_env(
+                timing=True,
+                timeout_s=45,
+                heartbeat_s=0.5,
+                extra={"COMPILER_COLLECTIVES_LOG_LEVEL": "ERROR"},  # retired: read only to warn
+            )
         },
     )
     for r in outcome.results:

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import caught
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
 
-ENV = {"COMPILER_COLLECTIVES_TIMEOUT": "6", "HARNESS_PG_TIMEOUT": "1800"}
+ENV = rank_env(timeout_s=6, pg_timeout_s=1800)
 
 RUNS = torch.zeros(3)  # how often _f, _g and _warm ran, in this rank process
 

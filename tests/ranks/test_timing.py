@@ -11,6 +11,7 @@ import torch
 
 from compiler_collectives.tools import report
 from tests.harness import run_ranks
+from tests.rank_env import rank_env
 from tests.rankside import kept_logs
 
 # Multi-process tests here: release independent (tests/tiers.py).
@@ -45,12 +46,7 @@ def traced_job(rank: int, world: int) -> dict:
 
 
 def _job_env(trace_dir: str) -> dict[str, str]:
-    return {
-        "TORCH_COMPILER_COLLECTIVES": "1",
-        "COMPILER_COLLECTIVES_GUARDS": "1",
-        "COMPILER_COLLECTIVES_TIMING": "1",
-        "COMPILER_COLLECTIVES_TRACE_DIR": trace_dir,
-    }
+    return rank_env(guards=True, timing=True, trace_dir=trace_dir, extra={"TORCH_COMPILER_COLLECTIVES": "1"})
 
 
 def _enable_from_env_in_forkserver(rank: int, world: int) -> dict:
@@ -183,7 +179,7 @@ def unwritable_job(rank: int, world: int) -> dict:
 def test_an_unwritable_trace_directory_warns_once_and_the_job_goes_on(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the directory should be")
-    outcome = run_ranks(unwritable_job, 2, env={"COMPILER_COLLECTIVES_TRACE_DIR": str(blocker / "traces")})
+    outcome = run_ranks(unwritable_job, 2, env=rank_env(trace_dir=blocker / "traces"))
     for r in outcome.results:
         assert r["guard"] == 3
         assert len(r["warnings"]) == 1 and "trace" in r["warnings"][0]

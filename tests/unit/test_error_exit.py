@@ -47,7 +47,6 @@ import pytest
 from compiler_collectives.agreements import compile_scope
 from compiler_collectives.errors import CollectiveDesyncError, CollectivePoisonedError, CompileOnceError
 from compiler_collectives.health.latch import Latch
-
 from tests.contract.test_layering import TOP, TREE, Tree, mutated
 
 WRAPPERS = ("InternalTorchDynamoError", "BackendCompilerFailed", "BypassAOTAutogradCache")
