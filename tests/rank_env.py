@@ -12,7 +12,7 @@ The table is read from ``config.py``'s source, not imported: importing
 patches torch. A rank imports its test module (whose ``ENV = rank_env(...)`` runs then)
 before its job runs, and some jobs import the package only later on purpose (after a process
 group exists, or to catch a ``ConfigError``); the forkserver, which preloads
-``tests.fixtures``, must not import it at all (tests/harness.py). ``tests/test_rank_env.py``
+``tests.fixtures``, must not import it at all (tests/harness.py). ``tests/unit/test_rank_env.py``
 holds this reading to the imported table.
 """
 

@@ -65,7 +65,7 @@ def test_any_other_variable_goes_through_extra_as_it_is():
 def test_rank_env_imports_nothing_of_the_package():
     # The forkserver preloads tests.fixtures, which imports rank_env: the package's import
     # would install it there, before any rank's environment exists (tests/harness.py).
-    tree = ast.parse(Path(__file__).with_name("rank_env.py").read_text())
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "rank_env.py").read_text())
     imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert not [name for name in imported if name.split(".")[0] == "compiler_collectives"], imported
