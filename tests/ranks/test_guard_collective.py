@@ -121,7 +121,7 @@ def test_without_guard_collectives_the_same_loop_hangs(tmp_path):
     assert "agreements/compiler.py:exchange" in stuck[1], stuck[1]
     assert stuck[0][-1] == "distributed/distributed_c10d.py:all_reduce", stuck[0]
     for rank in (0, 1):  # ... each from the loop's own call
-        assert "tests/ranks/test_guard_collective.py:_train_like_loop" in stuck[rank], stuck[rank]
+        assert "ranks/test_guard_collective.py:_train_like_loop" in stuck[rank], stuck[rank]
 
 
 def in_flight_user_collective(rank: int, world: int) -> dict:
