@@ -9,7 +9,7 @@ that test's CPU. Needs a writable ``/sys/fs/cgroup/cpuacct`` (root); without
 one it records nothing and says so.
 
     PYTHONPATH=scripts scripts/dev test -p suite_cpu        # writes suite-cpu-<torch>-<worker>.json
-    scripts/dev python scripts/suite_cpu.py [DIR] [--torch RELEASE]   # the summary: by folder, by file, then the top tests
+    scripts/dev python scripts/suite_cpu.py [DIR] [--torch RELEASE]  # summary: by folder, file, top tests
 
 Files are named by torch's release, so that one directory can hold a whole CI run's
 (``PYTEST_ADDOPTS="-p suite_cpu" PYTHONPATH=scripts bash .ci/run``: each release's tier).

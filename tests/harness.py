@@ -150,6 +150,26 @@ def _child(
                 pass
 
 
+@dataclasses.dataclass
+class _Reports:
+    """What the ranks of one job reported: a result ("ok", pickled) or a traceback ("err")."""
+
+    world_size: int
+    values: list[Any] = dataclasses.field(default_factory=list)
+    errors: dict[int, str] = dataclasses.field(default_factory=dict)
+    reported: set[int] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.values = [None] * self.world_size
+
+    def take(self, status: str, rank: int, value: Any) -> None:
+        self.reported.add(rank)
+        if status == "ok":
+            self.values[rank] = pickle.loads(value)
+        else:
+            self.errors[rank] = value
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -214,19 +234,13 @@ def run_ranks(
         preload=PRELOAD,
     )
     deadline = ranks.started + timeout
-    values: list[Any] = [None] * world_size
-    errors: dict[int, str] = {}
-    reported: set[int] = set()
+    reports = _Reports(world_size)
+    values, errors, reported = reports.values, reports.errors, reports.reported
 
     def record(message: Any) -> bool:
         if message is None:
             return False
-        status, rank, value = message
-        reported.add(rank)
-        if status == "ok":
-            values[rank] = pickle.loads(value)
-        else:
-            errors[rank] = value
+        reports.take(*message)
         return True
 
     try:
@@ -332,9 +346,8 @@ def _in_pool(
     job_env = {name: env[name] for name in pool.JOB_VARIABLES if name in env}
     started = time.monotonic()
     number = ranks.send((fn.__module__, fn.__qualname__), args, init_method, job_env)
-    values: list[Any] = [None] * world_size
-    errors: dict[int, str] = {}
-    reported: set[int] = set()
+    reports = _Reports(world_size)
+    values, errors, reported = reports.values, reports.errors, reports.reported
     tidied: dict[int, list[str]] = {}
     setup_failed: list[int] = []
 
@@ -347,11 +360,7 @@ def _in_pool(
         elif status == "tidy":
             tidied[rank] = value
         else:
-            reported.add(rank)
-            if status == "ok":
-                values[rank] = pickle.loads(value)
-            else:
-                errors[rank] = value
+            reports.take(status, rank, value)
         return True
 
     def alive(rank: int) -> bool:
