@@ -40,7 +40,6 @@ import dataclasses
 import glob
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import time
@@ -162,16 +161,13 @@ def _put_back(environ: dict[str, str]) -> None:
 
 def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: Any) -> None:
     """A pool's rank: the pool's environment, the package installed, then one job after another."""
-    import datetime
     import importlib
 
     os.environ.update(env)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    from tests.harness import read_again_what_the_forkserver_read
+    from tests.harness import join_default_group, read_again_what_the_forkserver_read
 
     read_again_what_the_forkserver_read(env)
-    import torch.distributed as dist
-
     import compiler_collectives  # noqa: F401  - installed once, with the pool's environment
 
     settings = _settings()
@@ -185,13 +181,7 @@ def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: 
         environ = dict(os.environ)
         saved = _save()
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=init_method,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=float(os.environ.get("HARNESS_PG_TIMEOUT", "60"))),
-            )
+            join_default_group(init_method, rank, world_size)
         except BaseException:  # noqa: BLE001 - the pool's fault, not the test's: the parent runs it afresh
             results.put(("setup", rank, number, traceback.format_exc()))
             return
@@ -311,5 +301,4 @@ def eligible(world_size: int, init: bool, start_method: str, store: str, expect_
         and store == "file"
         and not expect_signals
         and not rank_env
-        and "pytest" in sys.modules
     )

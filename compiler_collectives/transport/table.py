@@ -50,8 +50,8 @@ class Table:
         self._at: list[dict[bytes, int]] = [{} for _ in range(columns)]  # per column: value -> its index
         self._held: set[int] | None = set()  # the group ranks of the rows (None: not gathered yet)
         # The rows (group rank, then an index per column), in parts: tensors, and rows folded one by
-        # one as lists (a tensor operation costs microseconds however small: a host's ranks send one
-        # row each); ``rows`` joins them.
+        # one as lists (a tensor operation costs microseconds however small, and its first call in a
+        # process far more: see _LOOSE); ``rows`` joins them.
         self._parts: list[torch.Tensor] = []
         self._loose: list[list[int]] = []
 
@@ -69,14 +69,19 @@ class Table:
     def held(self) -> set[int]:
         """The group ranks of the rows."""
         if self._held is None:
-            lists = self._lists()
-            self._held = {row[0] for row in lists} if lists is not None else set(self.rows[:, 0].tolist())
+            self._held = set(self._field(0))
         return self._held
 
     def _lists(self) -> list[list[int]] | None:
         """The rows as lists (group rank, then an index per column) while no tensor holds any of
         them; None once one does."""
         return None if self._parts else self._loose
+
+    def _field(self, j: int) -> list[int]:
+        """Field ``j`` of every row (0: the group rank; 1 + c: column c's index), in row order."""
+        lists = self._lists()
+        out: list[int] = [row[j] for row in lists] if lists is not None else self.rows[:, j].tolist()
+        return out
 
     @property
     def rows(self) -> torch.Tensor:
@@ -149,18 +154,14 @@ class Table:
 
     def ranks(self) -> list[int]:
         """The group rank of each row, in row order."""
-        lists = self._lists()
-        out: list[int] = [row[0] for row in lists] if lists is not None else self.rows[:, 0].tolist()
-        return out
+        return self._field(0)
 
     def column(self, c: int) -> tuple[list[bytes], list[int]]:
         """Column ``c``: its distinct values, and per row (in row order) the index of its value."""
         values = self.values[c]
         if len(values) == 1:
             return values, [0] * len(self)
-        lists = self._lists()
-        index: list[int] = [row[1 + c] for row in lists] if lists is not None else self.rows[:, 1 + c].tolist()
-        return values, index
+        return values, self._field(1 + c)
 
     def pack(self) -> bytes:
         """The table's bytes (the layout above)."""
@@ -205,7 +206,7 @@ class Table:
             table._at[c] = dict(zip(table.values[c], range(count)))
         if not rows:
             return table
-        if rows <= _LOOSE:  # a host's ranks' rows: checked as Python ints, not tensors
+        if rows <= _LOOSE:  # a small table's rows: checked as Python ints, not tensors
             flat = array("i")
             flat.frombytes(bytes(data[at:body]))
             loose = [list(flat[k : k + 1 + columns]) for k in range(0, len(flat), 1 + columns)]
