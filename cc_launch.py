@@ -35,6 +35,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -249,10 +250,37 @@ def exit_text(code: int | None) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1, free a moment ago, for a rendezvous or a store to listen on.
+
+    Drawn at random below the kernel's ephemeral range where there is room:
+    a port from ``bind(0)`` lies inside that range, where any process's next
+    outgoing connection (a gloo pair, a store client) may be given it as its
+    local port before the server binds it, which the suite saw as a torchrun
+    agent's EADDRINUSE. Below the range only another explicit choice can
+    take it, and the random draw makes that rare."""
+    low = ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(_LEAST_PORT, low) if low - _LEAST_PORT >= 1024 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free TCP port on 127.0.0.1 in {_LEAST_PORT}..{low - 1} after 64 tries")
+
+
+_LEAST_PORT = 15000  # above the ports services commonly listen on
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # ---------------------------------------------------------------- agents

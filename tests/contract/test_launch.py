@@ -152,3 +152,10 @@ def test_importing_the_launcher_imports_neither_torch_nor_the_package():
     imported = {name.split(".")[0] for name in json.loads(out.stdout)}
     assert "cc_launch" in imported
     assert not imported & {"torch", "compiler_collectives"}
+
+
+def test_a_free_port_lies_below_the_kernels_ephemeral_range_where_no_outgoing_connection_can_take_it():
+    low = launch.ephemeral_low()
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(15000 <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, not the same port each time
