@@ -13,12 +13,14 @@ One test on a pool's rank, in order:
    starts a new generation of ours, as in any job;
 3. the test's function; its result (or its error) goes to the parent;
 4. the tidy-up, every rank alone: ``destroy_process_group()`` (our generation ends),
-   ``compiler_collectives.reset()``, Dynamo's reset, and what a job may set and leave put
-   back: torch's Dynamo and inductor configs and our two switches, as they were before
-   the test;
+   ``compiler_collectives.reset()``, Dynamo's reset, inductor's in-process caches cleared
+   (so compile once's tests meet cold ones, as in a fresh process), and what a job may set
+   and leave put back: what the test patched through ``rankside.patch``, torch's Dynamo,
+   inductor and functorch configs and our two switches, as they were before the test;
 5. the leak check: nothing of ours may be left (a thread named ``compiler_collectives-*``,
    a ``/dev/shm`` segment this rank made, a process group, a setting whose value differs
-   from the pool's). A rank reports what it found; the test
+   from the pool's, a function of torch's Dynamo, inductor or c10d, or of ours, replaced by
+   one the test wrote: a fault injected and not undone). A rank reports what it found; the test
    fails, naming it, and the pool is replaced. The environment is put back as the job found it
    (a rank may set ``GROUP_RANK`` to make hosts of one machine; inductor sets variables of its
    own), which leaves nothing of it behind.
@@ -28,8 +30,9 @@ test with another environment closes the worker's pool and starts one of its own
 never runs a test under settings it did not start with. A test that times out, or whose rank
 dies or leaks, poisons its pool: its ranks are killed and the next test starts a fresh one,
 so a failure never reaches the next test's result; should a pool's rank fail to join the next
-test's group all the same, that test runs on processes of its own (``run_ranks``), never
-failing for the pool's sake. One test at a time uses the pool: a test that runs two jobs at
+test's group all the same (gloo's connect fails now and then: "Connection closed by peer"),
+its pool is replaced and the test tried once more on the new one, then on processes of its
+own (``run_ranks``), never failing for the pool's sake. One test at a time uses the pool: a test that runs two jobs at
 once (from threads) runs the second on processes of its own.
 """
 
@@ -54,6 +57,9 @@ JOB_VARIABLES = ("HARNESS_JOB_DIR", "TMPDIR", "TORCHINDUCTOR_CACHE_DIR")
 SIZES = (2, 4)  # the world sizes a pool serves
 THREAD_PREFIX = "compiler_collectives-"
 SEGMENT_GLOB = "/dev/shm/compiler_collectives-{pid}-*"
+# Where a test may patch torch inside its ranks (a fault injected, a call watched): a callable
+# of these modules replaced by one the test wrote, and not put back, is a leak (``watched``).
+TORCH_WATCHED = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.distributed")
 THREADS_END_S = 5.0  # how long a rank waits for our threads to end after the tidy-up (probes end on their own)
 TIDY_S = 30.0  # how long the parent waits for every rank's tidy-up and check after the test's results
 
@@ -79,18 +85,24 @@ class _Saved:
 
     dynamo: dict[str, Any]
     inductor: dict[str, Any]
+    functorch: dict[str, Any]
     compiler: bool
     guards: bool
 
 
 def _save() -> _Saved:
     import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     import compiler_collectives as cc
 
     return _Saved(
-        dynamo_config.get_config_copy(), inductor_config.get_config_copy(), cc.is_enabled(), cc.guards_enabled()
+        dynamo_config.get_config_copy(),
+        inductor_config.get_config_copy(),
+        functorch_config.get_config_copy(),
+        cc.is_enabled(),
+        cc.guards_enabled(),
     )
 
 
@@ -104,16 +116,28 @@ def _tidy(saved: _Saved) -> None:
     """The end of a test on this rank: our generation ends, and what the job set goes back."""
     import torch
     import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    import torch._inductor.utils
     import torch.distributed as dist
 
     import compiler_collectives as cc
+    from tests.rankside import undo_patches
 
+    undo_patches()  # the test's faults and watches (``rankside.patch``), before anything runs again
     if dist.is_initialized():
         dist.destroy_process_group()
     cc.reset()
     torch._dynamo.reset()
-    for module, before in ((dynamo_config, saved.dynamo), (inductor_config, saved.inductor)):
+    # Inductor's in-process caches (compiled modules, loaded kernels) as a fresh process has
+    # them: empty. A job's compiles must reach its own cache dir, not the last job's modules.
+    torch._inductor.utils.clear_caches()
+    torch._dynamo.utils.counters.clear()
+    for module, before in (
+        (dynamo_config, saved.dynamo),
+        (inductor_config, saved.inductor),
+        (functorch_config, saved.functorch),
+    ):
         now = module.get_config_copy()
         changed = {k: v for k, v in before.items() if now.get(k) != v}
         if changed:  # only those: setting a deprecated one again would warn
@@ -124,11 +148,72 @@ def _tidy(saved: _Saved) -> None:
     cc.reset_stats()
 
 
-def left_behind(settings: dict[str, Any]) -> list[str]:
+def watched() -> dict[tuple[str, str], Any]:
+    """What a test must leave as the pool's ranks hold it, by (module or class, name): every
+    value of our modules but the global state ``runtime.STATE`` declares (which a generation
+    renews), the methods of our classes, and the callables of torch's Dynamo, inductor,
+    functorch and c10d modules (24 ms per look)."""
+    import sys
+    import types
+
+    from compiler_collectives import runtime
+
+    held = {(f"compiler_collectives.{h.module}", name) for h in runtime.STATE for name in h.names}
+    found: dict[tuple[str, str], Any] = {}
+    for name, module in list(sys.modules.items()):
+        ours = name.startswith("compiler_collectives")
+        if module is None or not (ours or name.startswith(TORCH_WATCHED)):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType) or (name, attr) in held or not (ours or callable(value)):
+                continue
+            found[(name, attr)] = value
+            if ours and isinstance(value, type) and value.__module__ == name:
+                for cattr, cvalue in list(vars(value).items()):
+                    if callable(cvalue):
+                        found[(f"{name}.{value.__qualname__}", cattr)] = cvalue
+    return found
+
+
+def _origin(value: Any) -> str:
+    """Where a callable was written: its code's file, or its module's name (a class, a builtin)."""
+    code = getattr(value, "__code__", None) or getattr(getattr(value, "__func__", None), "__code__", None)
+    return code.co_filename if code is not None else str(getattr(value, "__module__", None) or "")
+
+
+def _changed(before: dict[tuple[str, str], Any]) -> list[str]:
+    """What ``watched`` holds now that it did not before: a value of ours replaced, or a callable
+    of torch's replaced by one written outside torch and the package (a test's patch; the package
+    itself swaps its seams in and out as inductor's modules are imported and its generations
+    end, ``dynamo/bound.py``: those are torch's or ours)."""
+    import torch
+
+    import compiler_collectives
+
+    own = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, compiler_collectives))
+    now = watched()
+    changed = []
+    for (owner, attr), value in before.items():
+        new = now.get((owner, attr))
+        if new is value:
+            continue
+        if not owner.startswith("compiler_collectives"):
+            origin = _origin(new)
+            if origin.startswith(own) or origin.startswith(("torch", "compiler_collectives")):
+                continue
+        changed.append(f"{owner}.{attr}")
+    return sorted(changed)
+
+
+def left_behind(settings: dict[str, Any], held: dict[tuple[str, str], Any]) -> list[str]:
     """What of ours this rank still holds after a test's tidy-up, in words (empty: nothing)."""
     import torch.distributed as dist
 
     left = []
+    replaced = _changed(held)
+    if replaced:
+        shown = ", ".join(replaced[:8]) + (f" and {len(replaced) - 8} more" if len(replaced) > 8 else "")
+        left.append(f"values replaced and not put back ({shown}): undo the patch, or mark the test fresh_ranks")
     deadline = time.monotonic() + THREADS_END_S
     while True:  # a probe's thread ends once its receive did: give them their moment
         ours = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive())
@@ -170,7 +255,7 @@ def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: 
     read_again_what_the_forkserver_read(env)
     import compiler_collectives  # noqa: F401  - installed once, with the pool's environment
 
-    settings = _settings()
+    settings, held = _settings(), watched()
     while True:
         job = inbox.get()
         if job is None:
@@ -195,7 +280,7 @@ def _rank(rank: int, world_size: int, env: dict[str, str], inbox: Any, results: 
         try:
             _tidy(saved)
             _put_back(environ)
-            left = left_behind(settings)
+            left = left_behind(settings, held)
         except BaseException:  # noqa: BLE001
             left = [f"the tidy-up raised:\n{traceback.format_exc()}"]
         results.put(("tidy", rank, number, left))
@@ -225,9 +310,12 @@ class Pool:
     def procs(self) -> list[Any]:
         return self.ranks.procs
 
-    def send(self, target: tuple[str, str], args: Sequence[Any], init_method: str, job_env: dict[str, str]) -> int:
+    def send(
+        self, target: tuple[str, str], args: Sequence[Any], init_method: str, job_envs: Sequence[dict[str, str]]
+    ) -> int:
+        """Job ``target(rank, world_size, *args)`` to every rank, each with its own ``job_envs[rank]``."""
         self.jobs += 1
-        for inbox in self.inboxes:
+        for inbox, job_env in zip(self.inboxes, job_envs, strict=True):
             inbox.put((self.jobs, target, tuple(args), init_method, job_env))
         return self.jobs
 
@@ -293,12 +381,13 @@ def close_pool() -> None:
 
 def eligible(world_size: int, init: bool, start_method: str, store: str, expect_signals: Any, rank_env: Any) -> bool:
     """Whether a ``run_ranks`` call can run in a pool: a default group over a FileStore, from the
-    forkserver, no rank expected to die by a signal, the same environment on every rank."""
+    forkserver, no rank expected to die by a signal, the same environment on every rank but for
+    the job's own variables (an inductor cache dir per rank or per host)."""
     return (
         world_size in SIZES
         and init
         and start_method == "forkserver"
         and store == "file"
         and not expect_signals
-        and not rank_env
+        and all(set(env) <= set(JOB_VARIABLES) for env in (rank_env or {}).values())
     )

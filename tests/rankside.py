@@ -10,6 +10,24 @@ from typing import Any
 
 import torch
 
+_patched: list[tuple[Any, str, Any]] = []
+
+
+def patch(owner: Any, name: str, value: Any) -> None:
+    """In a rank: ``owner.name = value`` (a fault injected, a call watched), undone by
+    ``undo_patches``, which a pool's rank runs after each test (``tests/pool.py``); a fresh
+    rank's process ends with its test. Assigning directly instead leaves the patch to the
+    next test in the pool, and fails this one."""
+    _patched.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def undo_patches() -> None:
+    """Put back what ``patch`` replaced, last first."""
+    while _patched:
+        owner, name, original = _patched.pop()
+        setattr(owner, name, original)
+
 
 def init_gloo(rank: int, world: int, init_method: str, timeout_s: float = 60.0) -> None:
     """In a rank that starts its own default group (``run_ranks(..., init=False)``): gloo at ``init_method``."""

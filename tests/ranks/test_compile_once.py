@@ -26,12 +26,11 @@ import torch
 from tests.fixtures import cache_per_rank, shared_cache
 from tests.harness import free_port, run_ranks
 from tests.rank_env import rank_env
-from tests.rankside import kept_logs
+from tests.rankside import kept_logs, patch
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.torch_seam,
-    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
 ENV = rank_env(timeout_s=60, inductor_single_thread=True)
@@ -71,7 +70,7 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected: inductor broke on this rank")
 
-        cfx._recursive_post_grad_passes = broken
+        patch(cfx, "_recursive_post_grad_passes", broken)
     elif fault == "wedge":
         import ctypes
 
@@ -87,12 +86,12 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
                 ctypes.PyDLL(None).sleep(6)
             return passes(*args, **kwargs)
 
-        cfx._recursive_post_grad_passes = wedged_once
+        patch(cfx, "_recursive_post_grad_passes", wedged_once)
     elif fault == "miss":
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
 
         # What a guard miss looks like to AOTAutograd: the lookup finds no entry that fits.
-        AOTAutogradCache._lookup = staticmethod(lambda *args, **kwargs: None)
+        patch(AOTAutogradCache, "_lookup", staticmethod(lambda *args, **kwargs: None))
     elif fault == "alter":
         from compiler_collectives.agreements.once import transfer
 
@@ -101,7 +100,7 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
         def send_altered(pg: object, piece: torch.Tensor, dst: int, tag: int) -> object:
             return send(pg, torch.full_like(piece, 7), dst, tag)
 
-        transfer.start_send = send_altered  # other bytes than the digests it sent
+        patch(transfer, "start_send", send_altered)  # other bytes than the digests it sent
     elif fault == "tamper":
         from compiler_collectives.agreements.once import artifact
 
@@ -114,7 +113,7 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
                 fh.write(b"changed after its digest was taken")
             return manifest, bundle
 
-        artifact.collect = collect_then_change
+        patch(artifact, "collect", collect_then_change)
 
 
 def _slow_first_inductor_compile(rank: int, slow_rank: int | None) -> None:
@@ -134,7 +133,7 @@ def _slow_first_inductor_compile(rank: int, slow_rank: int | None) -> None:
             time.sleep(SLOW_COMPILE_S)
         return passes(*args, **kwargs)
 
-    cfx._recursive_post_grad_passes = slow_once
+    patch(cfx, "_recursive_post_grad_passes", slow_once)
 
 
 def caught(call) -> dict:
@@ -387,7 +386,9 @@ def with_compile_time_collectives(rank: int, world: int) -> dict:
     # the queue's lock and waits for the GIL to free the previous work's tensors). What compile
     # once owns is that every rank gets there: count the entries.
     entered: list[int] = []
-    partitioners._sync_decision_cross_ranks = _noting(partitioners._sync_decision_cross_ranks, entered, lambda: 1)
+    patch(
+        partitioners, "_sync_decision_cross_ranks", _noting(partitioners._sync_decision_cross_ranks, entered, lambda: 1)
+    )
     w = torch.ones(4, 4, requires_grad=True)
     out: dict = {}
     out.update(caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).sum().backward()))
@@ -426,12 +427,10 @@ def exchanges_started_inside_aotautograd(rank: int, world: int) -> dict:
 
     started: list[bool] = []  # per gloo all-gather: was torch's Python dispatcher on
     seen_inside: list[bool] = []  # per key exchange
-    original = dist.ProcessGroup.allgather
-    dist.ProcessGroup.allgather = _noting(original, started, dispatcher_on)
-    once.exchanges.settle_keys = _noting(once.exchanges.settle_keys, seen_inside, dispatcher_on)
+    patch(dist.ProcessGroup, "allgather", _noting(dist.ProcessGroup.allgather, started, dispatcher_on))
+    patch(once.exchanges, "settle_keys", _noting(once.exchanges.settle_keys, seen_inside, dispatcher_on))
     w = torch.ones(4, 4, requires_grad=True)
     out = caught(lambda: torch.compile(_step, backend="inductor")(torch.ones(8, 4), w).sum().backward())
-    dist.ProcessGroup.allgather = original
     return {**out, "started": started, "offer_inside": seen_inside, "records": cc.stats()["compile_once"]}
 
 

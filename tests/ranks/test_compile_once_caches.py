@@ -24,11 +24,11 @@ from tests.fixtures import shared_cache
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _run, _states, job
+from tests.rankside import patch
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.torch_seam,
-    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
 # With no warm entry, ``plan.decide`` hands graph #1 to members[(seq 1 + turn 0) % 2] = rank 1.
@@ -153,7 +153,7 @@ def _at_compile(action: str, seconds: float) -> None:
                 ctypes.PyDLL(None).sleep(int(seconds))
         return passes(*args, **kwargs)
 
-    cfx._recursive_post_grad_passes = at_compile
+    patch(cfx, "_recursive_post_grad_passes", at_compile)
 
 
 def job_with_compile_fault(rank: int, world: int, case: dict) -> dict:

@@ -23,7 +23,6 @@ from tests.rank_env import rank_env
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.torch_seam,
-    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
 ENV = rank_env(timeout_s=60, inductor_single_thread=True)

@@ -24,11 +24,11 @@ from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _states, job
 from tests.ranks.test_compile_once_caches import COMPILING_RANK, WAITING_RANK
+from tests.rankside import patch
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.torch_seam,
-    pytest.mark.fresh_ranks("compile once's outcomes depend on each rank's in-process compile caches starting cold"),
 ]
 
 MAX_PER_GRAPH = 2  # the target: the wait's own requests, whatever the compile's length
@@ -49,7 +49,7 @@ def _stall_first_compile(seconds: float) -> None:
             time.sleep(seconds)
         return passes(*args, **kwargs)
 
-    cfx._recursive_post_grad_passes = stalled
+    patch(cfx, "_recursive_post_grad_passes", stalled)
 
 
 def _just_after_a_heartbeat() -> tuple[int, int]:

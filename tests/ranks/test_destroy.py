@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tests.harness import free_port, run_ranks
 from tests.rank_env import rank_env
-from tests.rankside import init_gloo
+from tests.rankside import init_gloo, patch
 
 # Every test here starts rank processes; re-init goes through c10d's store and gloo's set-up.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -116,7 +116,7 @@ def when_our_moment_runs(rank: int, world: int, port: int) -> dict:
         seen.setdefault("open_during_our_moment", _accepts(port))
         ours()
 
-    bound.moments = dataclasses.replace(bound.moments, default_group_destroyed=probed)
+    patch(bound, "moments", dataclasses.replace(bound.moments, default_group_destroyed=probed))
 
     cc.enable(guards=True)
     f = torch.compile(_tiny, backend="eager")

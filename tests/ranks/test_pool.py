@@ -36,6 +36,28 @@ def leave_a_variable_set(rank: int, world: int) -> int:
     return os.getpid()
 
 
+def leave_torch_patched(rank: int, world: int) -> int:
+    import torch._inductor.compile_fx as compile_fx
+
+    passes = compile_fx._recursive_post_grad_passes
+    compile_fx._recursive_post_grad_passes = lambda *args, **kwargs: passes(*args, **kwargs)  # a fault, never undone
+    return os.getpid()
+
+
+def leave_our_method_patched(rank: int, world: int) -> int:
+    from compiler_collectives.transport import table
+
+    table.Table.pack = lambda self: b""  # a fault injected into a class of ours, never undone
+    return os.getpid()
+
+
+def leave_a_constant_of_ours_changed(rank: int, world: int) -> int:
+    from compiler_collectives import version
+
+    version.__version__ = "0.0.9"  # as if an older wheel were installed: never undone
+    return os.getpid()
+
+
 def kill_rank_1(rank: int, world: int) -> int:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -72,8 +94,20 @@ def test_consecutive_tests_run_in_the_same_rank_processes():
     [
         (leave_a_thread_of_ours, "threads ['compiler_collectives-planted'] still running"),
         (leave_a_setting_changed, "settings changed and not put back (timeout_s: "),
+        (
+            leave_torch_patched,
+            "values replaced and not put back (torch._inductor.compile_fx._recursive_post_grad_passes)",
+        ),
+        (
+            leave_our_method_patched,
+            "values replaced and not put back (compiler_collectives.transport.table.Table.pack)",
+        ),
+        (
+            leave_a_constant_of_ours_changed,
+            "values replaced and not put back (compiler_collectives.version.__version__)",
+        ),
     ],
-    ids=["thread", "setting"],
+    ids=["thread", "setting", "torch-patch", "our-patch", "our-constant"],
 )
 def test_a_test_that_leaves_state_of_ours_behind_fails_naming_it_and_the_next_runs_on_fresh_ranks(leak, named):
     before = run_ranks(pid, 2).results
@@ -112,3 +146,16 @@ def test_a_test_that_hangs_times_out_and_the_next_runs_on_fresh_ranks():
 @pytest.mark.fresh_ranks("the test is of the fresh path: its ranks must not come from a pool")
 def test_a_test_marked_fresh_ranks_gets_processes_of_its_own_every_time():
     assert run_ranks(pid, 2).results != run_ranks(pid, 2).results
+
+
+def cache_dir_seen(rank: int, world: int) -> tuple[int, str]:
+    return os.getpid(), os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_ranks_with_an_inductor_cache_dir_each_run_in_the_pool_and_each_sees_its_own(tmp_path):
+    from tests.fixtures import cache_per_rank
+
+    before = run_ranks(pid, 2).results
+    seen = run_ranks(cache_dir_seen, 2, rank_env=cache_per_rank(tmp_path, 2)).results
+    assert [p for p, _ in seen] == before
+    assert [d for _, d in seen] == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]

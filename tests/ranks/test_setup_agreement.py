@@ -17,6 +17,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
+from tests.rankside import patch
 
 # Multi-process tests here: release independent (tests/tiers.py).
 pytestmark = pytest.mark.release_independent
@@ -86,7 +87,7 @@ def other_package_version_on_rank_1(rank: int, world: int) -> dict:
     from compiler_collectives import version
 
     if rank == 1:
-        version.__version__ = "0.0.9"  # as if an older wheel were installed on that node
+        patch(version, "__version__", "0.0.9")  # as if an older wheel were installed on that node
     return compile_and_call(rank, world, False)
 
 

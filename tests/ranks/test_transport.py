@@ -11,6 +11,7 @@ import pytest
 from compiler_collectives.transport.gloo import HEADER_BYTES
 from tests.fixtures import GUARD_TRANSPORTS, guard_env
 from tests.harness import run_ranks
+from tests.rankside import patch
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
@@ -109,7 +110,7 @@ def gather_with_an_oversized_rank(rank: int, world: int, culprit: int, mode: str
         if mode == "real":
             payload = _payload(rank, max_bytes + 1)
         else:
-            transport._LEN = _AnnouncesFalseLength(transport._LEN, 2**60)
+            patch(transport, "_LEN", _AnnouncesFalseLength(transport._LEN, 2**60))
     torch.empty = recording_empty
     transport.bytearray = recording_bytearray  # shadows the builtin in that module only
     try:
@@ -400,7 +401,7 @@ def gather_with_tiny_wait_slices(rank: int, world: int, rounds: int) -> dict:
 
     # Slices of a millisecond (the finest gloo takes): over many operations, some
     # complete between a slice's timeout and the look at the operation that follows.
-    gloo.WAIT_SLICE = datetime.timedelta(milliseconds=1)
+    patch(gloo, "WAIT_SLICE", datetime.timedelta(milliseconds=1))
     import random
 
     rng = random.Random(rank)
