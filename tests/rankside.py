@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 _patched: list[tuple[Any, str, Any]] = []
+_ABSENT = object()  # the name was not in the owner's own namespace (a class's inherited method)
 
 
 def patch(owner: Any, name: str, value: Any) -> None:
@@ -18,7 +19,9 @@ def patch(owner: Any, name: str, value: Any) -> None:
     ``undo_patches``, which a pool's rank runs after each test (``tests/pool.py``); a fresh
     rank's process ends with its test. Assigning directly instead leaves the patch to the
     next test in the pool, and fails this one."""
-    _patched.append((owner, name, getattr(owner, name)))
+    # The owner's own entry, not getattr's: a class's staticmethod or a pybind method read
+    # through getattr and set back would no longer bind as it did.
+    _patched.append((owner, name, vars(owner).get(name, _ABSENT)))
     setattr(owner, name, value)
 
 
@@ -26,7 +29,10 @@ def undo_patches() -> None:
     """Put back what ``patch`` replaced, last first."""
     while _patched:
         owner, name, original = _patched.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 def init_gloo(rank: int, world: int, init_method: str, timeout_s: float = 60.0) -> None:
