@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import pickle
 import sys
@@ -326,6 +327,7 @@ def _verdict(
 
 
 _pooling = False
+log = logging.getLogger("tests.pool")
 
 
 @contextlib.contextmanager
@@ -360,14 +362,14 @@ def _in_pool(
     reports = _Reports(world_size)
     values, errors, reported = reports.values, reports.errors, reports.reported
     tidied: dict[int, list[str]] = {}
-    setup_failed: list[int] = []
+    setup_failed: dict[int, str] = {}  # rank -> its traceback
 
     def take(message: tuple[str, int, Any] | None) -> bool:
         if message is None:
             return False
         status, rank, value = message
         if status == "setup":
-            setup_failed.append(rank)
+            setup_failed[rank] = value
         elif status == "tidy":
             tidied[rank] = value
         else:
@@ -385,6 +387,8 @@ def _in_pool(
                     pass
                 break
     if setup_failed:
+        said = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(setup_failed.items()))
+        log.warning("a pool's ranks could not join the test's group; trying on a new pool:\n%s", said)
         ranks.poisoned = True
         pool.close_pool()
         return None
