@@ -357,6 +357,10 @@ def _in_pool(
     ranks = pool.pool_for(pool.Key.of(world_size, env), PRELOAD)
     job_env = {name: env[name] for name in pool.JOB_VARIABLES if name in env}
     job_envs = [{**job_env, **(rank_env or {}).get(rank, {})} for rank in range(world_size)]
+    # Shown with the test's output should it fail: what ran in these processes before it.
+    pids = [p.pid for p in ranks.procs]
+    sys.stderr.write(f"pool {pids}: job {ranks.jobs + 1}, after {ranks.served[-6:] or 'none'}\n")
+    ranks.served.append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
     started = time.monotonic()
     number = ranks.send((fn.__module__, fn.__qualname__), args, init_method, job_envs)
     reports = _Reports(world_size)

@@ -154,13 +154,22 @@ def watched() -> dict[tuple[str, str], Any]:
     renews), the methods of our classes, and the callables of torch's Dynamo, inductor,
     functorch and c10d modules (24 ms per look)."""
     import sys
-    import types
+    import warnings
 
     from compiler_collectives import runtime
 
     held = {(f"compiler_collectives.{h.module}", name) for h in runtime.STATE for name in h.names}
     found: dict[tuple[str, str], Any] = {}
-    for name, module in list(sys.modules.items()):
+    with warnings.catch_warnings():  # a deprecated attribute warns when looked at (c10d's reduce_op)
+        warnings.simplefilter("ignore")
+        _watch(sys.modules, held, found)
+    return found
+
+
+def _watch(modules: dict[str, Any], held: set[tuple[str, str]], found: dict[tuple[str, str], Any]) -> None:
+    import types
+
+    for name, module in list(modules.items()):
         ours = name.startswith("compiler_collectives")
         if module is None or not (ours or name.startswith(TORCH_WATCHED)):
             continue
@@ -172,7 +181,6 @@ def watched() -> dict[tuple[str, str], Any]:
                 for cattr, cvalue in list(vars(value).items()):
                     if callable(cvalue):
                         found[(f"{name}.{value.__qualname__}", cattr)] = cvalue
-    return found
 
 
 def _origin(value: Any) -> str:
@@ -296,6 +304,7 @@ class Pool:
 
     def __init__(self, key: Key, preload: Sequence[str]) -> None:
         self.key, self.jobs, self.poisoned = key, 0, False
+        self.served: list[str] = []  # the tests this pool ran, in order (said when one fails)
         ctx = launch.context("forkserver", preload)
         self.inboxes = [ctx.Queue() for _ in range(key.world_size)]
         self.ranks = launch.start_ranks(

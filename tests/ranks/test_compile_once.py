@@ -31,6 +31,9 @@ from tests.rankside import kept_logs, patch
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.torch_seam,
+    # Pooled, two of these tests once found their graph not looked up in AOTAutograd's cache
+    # (the whole suite, 4 workers: a test before them in the pool left it so; which, not yet known).
+    pytest.mark.fresh_ranks("a test before these in a pool left AOTAutograd's cache unused: not yet found"),
 ]
 
 ENV = rank_env(timeout_s=60, inductor_single_thread=True)

@@ -220,9 +220,11 @@ class Driver:
                 return self._collect(action.failure)
         if isinstance(action, events.Post):
             notice, telling = waits.NOTICES[action.what]
-            waits.post(g, notice, action.value, telling)
             if action.what == "source":
+                # Before the post, not after: a waiting rank may see it, and note its wait's end,
+                # before this rank's post call returns (a loaded host).
                 t.posted_at = time.time()
+            waits.post(g, notice, action.value, telling)
             return None
         if isinstance(action, events.Serve):
             t.transfer_s += transfer.serve(self._transfer(), action.bundle, action.result)
