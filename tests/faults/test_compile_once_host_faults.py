@@ -57,7 +57,7 @@ dist.destroy_process_group()
 
 def _on_two_agents(tmp_path, rdzv: str, at_compile: str, seconds: int, env: dict | None = None, **kw):
     """Per rank, what it wrote (None: it wrote nothing), and the agents' outcome."""
-    case = json.dumps({"at_compile": at_compile, "seconds": seconds})
+    case = json.dumps({"at_compile": at_compile, "seconds": seconds, "killed_at": str(tmp_path / "killed_at")})
     env = {**ENV, "TORCH_COMPILER_COLLECTIVES": "1", **(env or {})}
     outcome = run_agents(tmp_path, _TRAIN, rdzv=rdzv, env=env, args=(case, str(tmp_path)), **kw)
     paths = [tmp_path / f"rank{r}.json" for r in range(2)]
@@ -95,9 +95,10 @@ def test_a_compiler_on_another_host_holding_the_gil_for_12_s_in_a_native_call_is
     assert _warnings_of_silence(results[WAITING_RANK]), results[WAITING_RANK]["logs"]
 
 
-def _named_within_30_s(results: list, outcome) -> None:
-    """Rank 1 died by the SIGKILL and wrote nothing; rank 0 raised our error naming it and ended
-    by itself (exit 3: its agent did not stop it first), and the job stopped on both agents."""
+def _named_within_seconds(results: list, outcome, tmp_path) -> None:
+    """Rank 1 died by the SIGKILL and wrote nothing; rank 0 raised our error naming it, within
+    seconds of the kill (not the 60 s collective timeout, nor the compile timeout's hour), and
+    ended by itself (exit 3: its agent did not stop it first), and the job stopped on both agents."""
     assert results[COMPILING_RANK] is None and outcome.exitcodes == {0: 3, 1: -signal.SIGKILL}, outcome.outputs
     assert all(code != 0 for code in outcome.returncodes), outcome.outputs
     waiting = results[WAITING_RANK]
@@ -105,7 +106,8 @@ def _named_within_30_s(results: list, outcome) -> None:
     message = waiting["message"]
     assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
     assert "its connection to this rank broke" in message, message
-    assert waiting["job_s"] < 30
+    # From the kill, not from the job's start: the compile before it takes a minute on a loaded machine.
+    assert waiting["ended_at"] - float((tmp_path / "killed_at").read_text()) < 20
 
 
 @pytest.mark.timeout(300)
@@ -114,7 +116,7 @@ def test_a_compiler_killed_on_another_host_is_named_within_seconds_not_waited_fo
     waited for up to the compile timeout (an hour). Under c10d rendezvous agent 1 sees its rank
     die and ends; agent 0, which hosts the endpoint and restarts nothing, leaves rank 0 running."""
     kill = {COMPILING_RANK: signal.SIGKILL}
-    _named_within_30_s(*_on_two_agents(tmp_path, "c10d", "die", 0, expect_signals=kill))
+    _named_within_seconds(*_on_two_agents(tmp_path, "c10d", "die", 0, expect_signals=kill), tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -123,7 +125,7 @@ def test_a_compiler_killed_on_another_host_is_named_within_seconds_with_heartbea
     connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
     kill = {COMPILING_RANK: signal.SIGKILL}
     off = rank_env(heartbeat_s=0)
-    _named_within_30_s(*_on_two_agents(tmp_path, "static", "die", 0, off, expect_signals=kill))
+    _named_within_seconds(*_on_two_agents(tmp_path, "static", "die", 0, off, expect_signals=kill), tmp_path)
 
 
 # ---------------------------------------------------------------- the store fails under the wait

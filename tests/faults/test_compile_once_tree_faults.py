@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.fixtures import cache_per_rank
-from tests.harness import run_ranks
+from tests.harness import release, run_ranks, stay_until
 from tests.rank_env import rank_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -89,6 +89,10 @@ def job(rank: int, world: int, fault: str | None, killed_at: str) -> dict:
     stats = cc.stats()
     out["stats"] = {k: v for k, v in stats.items() if k.startswith("once_")}
     out["records"] = stats["compile_once"]
+    # No rank ends before every living rank has its outcome: a rank that had its error and
+    # exited would be named, as gone, by a rank still waiting on it (a loaded machine).
+    release("outcome")
+    stay_until(world - (fault == "kill"), 60, "outcome")
     return out
 
 

@@ -123,7 +123,7 @@ def test_a_dir_whose_entries_are_all_truncated_is_compiled_again_and_served(tmp_
 # ---------------------------------------------------------------- the compiling rank stops, stalls, dies
 
 
-def _at_compile(action: str, seconds: float) -> None:
+def _at_compile(action: str, seconds: float, killed_at: str | None = None) -> None:
     """Once, at the start of a compile this rank runs for others (its plan: compile), stop this
     process for ``seconds`` (SIGSTOP; a helper sends SIGCONT), sleep ``seconds``, hold the GIL
     for ``seconds`` in one native call, or SIGKILL it."""
@@ -146,6 +146,9 @@ def _at_compile(action: str, seconds: float) -> None:
             elif action == "stall":
                 time.sleep(seconds)
             elif action == "die":
+                if killed_at is not None:  # when, for a test that times how soon the others know
+                    with open(killed_at, "w") as f:
+                        f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "hold_gil":
                 # One native call that keeps the GIL (PyDLL does not release it), as a triton or
@@ -162,10 +165,11 @@ def job_with_compile_fault(rank: int, world: int, case: dict) -> dict:
 
     cc.enable()
     if rank == COMPILING_RANK:
-        _at_compile(case["at_compile"], case["seconds"])
+        _at_compile(case["at_compile"], case["seconds"], case.get("killed_at"))
     started = time.monotonic()
     out = job(rank, world, case)
     out["job_s"] = time.monotonic() - started
+    out["ended_at"] = time.time()
     return out
 
 
