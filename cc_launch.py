@@ -249,6 +249,9 @@ def exit_text(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+_LEAST_PORT = 15000  # above the ports services commonly listen on
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1, free a moment ago, for a rendezvous or a store to listen on.
 
@@ -269,9 +272,6 @@ def free_port() -> int:
                 continue
             return int(sock.getsockname()[1])
     raise OSError(f"no free TCP port on 127.0.0.1 in {_LEAST_PORT}..{low - 1} after 64 tries")
-
-
-_LEAST_PORT = 15000  # above the ports services commonly listen on
 
 
 def ephemeral_low() -> int:

@@ -163,3 +163,28 @@ def run_agents(
     by_signal = {rank: code for rank, code in exitcodes.items() if code < 0}
     assert by_signal == expected, f"ranks ended by a signal: {by_signal}, expected {expected}\n{tails}"
     return AgentsOutcome([proc.returncode for proc in agents.procs], outputs, exitcodes)
+
+
+class KeyStore:
+    """Enough of a c10d store for a setup or scope check on one rank, run without processes: its
+    keys in a dict, the other ranks' already set (a str value stored as bytes, as a store does)."""
+
+    def __init__(self, keys: dict) -> None:
+        self.keys = dict(keys)
+
+    def set(self, key: str, value) -> None:
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def check(self, keys: list) -> bool:
+        return all(k in self.keys for k in keys)
+
+    def wait(self, keys: list, timeout) -> None:
+        if not self.check(keys):
+            raise RuntimeError(f"timed out waiting for {keys}")
+
+    def add(self, key: str, n: int) -> int:
+        self.keys[key] = str(int(self.keys.get(key, b"0")) + n).encode()
+        return int(self.keys[key])

@@ -19,8 +19,9 @@ One test on a pool's rank, in order:
    inductor and functorch configs and our two switches, as they were before the test;
 5. the leak check: nothing of ours may be left (a thread named ``compiler_collectives-*``,
    a ``/dev/shm`` segment this rank made, a process group, a setting whose value differs
-   from the pool's, a function of torch's Dynamo, inductor or c10d, or of ours, replaced by
-   one the test wrote: a fault injected and not undone). A rank reports what it found; the test
+   from the pool's, a value of our modules other than the global state ``runtime.STATE``
+   declares, or a function of torch's Dynamo, inductor, functorch or c10d replaced by one the
+   test wrote: a fault injected and not undone). A rank reports what it found; the test
    fails, naming it, and the pool is replaced. The environment is put back as the job found it
    (a rank may set ``GROUP_RANK`` to make hosts of one machine; inductor sets variables of its
    own), which leaves nothing of it behind.

@@ -108,8 +108,7 @@ def test_a_same_host_process_stopped_is_stopped_resumed_is_alive_and_killed_is_g
 def test_with_heartbeats_off_the_compile_wait_names_a_dead_same_host_peer_gone_within_a_poll(
     tmp_path, heartbeats_off, sleeper
 ):
-    waiter, compiler = _channels(tmp_path, sleeper.pid)
-    try:
+    with _channels(tmp_path, sleeper.pid) as (waiter, compiler):
         assert not compiler.beating  # no thread: only the record written at start
         probe = watch_peer(waiter, 1)
         assert probe() is None
@@ -117,9 +116,6 @@ def test_with_heartbeats_off_the_compile_wait_names_a_dead_same_host_peer_gone_w
         sleeper.wait(10)
         gone = probe()
         assert gone is not None and f"pid {sleeper.pid}, this host) is gone" in gone, gone
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 @pytest.mark.multiprocess
@@ -127,8 +123,7 @@ def test_with_heartbeats_off_the_compile_wait_names_a_dead_same_host_peer_gone_w
 def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagnosis_names_it_absent(
     tmp_path, heartbeats_off, sleeper, caplog
 ):
-    waiter, compiler = _channels(tmp_path, sleeper.pid)
-    try:
+    with _channels(tmp_path, sleeper.pid) as (waiter, _compiler):
         probe = watch_peer(waiter, 1, policy=COMPILE_WAIT)
         sleeper.send_signal(signal.SIGSTOP)
         _until(lambda: process_identity(sleeper.pid)[0] in ("T", "t"))
@@ -146,9 +141,6 @@ def test_the_compile_wait_waits_for_a_stopped_peer_warning_once_while_the_diagno
         sleeper.send_signal(signal.SIGCONT)
         _until(lambda: process_identity(sleeper.pid)[0] not in ("T", "t"))
         assert probe() is None
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 STORE_HOST = (

@@ -14,10 +14,11 @@ waits ask of the store: ``tests/unit/test_store_calls.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -51,8 +52,10 @@ def _until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _channels(tmp_path, peer_pid: int, *, peer_host: int = HERE) -> tuple[SideChannel, SideChannel]:
-    """Rank 0 (this process) and rank 1 (process ``peer_pid`` on host ``peer_host``), on one real FileStore."""
+@contextlib.contextmanager
+def _channels(tmp_path, peer_pid: int, *, peer_host: int = HERE) -> Iterator[tuple[SideChannel, SideChannel]]:
+    """Rank 0 (this process) and rank 1 (process ``peer_pid`` on host ``peer_host``), on one real
+    FileStore, started inside and stopped after."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
 
     def identity(pid: int, host: int) -> dict[str, object]:
@@ -66,7 +69,11 @@ def _channels(tmp_path, peer_pid: int, *, peer_host: int = HERE) -> tuple[SideCh
     )
     for side in channels:
         side.start(on_peer_failure=lambda peer, report: None)
-    return channels[0], channels[1]
+    try:
+        yield channels[0], channels[1]
+    finally:
+        for side in channels:
+            side.stop(1.0)
 
 
 # ---------------------------------------------------------------- the verdict
@@ -198,8 +205,7 @@ def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period
         return broken[0] if broken else None
 
     with config.override(heartbeat_s=0.1):
-        waiter, compiler = _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE)
-        try:
+        with _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE) as (waiter, compiler):
             probe = watch_peer(waiter, 1, policy=COMPILE_WAIT, connection=connection)
             assert probe() is None
             compiler.stop(1.0)  # its beat counter stands still from now on
@@ -218,6 +224,3 @@ def test_the_compile_wait_waits_for_a_silent_peer_elsewhere_warning_every_period
             gone = probe()
             assert gone is not None and "its connection to this rank broke (gloo: Connection reset by peer)" in gone
             assert diagnose(waiter, grace_s=3.0).absent == [1]  # the diagnosis: silent for 0.75 s is absent
-        finally:
-            waiter.stop(1.0)
-            compiler.stop(1.0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from tests.fixtures import KeyStore
+
 
 @pytest.mark.parametrize(
     "spec,expected",
@@ -32,26 +34,6 @@ def test_a_variable_that_cannot_divide_the_world_is_refused():
 
     with pytest.raises(ScopeError):
         from_setting("consecutive:3", 0, 8)
-
-
-class _Store:
-    """Enough of a c10d store for one member's setup check, with its leader's keys set."""
-
-    def __init__(self, keys: dict) -> None:
-        self.keys = dict(keys)
-
-    def set(self, key: str, value) -> None:
-        self.keys[key] = value
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
-
-    def check(self, keys: list) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def wait(self, keys: list, timeout) -> None:
-        if not self.check(keys):
-            raise RuntimeError(f"timed out waiting for {keys}")
 
 
 def _pack(obj) -> bytes:
@@ -85,7 +67,7 @@ def test_a_malformed_scope_verdict_raises_wire_format_error_naming_the_leader(ca
     from compiler_collectives.transport.scope import Scope
 
     chosen = Scope((2, 3), "scope(test)")
-    store = _Store(
+    store = KeyStore(
         {
             "setup/2": _pack([1, 2, [[scope.SCOPE_ITEM, chosen.item()]]]),  # the leader's record
             f"setup/scope/{chosen.key}/verdict": MALFORMED_VERDICTS[case],

@@ -10,6 +10,8 @@ import msgpack
 import pytest
 import torch
 
+from tests.fixtures import KeyStore
+
 
 def test_the_setup_record_holds_every_must_match_setting_and_the_versions():
     import compiler_collectives
@@ -46,30 +48,6 @@ def test_a_malformed_setup_record_is_refused_by_validation(data):
         wire.decode_setup(data, sender=0)
 
 
-class _Store:
-    """Enough of a c10d store for the setup check on one rank, with the other ranks' keys set."""
-
-    def __init__(self, keys: dict) -> None:
-        self.keys = dict(keys)
-
-    def set(self, key: str, value) -> None:
-        self.keys[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key: str) -> bytes:
-        return self.keys[key]
-
-    def check(self, keys: list) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def wait(self, keys: list, timeout) -> None:
-        if not self.check(keys):
-            raise RuntimeError(f"timed out waiting for {keys}")
-
-    def add(self, key: str, n: int) -> int:
-        self.keys[key] = str(int(self.keys.get(key, b"0")) + n).encode()
-        return int(self.keys[key])
-
-
 MALFORMED_RECORDS = {
     "not msgpack": b"\xc1",
     "truncated": msgpack.packb([1, 3, [["torch version", "2.13.0"]]], use_bin_type=True)[:-3],
@@ -97,7 +75,7 @@ def test_a_malformed_setup_record_raises_wire_format_error_naming_its_sender_and
     assert str(caught.value).startswith("bad setup-record payload from rank 3: "), caught.value
     # The setup check on rank 0 (rank 3 posted the record and counted itself as differing):
     # the unreadable record is a difference, named with its sender, not a crash.
-    store = _Store(
+    store = KeyStore(
         {
             "setup/1": msgpack.packb([1, 1, []], use_bin_type=True),
             "setup/2": msgpack.packb([1, 2, []], use_bin_type=True),

@@ -56,8 +56,7 @@ def _counting_thread_starts(monkeypatch) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_polling_a_peer_and_its_notice_starts_no_thread_per_call(tmp_path, heartbeats_off, monkeypatch):
-    waiter, compiler = _channels(tmp_path, os.getpid())  # the peer is this process: alive
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):  # the peer is this process: alive
         probe = watch_peer(waiter, 1)
         compiler.mailbox.post("once/1/1", b"not yet")
         started = _counting_thread_starts(monkeypatch)
@@ -66,9 +65,6 @@ def test_polling_a_peer_and_its_notice_starts_no_thread_per_call(tmp_path, heart
             assert waiter.mailbox.read_post("once/1/1") == b"not yet"
             assert waiter.mailbox.read_post("once/1/0") is None
         assert len(started) <= 1, started  # at most the one store-call thread, started on first use
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 def _store_requests() -> int:
@@ -80,8 +76,7 @@ def test_with_heartbeats_off_the_compile_wait_reads_a_peer_s_record_once_per_gen
     tmp_path, heartbeats_off
 ):
     """Issue 43: without a heartbeat a record never changes; /proc is looked at on every call."""
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, _compiler):
         probe = watch_peer(waiter, 1)
         before = _store_requests()
         assert [probe() for _ in range(50)] == [None] * 50
@@ -90,9 +85,6 @@ def test_with_heartbeats_off_the_compile_wait_reads_a_peer_s_record_once_per_gen
         assert [probe() for _ in range(50)] == [None] * 50
         assert [watch_peer(waiter, 1)() for _ in range(5)] == [None] * 5  # a later wait of the generation
         assert _store_requests() - before == 2
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 def _between_beats(sides: tuple[SideChannel, ...], call: Callable[[], object]) -> tuple[object, int]:
@@ -112,8 +104,7 @@ def test_with_heartbeats_on_the_compile_wait_asks_the_store_nothing_its_heartbea
     """Issue 43: the waiter's own heartbeat reads the records it watches, in the request that
     reads the failure count: the watch learns the peer's beats at no request of its own."""
     with config.override(heartbeat_s=0.2):
-        waiter, compiler = _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE)
-        try:
+        with _channels(tmp_path, os.getpid(), peer_host=ELSEWHERE) as (waiter, compiler):
             probe = watch_peer(waiter, 1)
             polls, asked = _between_beats((waiter, compiler), lambda: [probe() for _ in range(100)])
             assert polls == [None] * 100 and asked == 0  # not even a first read
@@ -121,15 +112,11 @@ def test_with_heartbeats_on_the_compile_wait_asks_the_store_nothing_its_heartbea
             seen = waiter.records[1]["n"]
             _until(lambda: waiter.records[1]["n"] > seen)  # it moves with the compiler's
             assert probe() is None
-        finally:
-            waiter.stop(1.0)
-            compiler.stop(1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_notice_wait_blocks_on_the_store_and_wakes_on_the_post_in_a_few_requests(tmp_path, heartbeats_off):
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):
         before = _store_requests()
         notices = waiter.mailbox.wait_posts(["once/1/1"], 30.0)
         assert not notices.done(1.5)
@@ -138,16 +125,12 @@ def test_a_notice_wait_blocks_on_the_store_and_wakes_on_the_post_in_a_few_reques
         assert notices.done(5.0)
         assert notices.result() == [b"ok"]
         assert _store_requests() - before <= 4  # its connection, the wait, the get; the post
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 @pytest.mark.timeout(60)
 def test_notice_waits_one_after_another_share_one_store_connection_until_the_channel_stops(tmp_path, heartbeats_off):
     """Issue 37: a connection per generation, not one per wait (each connects: a store request)."""
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):
         cost = []
         for n in range(3):
             if n == 2:
@@ -158,15 +141,11 @@ def test_notice_waits_one_after_another_share_one_store_connection_until_the_cha
             assert notices.done(5.0) and notices.result() == [b"ok"]
             cost.append(_store_requests() - before)
         assert cost == [4, 3, 4], cost  # [its connection,] the wait, the get; the post
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_gets_the_post(tmp_path, heartbeats_off):
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):
         given_up = waiter.mailbox.wait_posts(["once/1/1"], 30.0)
         other = compiler.mailbox.wait_posts(["once/1/1"], 30.0)  # another rank waiting for the same notice
         assert not given_up.done(0.5)
@@ -177,9 +156,6 @@ def test_a_cancelled_notice_wait_ends_its_thread_and_another_rank_s_wait_still_g
         assert not other.done(0.5)
         waiter.mailbox.post("once/1/1", b"ok")
         assert other.done(5.0) and other.result() == [b"ok"]
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 @pytest.mark.timeout(60)
@@ -206,8 +182,7 @@ def test_a_notice_wait_whose_store_host_goes_away_ends_at_once_with_a_store_fail
 @pytest.mark.timeout(60)
 def test_a_notice_wait_for_several_posts_asks_one_wait_and_one_read_and_a_cancel_ends_it(tmp_path, heartbeats_off):
     """Issue 43: a wait costs the same two requests whatever number of ranks it waits for."""
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):
         waiter.mailbox.connect()  # the generation's connection, made with its compile group
         before = _store_requests()
         notices = waiter.mailbox.wait_posts(["once/1/1", "once/1/2", "once/1/3"], 30.0)
@@ -224,9 +199,6 @@ def test_a_notice_wait_for_several_posts_asks_one_wait_and_one_read_and_a_cancel
         assert given_up.done(0.0) and _waiting_threads() == 0
         assert waiter.mailbox.read_post("once/2/1") is None  # what it left there is no post
         assert waiter.mailbox.read_post("once/2/2") == b"ok"  # never over a post
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
 
 
 def _waiting_threads() -> int:
@@ -292,14 +264,10 @@ def test_with_heartbeats_off_a_rank_still_writes_its_identity_once_and_starts_no
     tmp_path, heartbeats_off, monkeypatch
 ):
     started = _counting_thread_starts(monkeypatch)
-    waiter, compiler = _channels(tmp_path, os.getpid())
-    try:
+    with _channels(tmp_path, os.getpid()) as (waiter, compiler):
         assert not compiler.beating
         assert [name for name in started if "heartbeat" in name] == []
         record = json.loads(waiter.store.get("hb/1"))
         assert {k: record[k] for k in ("pid", "host", "hb_s")} == {"pid": os.getpid(), "host": HERE, "hb_s": 0.0}
         assert record["start"] == process_identity(os.getpid())[1]
         assert watch_peer(waiter, 1)() is None  # alive: found in /proc from that record
-    finally:
-        waiter.stop(1.0)
-        compiler.stop(1.0)
