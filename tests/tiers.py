@@ -16,6 +16,12 @@ multi-process tier says whether a torch release can change its outcome:
   liveness and failure verdicts, the protocol's faults and waits, launch, config, reports,
   the demo's text. A torch release that broke one of these would break a seam test first.
 
+Each meeting point with torch is pinned once per release, by its plainest test; the tests
+that reach it the same way and vary our own side of it (another fault of the protocol,
+another bad value of our settings, another of our artifacts in torch's trace, a second
+launcher for the same ranks) are ``release_independent``, with a comment naming the seam
+test that pins the point. CI runs the seam tier on two releases: a seam test costs twice.
+
 A multi-process test that carries neither fails collection: the tiers cannot drift. The mark
 closest to the test decides (a test's own mark over its module's ``pytestmark``).
 
