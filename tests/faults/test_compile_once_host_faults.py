@@ -2,11 +2,14 @@
 is declared gone on evidence of its death (its connection to this rank reset, its process gone
 where a rank of its host can see it, a failure it reported), never on heartbeat silence alone.
 
-The hosts are two torchrun agents (``tests.fixtures.run_agents``: c10d or static rendezvous),
-a cache dir each, configured by environment variables alone as a user would; each runs one
-rank, with real inductor compiles on CPU (gloo), test_compile_once's one training step, and
-writes what it saw to a JSON file. Rank 1 compiles graph #1 (the plan's first turn), rank 0
-waits for it; a fault is injected on rank 1 at the start of that compile.
+Two hosts, a cache dir and one rank each, with real inductor compiles on CPU (gloo) of
+test_compile_once's one training step. Rank 1 compiles graph #1 (the plan's first turn), rank 0
+waits for it; a fault is injected on rank 1 at the start of that compile. Where the compiler
+dies, the hosts are two torchrun agents (``tests.fixtures.run_agents``: c10d or static
+rendezvous), configured by environment variables alone as a user would, because how each
+agent reacts to its rank's death is part of the outcome. Where it is stopped or holds the GIL,
+no rank ends and no agent acts: the hosts are told apart by ``GROUP_RANK`` under
+``run_ranks``, which spares four fresh interpreters a test.
 
 The c10d store can fail under that wait too (issue 37, item 4): hosted there by a process of its
 own, which rank 1 kills or stops as its compile starts; rank 1's post that its compile ended then
@@ -31,6 +34,7 @@ from tests.ranks.test_compile_once_caches import (
     COMPILING_RANK,
     WAITING_RANK,
     _assert_no_refusals,
+    job_with_compile_fault,
 )
 
 # Release-independent: what torch does here (torchrun's hosts, compile once's artifacts across them,
@@ -69,8 +73,21 @@ def _on_two_agents(tmp_path, rdzv: str, at_compile: str, seconds: int, env: dict
     return results, outcome
 
 
-def _finished_on_two_hosts(results: list, outcome) -> None:
-    assert outcome.returncodes == [0, 0], outcome.outputs
+def _on_two_hosts(tmp_path, at_compile: str, seconds: int) -> list[dict]:
+    """Per rank, what it saw: two hosts told apart by ``GROUP_RANK``, a cache dir each."""
+    hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
+    outcome = run_ranks(
+        job_with_compile_fault,
+        2,
+        args=({"at_compile": at_compile, "seconds": seconds},),
+        env={**ENV, "TORCH_COMPILER_COLLECTIVES": "1"},
+        rank_env=hosts,
+        timeout=240,
+    )
+    return [{**result, "host": hosts[rank]["GROUP_RANK"]} for rank, result in enumerate(outcome.results)]
+
+
+def _finished_on_two_hosts(results: list) -> None:
     assert sorted(r["host"] for r in results) == ["0", "1"]
     _assert_trained_right(results)
     _assert_no_refusals(results)
@@ -84,8 +101,8 @@ def _warnings_of_silence(result: dict) -> list[str]:
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_finishes(tmp_path):
     """SIGSTOP then SIGCONT (a debugger, a preempted VM): silent for 15 s, its connection intact."""
-    results, outcome = _on_two_agents(tmp_path, "c10d", "stop", STOP_S)
-    _finished_on_two_hosts(results, outcome)
+    results = _on_two_hosts(tmp_path, "stop", STOP_S)
+    _finished_on_two_hosts(results)
     assert results[WAITING_RANK]["records"][-1]["waited_s"] >= STOP_S
     silence = _warnings_of_silence(results[WAITING_RANK])
     assert silence, results[WAITING_RANK]["logs"]
@@ -94,8 +111,8 @@ def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_f
 
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_holding_the_gil_for_12_s_in_a_native_call_is_waited_for(tmp_path):
-    results, outcome = _on_two_agents(tmp_path, "static", "hold_gil", HOLD_GIL_S)
-    _finished_on_two_hosts(results, outcome)
+    results = _on_two_hosts(tmp_path, "hold_gil", HOLD_GIL_S)
+    _finished_on_two_hosts(results)
     assert _warnings_of_silence(results[WAITING_RANK]), results[WAITING_RANK]["logs"]
 
 
