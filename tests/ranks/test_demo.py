@@ -1,6 +1,6 @@
-"""`scripts/dev demo` (scripts/demo*.py): its default story end to end in a subprocess, its report, and --help.
+"""`scripts/dev demo` (scripts/demo*.py): its default story end to end in a subprocess, and its report.
 
-Its plan and report without a rank (options, schedule, where a stuck rank was, the tables):
+Its plan, --help and report without a rank (options, schedule, where a stuck rank was, the tables):
 ``tests/unit/test_demo_plan_and_report.py``.
 """
 
@@ -19,7 +19,6 @@ from tests.fixtures import gone
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 # scripts/demo*.py: the demo is not part of the library.
-import demo  # noqa: E402  (the command line)
 import demo_launch  # noqa: E402  (starting the ranks, what they came to)
 import demo_training  # noqa: E402  (the training a user copies)
 
@@ -129,43 +128,3 @@ def test_the_default_demo_tells_the_story_hazard_stuck_cure_agrees_cost_shown(tm
     for run in (hazard, on):
         for rank in run["ranks"]:
             assert gone(rank["pid"]), f"rank process {rank['pid']} of run {run['run']} was not reaped"
-
-
-def _demo_parser():
-    return demo.build_parser()
-
-
-@pytest.mark.multiprocess
-def test_demo_help_lists_and_explains_every_option():
-    demo_parser = _demo_parser()
-    help_text = demo_parser.format_help()
-    options = [a for a in demo_parser._actions if a.option_strings and a.dest != "help"]
-    expected = {
-        "--nproc",
-        "--steps",
-        "--backend",
-        "--timeout",
-        "--hazard-timeout",
-        "--runs",
-        "--compile-once",
-        "--compile-steps",
-        "--compile-cache",
-        "--batch-size",
-        "--seed",
-        "--log-every",
-        "--json",
-    }
-    assert expected <= {s for a in options for s in a.option_strings}
-    for action in options:
-        for flag in action.option_strings:
-            assert flag in help_text, flag
-        assert action.help and len(action.help) > 15, f"{action.option_strings} has no real help"
-    for name in demo_launch.RUNS:  # every run --runs accepts is explained
-        assert f"'{name}'" in " ".join(help_text.split()), name
-
-    # And the real command line prints it.
-    proc = _run_cli(["--help"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    for action in options:
-        for flag in action.option_strings:
-            assert flag in proc.stdout, flag

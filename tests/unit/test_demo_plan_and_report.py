@@ -1,7 +1,7 @@
 """`scripts/dev demo`'s plan and report, without a rank (scripts/demo*.py): its options and the runs
 they choose, the length schedule that makes ranks diverge, what a compile run sets up, where a
 stuck rank was and what it raised (read from its log), and the report's cost and compile-once
-tables. The demo run end to end, and its --help: ``tests/ranks/test_demo.py``.
+tables. Its --help text. The demo run end to end: ``tests/ranks/test_demo.py``.
 """
 
 from __future__ import annotations
@@ -204,3 +204,37 @@ def test_prepare_compile_run_sets_a_fresh_cache_one_thread_and_compile_once(tmp_
             assert off is False and os.environ[demo_launch.COMPILE_ONCE_ENV] == "0"
             assert demo_launch.prepare_compile_run(demo_launch.RUNS["compile-once"], str(tmp_path)) is True
             assert demo_launch.COMPILE_ONCE_ENV not in os.environ
+
+
+def _demo_parser():
+    return demo.build_parser()
+
+
+def test_demo_help_lists_and_explains_every_option():
+    """The parser the command line prints with --help (the command itself runs in
+    tests/ranks/test_demo.py's story)."""
+    demo_parser = _demo_parser()
+    help_text = demo_parser.format_help()
+    options = [a for a in demo_parser._actions if a.option_strings and a.dest != "help"]
+    expected = {
+        "--nproc",
+        "--steps",
+        "--backend",
+        "--timeout",
+        "--hazard-timeout",
+        "--runs",
+        "--compile-once",
+        "--compile-steps",
+        "--compile-cache",
+        "--batch-size",
+        "--seed",
+        "--log-every",
+        "--json",
+    }
+    assert expected <= {s for a in options for s in a.option_strings}
+    for action in options:
+        for flag in action.option_strings:
+            assert flag in help_text, flag
+        assert action.help and len(action.help) > 15, f"{action.option_strings} has no real help"
+    for name in demo_launch.RUNS:  # every run --runs accepts is explained
+        assert f"'{name}'" in " ".join(help_text.split()), name

@@ -63,3 +63,12 @@ def test_report_reads_a_trace_left_unterminated_by_a_crash(tmp_path):
     _write(tmp_path / "rank0.json", [_meta(0, 1), _event(0, seq=1), _event(0, seq=2)], close=False)
     traces = report.load(str(tmp_path))
     assert [e["args"]["seq"] for e in traces.events[0]] == [1, 2]
+
+
+def test_the_report_command_exits_one_with_the_error_on_an_empty_directory(tmp_path, capsys):
+    """The command's own exit, in process: ``python -m compiler_collectives report`` runs this
+    ``main`` (its wiring: tests/ranks/test_timing.py's table test, a subprocess)."""
+    from compiler_collectives.tools import cli
+
+    assert cli.main(["report", str(tmp_path)]) == 1
+    assert "no rank*.json files" in capsys.readouterr().err
