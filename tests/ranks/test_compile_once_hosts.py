@@ -2,7 +2,8 @@
 (``transport/hosttree.py``), not world-sized all-gathers, and a key per device index settles
 without the gather.
 
-Two "hosts" of two ranks (``GROUP_RANK``, as torchrun's agents split them), a cache dir per host.
+Two "hosts" of two ranks (``GROUP_RANK``, as torchrun's agents split them, set in each rank before
+our groups exist: the pool's ranks serve these tests), a cache dir per host.
 The graph depends on the rank's index on its host, as a GPU job's key holds its device
 (``cuda:k``): ranks 0 and 2 share one key, ranks 1 and 3 another. Three graphs: the first gathers
 every offer (a generation's first graph learns the dirs); the second is settled by one MIN over
@@ -21,6 +22,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 from tests.rankside import patch
@@ -57,6 +59,7 @@ def _third(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def job(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
+    _on_its_host(rank)
     global INDEX, RANK
     INDEX, RANK = rank % 2, rank
     cc.enable()
@@ -74,13 +77,18 @@ def job(rank: int, world: int) -> dict:
     return out
 
 
+def _on_its_host(rank: int) -> None:
+    """In a rank, before our groups exist: its host, ``GROUP_RANK``, as torchrun's agents set it
+    (ranks 0 and 1 on host 0, ranks 2 and 3 on host 1). The pool puts the variable back after the
+    test."""
+    os.environ["GROUP_RANK"] = str(rank // 2)
+
+
 def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
-    """Four ranks as two hosts (``GROUP_RANK``, as torchrun's agents set it), a cache dir per host."""
+    """Four ranks' cache dirs, one per host (``_on_its_host``'s)."""
     for host in (0, 1):
         os.makedirs(tmp_path / f"host{host}")
-    return {
-        r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
-    }
+    return cache_per_rank(tmp_path, 4, per_dir=2, name="host")
 
 
 @pytest.mark.timeout(400)
@@ -118,6 +126,7 @@ def job_with_builds(rank: int, world: int) -> dict:
     import compiler_collectives as cc
     from compiler_collectives.agreements.once import build
 
+    _on_its_host(rank)
     if os.environ["GROUP_RANK"] == "1":
         real = build.fingerprint
         patch(build, "fingerprint", lambda compiler: "avx512_amx " + real(compiler))  # a host with another CPU
