@@ -6,10 +6,10 @@ forward and a backward), a cache dir per rank or one shared dir under ``tmp_path
 checks the step's gradients against eager and, where the job finishes, that no rank refused an
 artifact. The step has C++ kernels (``KERNELS``) where the dirs' kernel binaries are the subject:
 built by each dir in a run with compile once off, or written by two jobs at once. Elsewhere it has
-none (a matmul: inductor calls the library for it, forward and backward): a dir warmed by a 1-rank
-run is about the entry's key, which a 1-rank run and a job with the service share; that such a
-dir's kernels travel and load is the subject of test_compile_once's warm-dir test and of the dirs
-warmed with compile once off, below.
+none (a matmul: inductor calls the library for it, forward and backward). A dir warmed by a 1-rank
+run is about the entry's key, which that run and a job with the service share; kernels served from
+a warm dir are the subject of the dirs warmed with compile once off, below, and of
+test_compile_once's warm-dir test.
 """
 
 from __future__ import annotations
