@@ -5,7 +5,11 @@ Real ranks and real inductor compiles on CPU (gloo), test_compile_once's one tra
 forward and a backward), a cache dir per rank or one shared dir under ``tmp_path``. Every test
 checks the step's gradients against eager and, where the job finishes, that no rank refused an
 artifact. The step has C++ kernels (``KERNELS``) where the dirs' kernel binaries are the subject:
-warmed by another run, built by each dir, or written by two jobs at once.
+built by each dir in a run with compile once off, or written by two jobs at once. Elsewhere it has
+none (a matmul: inductor calls the library for it, forward and backward). A dir warmed by a 1-rank
+run is about the entry's key, which that run and a job with the service share; kernels served from
+a warm dir are the subject of the dirs warmed with compile once off, below, and of
+test_compile_once's warm-dir test.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.fixtures import shared_cache
+from tests.fixtures import cache_per_rank, shared_cache
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 from tests.ranks.test_compile_once import ENV, _assert_trained_right, _run, _states, job
@@ -66,17 +70,29 @@ def _binaries(root: os.PathLike) -> dict[str, bytes]:
 @pytest.mark.timeout(360)
 def test_a_dir_warmed_by_a_1_rank_run_serves_a_rank_whose_dir_is_empty(tmp_path):
     # Without the service's backward lowering in its key, a 1-rank entry is what a 2-rank job looks up.
-    _warm(tmp_path / "rank0", KERNELS)
-    results = _run(tmp_path, KERNELS, separate=True).results
+    _warm(tmp_path / "rank0", {})
+    results = _run(tmp_path, separate=True).results
     _assert_trained_right(results)
     _assert_no_refusals(results)
     assert _states(results) == ["served", "loaded"]
     assert results[1]["stats"]["once_loaded"] == 1 and results[1]["stats"]["once_bytes_received"] > 0
 
 
+def job_with_compile_once_off(rank: int, world: int, case: dict) -> dict:
+    """test_compile_once's job with compile once off in this rank, as
+    ``COMPILER_COLLECTIVES_COMPILE_ONCE=0`` has it: switched in the rank (``config.override``), so
+    that the pool's ranks run it (another environment would start other ranks, then ours again)."""
+    from compiler_collectives import config
+
+    with config.override(compile_once=False):
+        return job(rank, world, case)
+
+
 @pytest.mark.timeout(420)
 def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
-    _run(tmp_path, KERNELS, separate=True, env=rank_env(compile_once=False))
+    dirs = cache_per_rank(tmp_path, 2)
+    off = run_ranks(job_with_compile_once_off, 2, args=(KERNELS,), env=ENV, rank_env=dirs, timeout=240)
+    assert all(r["records"] == [] and r["stats"]["once_exchanges"] == 0 for r in off.results)  # it was off
     # Each dir built its own kernels: the same names, other bytes (a binary embeds its build dir).
     own = [_binaries(tmp_path / f"rank{r}") for r in range(2)]
     assert any(own[1].get(name, blob) != blob for name, blob in own[0].items()), "no kernel binary differs"

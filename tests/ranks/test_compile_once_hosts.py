@@ -2,13 +2,17 @@
 (``transport/hosttree.py``), not world-sized all-gathers, and a key per device index settles
 without the gather.
 
-Two "hosts" of two ranks (``GROUP_RANK``, as torchrun's agents split them), a cache dir per host.
+Two "hosts" of two ranks (``GROUP_RANK``, as torchrun's agents split them, set in each rank before
+our groups exist: the pool's ranks serve these tests), a cache dir per host.
 The graph depends on the rank's index on its host, as a GPU job's key holds its device
 (``cuda:k``): ranks 0 and 2 share one key, ranks 1 and 3 another. Three graphs: the first gathers
 every offer (a generation's first graph learns the dirs); the second is settled by one MIN over
 the tree; the third differs between ranks 0 and 2 (index 0 of each host): the MIN sees it and
 the gather of offers over the tree plans it. On every graph the results are one gather of the
-sources' alone and the load reports are flags.
+sources' alone and the load reports are flags. Those graphs are matmuls and views only (no C++
+kernel: keys are the subject), told apart by what they multiply (``x @ w``, ``x @ w.t()``, ...).
+
+Where the hosts' builds differ, each compiles its own kernels: that graph has C++ kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 from tests.rankside import patch
@@ -31,12 +36,16 @@ ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 INDEX = 0  # the rank's index on its host: Dynamo guards on it, so the graph (and key) differ by it
 
 
+# Matmuls and views: no C++ kernel, forward or backward. Every graph below is unlike every
+# other, so that none finds an entry an earlier one left in its host's dir.
+
+
 def _first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (torch.relu(x @ w) if INDEX == 0 else torch.sigmoid(x @ w)).sum()
+    return x @ w if INDEX == 0 else x @ w.t()
 
 
 def _second(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (torch.tanh(x @ w) if INDEX == 0 else torch.sin(x @ w)).sum()
+    return (x @ w) @ w if INDEX == 0 else (x @ w) @ w.t()
 
 
 RANK = 0
@@ -44,12 +53,13 @@ RANK = 0
 
 def _third(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # Rank 0 differs from rank 2, which has its index: not a key per index any more.
-    return (torch.cos(x @ w) if RANK == 0 else torch.exp(x @ w) if INDEX == 0 else torch.atan(x @ w)).sum()
+    return (x @ w.t()) @ w if RANK == 0 else (x @ w.t()) @ w.t() if INDEX == 0 else x @ (w @ w)
 
 
 def job(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
+    _on_its_host(rank)
     global INDEX, RANK
     INDEX, RANK = rank % 2, rank
     cc.enable()
@@ -57,9 +67,9 @@ def job(rank: int, world: int) -> dict:
     for step in (_first, _second, _third):
         x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1 + rank
         w_ref = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
-        step(x, w_ref).backward()
+        step(x, w_ref).sum().backward()
         w = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
-        torch.compile(step, backend="inductor")(x, w).backward()
+        torch.compile(step, backend="inductor")(x, w).sum().backward()
         out["right"].append(torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6))
         stats = cc.stats()
         out["stats"].append({k: stats[k] for k in ("once_keys_reduced", "once_gathers", "once_tree_exchanges")})
@@ -67,13 +77,18 @@ def job(rank: int, world: int) -> dict:
     return out
 
 
+def _on_its_host(rank: int) -> None:
+    """In a rank, before our groups exist: its host, ``GROUP_RANK``, as torchrun's agents set it
+    (ranks 0 and 1 on host 0, ranks 2 and 3 on host 1). The pool puts the variable back after the
+    test."""
+    os.environ["GROUP_RANK"] = str(rank // 2)
+
+
 def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
-    """Four ranks as two hosts (``GROUP_RANK``, as torchrun's agents set it), a cache dir per host."""
+    """Four ranks' cache dirs, one per host (``_on_its_host``'s)."""
     for host in (0, 1):
         os.makedirs(tmp_path / f"host{host}")
-    return {
-        r: {"GROUP_RANK": str(r // 2), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"host{r // 2}")} for r in range(4)
-    }
+    return cache_per_rank(tmp_path, 4, per_dir=2, name="host")
 
 
 @pytest.mark.timeout(400)
@@ -102,6 +117,7 @@ def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a
 
 
 def _shared(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """C++ kernels (the relu, the sum, their backward): what a build fingerprint is about."""
     return torch.relu(x @ w).sum()
 
 
@@ -110,6 +126,7 @@ def job_with_builds(rank: int, world: int) -> dict:
     import compiler_collectives as cc
     from compiler_collectives.agreements.once import build
 
+    _on_its_host(rank)
     if os.environ["GROUP_RANK"] == "1":
         real = build.fingerprint
         patch(build, "fingerprint", lambda compiler: "avx512_amx " + real(compiler))  # a host with another CPU

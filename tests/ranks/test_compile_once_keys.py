@@ -17,6 +17,11 @@ step of a small graph. ``three_graphs``: three training steps in one job: the fi
 every offer (it learns the dirs), the second is settled by the reduce (one rank compiles, the
 other loads), the third differs by rank, that is by index on the host (the reduce settles it too:
 each rank's key is its own, and each compiles locally).
+
+Keys, not kernels, are the subject here: every graph is matmuls and views only (inductor calls the
+library for each, forward and backward, and builds no C++ kernel), its gradient taken against a
+sum computed eagerly, outside the graph. The graphs still differ where their keys must: by what
+they multiply (``x @ w``, ``x @ w.t()``, ``(x @ w) @ w``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x @ w).sum()
+    """A matmul: no C++ kernel to build, forward or backward."""
+    return x @ w
 
 
 def one_step(rank: int, world: int, service: bool) -> dict:
@@ -56,7 +62,7 @@ def one_step(rank: int, world: int, service: bool) -> dict:
         cc.enable()
     x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1
     w = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
-    torch.compile(_step, backend="inductor")(x, w).backward()
+    torch.compile(_step, backend="inductor")(x, w).sum().backward()
     root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     return {
         "grad": w.grad.flatten().tolist(),
@@ -98,6 +104,7 @@ def test_a_cache_warmed_with_the_service_off_is_keyed_alike_and_serves_a_job_wit
     dirs, off = warmed_off
     cold_on = _run([str(tmp_path / f"cold{r}") for r in range(2)], service=True)
     for r in range(2):
+        assert off[r]["aot_keys"] and off[r]["fx_keys"], off[r]  # the step was cached at both levels
         assert cold_on[r]["aot_keys"] == off[r]["aot_keys"], "the service changed the AOTAutograd cache key"
         assert cold_on[r]["fx_keys"] == off[r]["fx_keys"], "the service compiled other inductor graphs"
     warm_on = _run(_copies(dirs, tmp_path), service=True)
@@ -150,17 +157,20 @@ def test_where_no_rank_holds_the_entry_the_rank_whose_fx_graph_cache_is_warm_com
 
 RANK = 0  # set per rank: Dynamo guards on it, so the third graph differs by rank
 
+# Three graphs of matmuls and views (no C++ kernel), each unlike the others, so that no graph
+# finds an entry an earlier one left in its rank's dir.
+
 
 def _first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x @ w).sum()
+    return x @ w
 
 
 def _second(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(x @ w).sum()
+    return (x @ w) @ w
 
 
 def _third(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (torch.tanh(x @ w) if RANK == 0 else torch.sin(x @ w)).sum()
+    return x @ w.t() if RANK == 0 else (x @ w.t()) @ w
 
 
 def three_graphs(rank: int, world: int) -> dict:
@@ -173,9 +183,9 @@ def three_graphs(rank: int, world: int) -> dict:
     for step in (_first, _second, _third):
         x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10 - 1 + rank
         w_ref = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
-        step(x, w_ref).backward()
+        step(x, w_ref).sum().backward()
         w = torch.linspace(-1, 1, 16).reshape(4, 4).requires_grad_(True)
-        torch.compile(step, backend="inductor")(x, w).backward()
+        torch.compile(step, backend="inductor")(x, w).sum().backward()
         out["right"].append(torch.allclose(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6))
         out["reduced"].append(cc.stats()["once_keys_reduced"])
     out["states"] = [r["state"] for r in cc.stats()["compile_once"]]
