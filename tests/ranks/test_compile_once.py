@@ -467,6 +467,7 @@ def load_and_bytes_job(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.release_independent  # the tree's transfer is ours; an artifact over gloo: the per-rank-dir test
 def test_four_hosts_with_a_cache_dir_each_compile_once_and_each_dir_receives_one_copy(tmp_path):
     """Issue 30's load test: 4 hosts x 2 ranks on loopback, a cache dir per host. One rank
     compiles (rank 1: the first graph's turn among cold ranks); every other rank loads. The

@@ -68,6 +68,7 @@ def _binaries(root: os.PathLike) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(360)
+@pytest.mark.release_independent  # a warm entry served: test_compile_once's warm-cache test
 def test_a_dir_warmed_by_a_1_rank_run_serves_a_rank_whose_dir_is_empty(tmp_path):
     # Without the service's backward lowering in its key, a 1-rank entry is what a 2-rank job looks up.
     _warm(tmp_path / "rank0", {})
@@ -89,6 +90,7 @@ def job_with_compile_once_off(rank: int, world: int, case: dict) -> dict:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.release_independent  # keys alike with the service off: test_compile_once_keys' test
 def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
     dirs = cache_per_rank(tmp_path, 2)
     off = run_ranks(job_with_compile_once_off, 2, args=(KERNELS,), env=ENV, rank_env=dirs, timeout=240)
@@ -105,6 +107,7 @@ def test_dirs_warmed_with_compile_once_off_serve_the_job_with_it_on(tmp_path):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.release_independent  # one dir shared: test_compile_once's shared-dir test
 def test_two_jobs_started_together_on_one_dir_both_train_right(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(_run, tmp_path, KERNELS) for _ in range(2)]

@@ -92,6 +92,7 @@ def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.release_independent  # the settling is ours; keys by index: test_compile_once_keys' reduce test
 def test_keys_that_differ_by_index_on_a_host_settle_over_the_host_tree_without_a_world_gather(tmp_path):
     per_rank = two_hosts(tmp_path)
     results = run_ranks(job, 4, env=ENV, rank_env=per_rank, timeout=360).results
@@ -149,6 +150,7 @@ def job_with_builds(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.release_independent  # the fingerprint's parts: unit tests; kernels served: the warm-cache test
 def test_hosts_of_different_build_fingerprints_each_compile_their_own_kernels_with_equal_parameters(tmp_path):
     per_rank = two_hosts(tmp_path)
     results = run_ranks(job_with_builds, 4, env=ENV, rank_env=per_rank, timeout=360).results
