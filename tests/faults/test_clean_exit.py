@@ -6,7 +6,10 @@ takes the GIL back, inside a pybind11 frame that cannot unwind, and the
 process dies of SIGABRT ("terminate called without an active exception")
 after the user's script finished. A heartbeat every 0.1 ms keeps the thread
 inside store calls nearly all the time, which made that abort happen in about
-half of the runs before the thread was stopped and joined at exit.
+half of the runs before the thread was stopped and joined at exit. Each rank also checks, from
+an exit handler that runs after the package's own, that no thread or group of ours is left when
+Python finalizes (``LEFT_RUNNING``): an exit path that leaves the thread running fails every run
+that way, not only the runs where the race aborts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,20 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 
 # No destroy_process_group(): many scripts end without it, and then our exit handler, not
 # destroy's, must stop the heartbeat thread (destroy stops it on its own).
-SCRIPT = """
+LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
+SCRIPT = f"""
+import atexit, os, sys, threading
+
+def nothing_of_ours_left_when_python_finalizes():
+    # Registered before the package registers its own exit handler (at its first group), so it
+    # runs after it (last in, first out): what it sees is what finalization would meet.
+    from compiler_collectives.transport import groups
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("compiler_collectives") and t.is_alive()]
+    if threads or groups.existing():
+        print("left running at exit:", threads, sorted(groups.existing()), file=sys.stderr, flush=True)
+        os._exit({LEFT_RUNNING})
+
+atexit.register(nothing_of_ours_left_when_python_finalizes)
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 import compiler_collectives as cc
@@ -35,9 +51,10 @@ for _ in range(3):
     f(torch.ones(3))
 """
 
-# With the thread left running at exit, a job aborted in about half of its runs; four
-# runs miss that about once in sixteen. Each run is two interpreters (~8 CPU-s each).
-RUNS = 4
+# With the thread left running at exit, a job aborted in about half of its runs, and fails the
+# exit check above in every run: two runs (four exits) see that exit path fail twice over, and
+# the race itself three times in four. Each run is two interpreters (~9 CPU-s each).
+RUNS = 2
 
 
 @pytest.mark.timeout(240)

@@ -51,13 +51,16 @@ def _nothing_of_ours_left_when_python_finalizes() -> None:
 
 
 class Small(torch.nn.Module):
+    """Two layers, matmuls only forward and backward: inductor builds no C++ kernel for it (no bias,
+    whose gradient is a reduction; no activation). What is tested is the exit, not the kernels."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(8, 16)
-        self.b = torch.nn.Linear(16, 4)
+        self.a = torch.nn.Linear(8, 16, bias=False)
+        self.b = torch.nn.Linear(16, 4, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+        return self.b(self.a(x))
 
 
 def ddp_inductor_job_where_one_rank_fails_with_our_error(rank: int, world: int) -> dict:
@@ -109,7 +112,8 @@ def short_job(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(420)
 def test_a_job_that_ends_normally_exits_with_code_zero_on_every_rank():
-    for attempt in range(2):  # the race is per exit: several exits
-        outcome = run_ranks(short_job, 2, env=ENV, start_method="spawn", store="tcp", timeout=180)
-        assert outcome.results == [2, 2]
-        assert outcome.exitcodes == [0, 0], (attempt, outcome)
+    # One job, two exits: the race aborts an exit only now and then, but a thread or group of
+    # ours left at exit fails every exit through LEFT_RUNNING (and so does the job above).
+    outcome = run_ranks(short_job, 2, env=ENV, start_method="spawn", store="tcp", timeout=180)
+    assert outcome.results == [2, 2]
+    assert outcome.exitcodes == [0, 0], outcome

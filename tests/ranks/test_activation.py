@@ -1,6 +1,7 @@
-"""How the service is switched on in live ranks (imported before the group exists, by torch's own
-variable, on one rank), what torch does without it, and what a forked child keeps of its wiring
-and runtime. Installing and uninstalling in this process: ``tests/unit/test_install.py``."""
+"""How the service is switched on in live ranks (imported before the group exists, on one rank),
+what torch does without it, and what a forked child keeps of its wiring and runtime. Installing and
+uninstalling in this process: ``tests/unit/test_install.py``; switched on by torch's own variable
+alone, at import torch, in two ranks of their own: ``tests/ranks/test_autoload.py``."""
 
 from __future__ import annotations
 
@@ -39,30 +40,6 @@ def test_importing_the_package_before_init_process_group_works(tmp_path):
     store = str(tmp_path / "store")
     outcome = run_ranks(import_before_init, 2, args=(store,), init=False)
     for r in outcome.results:
-        assert r["graphs"] == [[["s", 3]]]
-        assert r["collectives"] == 1
-
-
-def switch_from_env_only(rank: int, world: int) -> dict:
-    import compiler_collectives as cc
-
-    rec = GraphRecorder()
-    f = torch.compile(_fn, backend=rec)
-    f(torch.ones(5 + rank, 3))
-    out = summary(rec)
-    out["flag"] = bool(torch._dynamo.config.enable_compiler_collectives)
-    out["enabled"] = cc.is_enabled()
-    return out
-
-
-@pytest.mark.multiprocess
-def test_the_torch_env_var_alone_switches_our_compiler_collective_on():
-    # spawn: torch reads TORCH_COMPILER_COLLECTIVES when torch._dynamo is imported
-    outcome = run_ranks(
-        switch_from_env_only, 2, env={"TORCH_COMPILER_COLLECTIVES": "1"}, start_method="spawn", timeout=120
-    )
-    for r in outcome.results:
-        assert r["flag"] and r["enabled"]
         assert r["graphs"] == [[["s", 3]]]
         assert r["collectives"] == 1
 

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from tests.fixtures import clean_env
-from tests.harness import free_port
+from tests.fixtures import REPO, clean_env
+from tests.harness import free_port, run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -49,17 +49,72 @@ def test_with_our_variables_unset_import_torch_loads_neither_us_nor_dynamo():
     assert proc.stdout.split() == ["inactive", "False", "False"]
 
 
+def _as_torchrun_starts_them(cmd: list[str], timeout: float, **env: str) -> list[tuple[int, str]]:
+    """Two ranks of one host in fresh interpreters, started as torchrun's agent starts them (its
+    variables) but without the agent, a third interpreter that adds to the cost and nothing to
+    what is tested here (the torchrun script below runs under a real one): each rank's exit code
+    and output (stdout and stderr)."""
+    from cc_launch import Agents
+
+    port = str(free_port())
+    with Agents() as started:  # a rank still running at the end is killed
+        procs = [
+            started.start(
+                cmd,
+                log=subprocess.PIPE,
+                env=_env(
+                    **env,
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    WORLD_SIZE="2",
+                    LOCAL_WORLD_SIZE="2",
+                    GROUP_RANK="0",
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                ),
+            )
+            for rank in range(2)
+        ]
+        outputs = [proc.communicate(timeout=timeout)[0].decode(errors="replace") for proc in procs]
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
+
+
+TORCH_VARIABLE_ALONE = """
+import json, sys, torch
+cc = sys.modules.get("compiler_collectives")
+at_import = cc is not None and cc.is_enabled()  # nothing but import torch has run
+import torch.distributed as dist
+from tests.rankside import GraphRecorder, summary
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+rec = GraphRecorder()
+f = torch.compile(lambda x: x.cos().sum(0), backend=rec)
+f(torch.ones(5 + rank, 3))
+out = summary(rec)
+out.update(at_import=at_import, enabled=cc.is_enabled(), flag=bool(torch._dynamo.config.enable_compiler_collectives))
+print("RESULT", json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
 def test_the_torch_variable_alone_activates_our_implementation_at_import_torch():
-    proc = _python(
-        """
-        import sys, torch
-        cc = sys.modules.get("compiler_collectives")
-        print(cc is not None and cc.is_enabled())
-    """,
+    # Two ranks (the sizes differ across them): what import torch switched on runs our compiler
+    # collective in their first compile (tests/ranks/test_activation.py held this part).
+    ranks = _as_torchrun_starts_them(
+        [PY, "-c", TORCH_VARIABLE_ALONE],
+        150,
         TORCH_COMPILER_COLLECTIVES="1",
+        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),  # tests.rankside
     )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "True"
+    for code, out in ranks:
+        assert code == 0, out
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        r = json.loads(line.split(" ", 1)[1])
+        assert r["at_import"] is True
+        assert r["flag"] and r["enabled"]
+        assert r["graphs"] == [[["s", 3]]]
+        assert r["collectives"] == 1
 
 
 # A torch without one of our seams, simulated: a sitecustomize import hook
@@ -188,31 +243,13 @@ def test_autoload_off_and_the_retired_log_level_variable_still_let_import_torch_
         COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG",
     )
     assert retired.returncode == 0 and retired.stdout.strip() == "True", retired.stderr
-    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read" in retired.stderr
+    # (tests/ranks/test_pt2_tooling.py held the pointer to TORCH_LOGS, for an import of the package)
+    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives" in retired.stderr
 
 
-def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value():
-    proc = _python(
-        """
-        import torch, torch.compiler
-        import compiler_collectives as cc
-        seen = [cc.is_enabled(), cc.guards_enabled()]           # from the environment
-        cc.disable()
-        seen += [cc.is_enabled(), cc.guards_enabled()]          # our API wins over the env
-        torch._dynamo.config.enable_compiler_collectives = True
-        torch.compiler.set_enable_guard_collectives(True)
-        seen += [cc.is_enabled(), cc.guards_enabled()]          # torch's switches drive ours
-        cc.enable(guards=False)
-        seen += [cc.is_enabled(), cc.guards_enabled()]
-        print(seen)
-    """,
-        TORCH_COMPILER_COLLECTIVES="1",
-        COMPILER_COLLECTIVES_GUARDS="1",
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str([True, True, False, False, True, True, True, False])
-
-
+# The job below also walks the switches, after its training and without importing us: its
+# environment (torch's switch and our guard switch on) is the initial value that walk starts
+# from, in fresh interpreters as a job of its own would have them.
 TRAINING_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -224,14 +261,26 @@ for n in (3 + rank, 9, 4):
     f(torch.ones(n, 2))
 cc = sys.modules.get("compiler_collectives")
 stats = cc.stats() if cc else None
+switches = []
+if cc is not None:
+    switches += [cc.is_enabled(), cc.guards_enabled()]         # from the environment
+    cc.disable()
+    switches += [cc.is_enabled(), cc.guards_enabled()]         # our API wins over the env
+    torch._dynamo.config.enable_compiler_collectives = True
+    torch.compiler.set_enable_guard_collectives(True)
+    switches += [cc.is_enabled(), cc.guards_enabled()]         # torch's switches drive ours
+    cc.enable(guards=False)
+    switches += [cc.is_enabled(), cc.guards_enabled()]
 with open(os.path.join(os.environ["RESULT_DIR"], f"result{rank}.json"), "w") as out:
-    json.dump({"rank": rank, "loaded": cc is not None, "stats": stats}, out)
+    json.dump({"rank": rank, "loaded": cc is not None, "stats": stats, "switches": switches}, out)
 dist.destroy_process_group()
 """
 
 
-@pytest.mark.timeout(180)
-def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_env_vars(tmp_path):
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """TRAINING_SCRIPT on two ranks under torchrun, configured by environment variables alone."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
     script = tmp_path / "train.py"
     script.write_text(TRAINING_SCRIPT)
     trace_dir = tmp_path / "traces"
@@ -257,16 +306,28 @@ def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_en
             COMPILER_COLLECTIVES_TRACE_DIR=str(trace_dir),
             OMP_NUM_THREADS="1",
             RESULT_DIR=str(tmp_path),
+            TMPDIR=str(tmp_path),  # a module's fixture: set up before the test's own TMPDIR
         ),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
     assert sorted(r["rank"] for r in results) == [0, 1]
-    for r in results:
+    return {"results": results, "traces": sorted(os.listdir(trace_dir))}
+
+
+@pytest.mark.timeout(180)
+def test_a_torchrun_script_that_never_imports_us_uses_our_implementation_from_env_vars(torchrun_job):
+    for r in torchrun_job["results"]:
         assert r["loaded"]
         assert r["stats"]["compiler_collectives"] == 1  # sizes differ: one collective, dim dynamic
         assert r["stats"]["guard_collectives"] == 2
-    assert sorted(os.listdir(trace_dir)) == ["rank0.json", "rank1.json"]
+    assert torchrun_job["traces"] == ["rank0.json", "rank1.json"]
+
+
+@pytest.mark.timeout(180)
+def test_switches_follow_last_write_wins_with_the_environment_as_the_initial_value(torchrun_job):
+    for r in torchrun_job["results"]:
+        assert r["switches"] == [True, True, False, False, True, True, True, False]
 
 
 def test_doctor_reports_healthy_and_exits_zero():
@@ -306,33 +367,37 @@ def test_importing_the_package_with_a_missing_seam_raises_naming_torch_version_a
     assert "2.13" in proc.stderr and "OutputGraph.run_compiler_collective" in proc.stderr
 
 
+def doctor_as_a_launched_rank(rank: int, world: int) -> dict:
+    """``compiler-collectives doctor`` (what ``python -m compiler_collectives doctor`` runs) in a
+    rank whose environment has the launcher's variables: its exit code and what it printed."""
+    import contextlib
+    import io
+
+    from compiler_collectives.tools.cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["doctor"])
+    return {"code": code, "stdout": printed.getvalue()}
+
+
 @pytest.mark.timeout(180)
-def test_doctor_under_torchrun_reports_the_default_group_and_our_gloo_groups():
-    proc = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "compiler_collectives",
-            "doctor",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=_env(OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("process group:")]
+def test_doctor_under_a_launcher_reports_the_default_group_and_our_gloo_groups():
+    # Doctor knows a launcher by its variables, here torchrun's for the two ranks of one host
+    # (none of ours), and makes the default group itself (init=False). The ranks come from the
+    # harness's forkserver, torch imported, instead of torchrun's agent and two fresh interpreters:
+    # a launcher starts the ranks, and doctor reads what it left them (the torchrun script above
+    # runs under a real agent).
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    local = {rank: {"LOCAL_RANK": str(rank)} for rank in range(2)}
+    outcome = run_ranks(doctor_as_a_launched_rank, 2, env=env, rank_env=local, init=False, fresh=True, timeout=150)
+    for r in outcome.results:
+        assert r["code"] == 0, r["stdout"]
+    stdout = "".join(r["stdout"] for r in outcome.results)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("process group:")]
     assert len(lines) == 2
     for line in lines:
         assert "default backend gloo" in line
         assert "ours: compile: gloo, guard: gloo" in line
-    # both ranks run under one agent: one host, agreeing through shared memory
-    assert proc.stdout.count("guard collective transport: shm\n") == 2, proc.stdout
+    # both ranks on one host (one agent's), agreeing through shared memory
+    assert stdout.count("guard collective transport: shm\n") == 2, stdout

@@ -90,50 +90,6 @@ def _named(artifacts: dict, prefix: str) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(tmp_path):
-    trace_dir = tmp_path / "trace"
-    run_ranks(
-        one_rank_changes_size, 2, args=([1],), start_method="spawn", timeout=150, env={"TORCH_TRACE": str(trace_dir)}
-    )
-    for rank in (0, 1):
-        compiles = _artifacts_by_compile(trace_dir, rank, tmp_path / f"tlparse{rank}")
-        assert set(compiles) == {"[0/0]", "[0/1]"}
-        first, recompile = compiles["[0/0]"], compiles["[0/1]"]
-
-        # the first compile: an input exchange and an end-of-trace exchange, nothing differs
-        inputs, trace = _named(first, "compiler_collective")
-        assert (inputs["phase"], trace["phase"]) == ("inputs", "trace")
-        assert (
-            inputs["entries"]
-            == trace["entries"]
-            == [{"L['x']": {"scalar": "?", "size": [8, 4], "stride": ["S(1)", 1]}}] * 2
-        )
-        assert trace["dynamic"] == []
-        assert trace["restart"] is False and trace["restart_skipped"] is True and trace["restart_why"]
-        assert trace["rounds"] == 1 and trace["bytes_received"] == 2 * trace["bytes_sent"] > 0
-        assert trace["time_ms"] >= 0 and trace["rank"] == rank and trace["world_size"] == 2
-
-        # the recompile the guard collective agreed on: who missed and why, then the exchanges
-        (guard,) = _named(recompile, "guard_collective")
-        assert guard["missed_ranks"] == [1]
-        assert guard["forced"] is (rank == 0)
-        assert "size mismatch at index 0. expected 8, actual 9" in guard["reasons_by_rank"]["1"][0]
-        (reasons,) = _named(recompile, "recompile_reasons")
-        assert reasons == guard["recorded_reasons"][0]
-        _, trace = _named(recompile, "compiler_collective")
-        (dim0,) = trace["dynamic"]
-        assert dim0 == {
-            "source": "L['x']",
-            "what": "size",
-            "dim": 0,
-            "values": {"0": 8, "1": 9},
-            "ranks": [1],
-            "why": "differs across ranks",
-        }
-
-
-@pytest.mark.multiprocess
 def test_the_rank_that_hit_records_the_rank_that_missed_and_its_reason():
     outcome = run_ranks(one_rank_changes_size, 2, args=([1],))
     hit, missed = outcome.results
@@ -194,6 +150,9 @@ def test_when_every_rank_hits_no_reasons_are_exchanged():
 # ---------------------------------------------------------------- compile once (issue 29)
 
 ONCE_EVENTS = ("compile_once", "compile_once_wait", "compile_once_finish")
+# The compiles of the traced job: its first frame's two (one rank changes size), then compile once's graph.
+CHANGES = ("[0/0]", "[0/1]")
+ONCE = "[1/0]"
 
 
 def once_job_timed(rank: int, world: int) -> dict:
@@ -206,16 +165,28 @@ def once_job_timed(rank: int, world: int) -> dict:
     return out
 
 
+def traced_job(rank: int, world: int) -> dict:
+    """First one rank changes size (``one_rank_changes_size``, the eager backend: the compiles
+    ``CHANGES``), then compile once's step as a fresh rank runs it (guards off: ``ONCE``)."""
+    import compiler_collectives as cc
+
+    one_rank_changes_size(rank, world, [1])
+    cc.disable()
+    return once_job_timed(rank, world)
+
+
 @pytest.fixture(scope="module")
-def once_traced(tmp_path_factory) -> dict:
-    """One 2-rank inductor job under compile once, with TORCH_TRACE on and a cache dir per rank (the
-    artifact travels over gloo); each rank's trace read by tlparse. Shared by the tests below."""
-    tmp = tmp_path_factory.mktemp("once")
+def traced(tmp_path_factory) -> dict:
+    """One 2-rank job with TORCH_TRACE on (``traced_job``): a recompile the guard collective forced,
+    then an inductor graph under compile once with a cache dir per rank (the artifact travels over
+    gloo); each rank's trace read by tlparse. Shared by the tests that read PT2's tooling: one pair
+    of spawned ranks (each imports torch with the variable set) instead of one per test."""
+    tmp = tmp_path_factory.mktemp("traced")
     trace_dir = tmp / "trace"
     env = {**ONCE_ENV, "TORCH_TRACE": str(trace_dir), **shared_cache(tmp)}
     rank_env = cache_per_rank(tmp, 2)
     # spawn: TORCH_TRACE is read when torch is imported
-    outcome = run_ranks(once_job_timed, 2, env=env, rank_env=rank_env, start_method="spawn", timeout=300)
+    outcome = run_ranks(traced_job, 2, env=env, rank_env=rank_env, start_method="spawn", timeout=300)
     for r in outcome.results:
         assert r["type"] is None, r
     artifacts_, events = [], []
@@ -235,13 +206,54 @@ def _ranks_by_state(results: list) -> tuple[int, int]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
-def test_each_rank_writes_a_compile_once_artifact_saying_who_compiled_who_loaded_bytes_and_wait(once_traced):
-    results = once_traced["results"]
+def test_tlparse_files_our_artifacts_under_the_compile_they_belong_to(traced):
+    for rank in (0, 1):
+        compiles = traced["artifacts"][rank]
+        assert set(compiles) == {*CHANGES, ONCE}  # the second frame is compile once's, below
+        first, recompile = (compiles[c] for c in CHANGES)
+
+        # the first compile: an input exchange and an end-of-trace exchange, nothing differs
+        inputs, trace = _named(first, "compiler_collective")
+        assert (inputs["phase"], trace["phase"]) == ("inputs", "trace")
+        assert (
+            inputs["entries"]
+            == trace["entries"]
+            == [{"L['x']": {"scalar": "?", "size": [8, 4], "stride": ["S(1)", 1]}}] * 2
+        )
+        assert trace["dynamic"] == []
+        assert trace["restart"] is False and trace["restart_skipped"] is True and trace["restart_why"]
+        assert trace["rounds"] == 1 and trace["bytes_received"] == 2 * trace["bytes_sent"] > 0
+        assert trace["time_ms"] >= 0 and trace["rank"] == rank and trace["world_size"] == 2
+
+        # the recompile the guard collective agreed on: who missed and why, then the exchanges
+        (guard,) = _named(recompile, "guard_collective")
+        assert guard["missed_ranks"] == [1]
+        assert guard["forced"] is (rank == 0)
+        assert "size mismatch at index 0. expected 8, actual 9" in guard["reasons_by_rank"]["1"][0]
+        (reasons,) = _named(recompile, "recompile_reasons")
+        assert reasons == guard["recorded_reasons"][0]
+        _, trace = _named(recompile, "compiler_collective")
+        (dim0,) = trace["dynamic"]
+        assert dim0 == {
+            "source": "L['x']",
+            "what": "size",
+            "dim": 0,
+            "values": {"0": 8, "1": 9},
+            "ranks": [1],
+            "why": "differs across ranks",
+        }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_each_rank_writes_a_compile_once_artifact_saying_who_compiled_who_loaded_bytes_and_wait(traced):
+    results = traced["results"]
     compiler, loader = _ranks_by_state(results)
     found = {}
     for rank in (0, 1):
-        assert set(once_traced["artifacts"][rank]) == {"[0/0]"}
-        (found[rank],) = _named(once_traced["artifacts"][rank]["[0/0]"], "compile_once")  # one per graph
+        compiles = traced["artifacts"][rank]
+        assert not any(_named(compiles[c], "compile_once") for c in CHANGES)  # none for the eager backend's
+        (found[rank],) = _named(compiles[ONCE], "compile_once")  # one per graph
     plan = {str(compiler): {"role": "compile", "source": compiler}, str(loader): {"role": "load", "source": compiler}}
     for rank, artifact in found.items():
         record = results[rank]["records"][-1]
@@ -291,8 +303,8 @@ def _spans(events: list[dict]) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
-def test_each_graph_s_record_times_its_exchanges_files_and_bytes_apart_from_its_compile_and_wait(once_traced):
-    results = once_traced["results"]
+def test_each_graph_s_record_times_its_exchanges_files_and_bytes_apart_from_its_compile_and_wait(traced):
+    results = traced["results"]
     compiler, loader = _ranks_by_state(results)
     for rank in (compiler, loader):
         record = results[rank]["records"][-1]
@@ -309,8 +321,8 @@ def test_each_graph_s_record_times_its_exchanges_files_and_bytes_apart_from_its_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
-def test_a_loading_rank_s_wait_is_a_dynamo_timed_event_of_its_own_inside_the_backend_compile(once_traced):
-    results = once_traced["results"]
+def test_a_loading_rank_s_wait_is_a_dynamo_timed_event_of_its_own_inside_the_backend_compile(traced):
+    results = traced["results"]
     compiler, loader = _ranks_by_state(results)
     waited_s = results[loader]["records"][-1]["waited_s"]
     # Dynamo's compile timings (torch._dynamo.utils.compile_times()) attribute it by our names.
@@ -323,10 +335,10 @@ def test_a_loading_rank_s_wait_is_a_dynamo_timed_event_of_its_own_inside_the_bac
     assert "compile_once_wait" not in results[compiler]["timed"]
     assert len(results[compiler]["timed"]["compile_once_finish"]) == 1
     # The chromium events of TORCH_TRACE (tlparse's trace view): nested in torch's own, role added.
-    spans = {rank: _spans(once_traced["events"][rank]) for rank in (0, 1)}
+    spans = {rank: _spans(traced["events"][rank]) for rank in (0, 1)}
     (wait,) = [s for s in spans[loader] if s["name"] == "compile_once_wait"]
     assert wait["outer"][-2:] == ["backend_compile", "compile_once"], wait["outer"]
-    assert wait["args"]["compile_id"] == "0/0"
+    assert wait["args"]["compile_id"] == ONCE.strip("[]")
     assert (wait["args"]["role"], wait["args"]["source"], wait["args"]["seq"]) == ("load", compiler, 1)
     assert wait["args"]["waited_s"] == pytest.approx(waited_s, abs=1e-3)
     assert wait["args"]["bytes_received"] == results[loader]["stats"]["once_bytes_received"] > 0
@@ -356,10 +368,3 @@ def test_torch_logs_sets_the_level_of_our_loggers(spec, level):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-1] == level
-
-
-@pytest.mark.multiprocess
-def test_the_retired_log_level_variable_points_to_torch_logs():
-    proc = _python("import compiler_collectives", COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG")
-    assert proc.returncode == 0, proc.stderr
-    assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives" in proc.stderr
