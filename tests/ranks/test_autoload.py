@@ -196,6 +196,7 @@ IMPORT_TORCH = """
     ],
     ids=["guards-with-torch-switch", "guards-alone", "timeout", "transport", "autoload"],
 )
+@pytest.mark.release_independent  # our settings' parsing; an import torch that fails: the broken-autoload test
 def test_a_bad_value_in_one_of_our_variables_fails_import_torch_naming_it_and_the_accepted_values(env, expected):
     proc = _python(IMPORT_TORCH, **env)
     assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
@@ -212,12 +213,14 @@ def test_a_bad_value_in_one_of_our_variables_fails_import_torch_naming_it_and_th
         ("COMPILER_COLLECTIVES_TIMEOUT_S", "COMPILER_COLLECTIVES_TIMEOUT"),
     ],
 )
+@pytest.mark.release_independent  # our settings' names; autoload at import torch: the torch-variable test
 def test_a_misspelt_variable_name_fails_import_torch_naming_the_closest_known_one(typo, meant):
     proc = _python(IMPORT_TORCH, TORCH_COMPILER_COLLECTIVES="1", **{typo: "1"})
     assert proc.returncode != 0 and "torch imported" not in proc.stdout, proc.stdout + proc.stderr
     assert f"ConfigError: {typo} is not a compiler_collectives variable: did you mean {meant}?" in proc.stderr
 
 
+@pytest.mark.release_independent  # as the misspelt names above
 def test_a_misspelt_guard_switch_alone_fails_import_torch_instead_of_being_ignored():
     proc = _python(IMPORT_TORCH, COMPILER_COLLECTIVES_GAURDS="1")
     assert proc.returncode != 0, proc.stdout + proc.stderr
@@ -347,6 +350,7 @@ def test_doctor_reports_healthy_and_exits_zero():
     assert "OK: nothing needed is missing." in out
 
 
+@pytest.mark.release_independent  # the seam is removed by the test; the real seams: doctor-healthy
 def test_doctor_names_a_missing_seam_with_the_fix_and_exits_nonzero(tmp_path):
     proc = subprocess.run(
         [PY, "-m", "compiler_collectives", "doctor"],
@@ -360,6 +364,7 @@ def test_doctor_names_a_missing_seam_with_the_fix_and_exits_nonzero(tmp_path):
     assert "Fix: install a supported torch (torch 2.13 to 2.15" in proc.stdout
 
 
+@pytest.mark.release_independent  # as the missing seam above
 def test_importing_the_package_with_a_missing_seam_raises_naming_torch_version_and_seam(tmp_path):
     proc = _python("import compiler_collectives", PYTHONPATH=_torch_without_a_seam(tmp_path))
     assert proc.returncode != 0
@@ -382,6 +387,7 @@ def doctor_as_a_launched_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.release_independent  # doctor's report; torch's groups: doctor-healthy, torchrun: the script test
 def test_doctor_under_a_launcher_reports_the_default_group_and_our_gloo_groups():
     # Doctor knows a launcher by its variables, here torchrun's for the two ranks of one host
     # (none of ours), and makes the default group itself (init=False). The ranks come from the
