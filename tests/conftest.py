@@ -59,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    pool.close_pool()  # this worker's pool of ranks, if it started one
+    pool.close_pools()  # this worker's pools of ranks, if it started any
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

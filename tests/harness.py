@@ -393,8 +393,7 @@ def _in_pool(
     if setup_failed:
         said = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(setup_failed.items()))
         log.warning("a pool's ranks could not join the test's group; trying on a new pool:\n%s", said)
-        ranks.poisoned = True
-        pool.close_pool()
+        pool.drop(ranks)
         return None
     tidy_by = time.monotonic() + pool.TIDY_S
     while any(alive(r) and r not in tidied for r in reported) and (remaining := tidy_by - time.monotonic()) > 0:
@@ -405,8 +404,7 @@ def _in_pool(
     timed_out = [r for r in range(world_size) if r not in reported and alive(r)]
     exitcodes = [p.exitcode for p in ranks.procs]  # before a poisoned pool's ranks are killed
     if timed_out or untidy or leaks or dead:
-        ranks.poisoned = True
-        pool.close_pool()
+        pool.drop(ranks)
     outcome = Outcome(
         results=values,
         errors=errors,

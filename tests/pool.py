@@ -1,4 +1,4 @@
-"""Ranks reused across tests: a pool of 2 or 4 rank processes per pytest worker.
+"""Ranks reused across tests: pools of 2 or 4 rank processes, a few per pytest worker.
 
 A multi-rank test in ``tests/ranks/`` runs its function in a pool's ranks instead of fresh
 processes (``run_ranks`` sends it here; ``tests/ranks/conftest.py`` switches that on). The
@@ -26,9 +26,12 @@ One test on a pool's rank, in order:
    (a rank may set ``GROUP_RANK`` to make hosts of one machine; inductor sets variables of its
    own), which leaves nothing of it behind.
 
-The pool is keyed on its world size and its environment (less the job's own variables): a
-test with another environment closes the worker's pool and starts one of its own, so a rank
-never runs a test under settings it did not start with. A test that times out, or whose rank
+A pool is keyed on its world size and its environment (less the job's own variables), so a
+rank never runs a test under settings it did not start with. A worker keeps its last
+``MAX_POOLS`` pools, the one used least recently closed for a new key: tests that alternate
+two environments (a parametrized transport, 2 and 4 ranks) reuse the ranks of both instead
+of starting a pool per test (about 2 CPU-s for 2 ranks). An idle pool's ranks hold no group
+and run no thread of ours: they wait on their inboxes. A test that times out, or whose rank
 dies or leaks, poisons its pool: its ranks are killed and the next test starts a fresh one,
 so a failure never reaches the next test's result; should a pool's rank fail to join the next
 test's group all the same (gloo's connect fails now and then: "Connection closed by peer"),
@@ -63,6 +66,9 @@ SEGMENT_GLOB = "/dev/shm/compiler_collectives-{pid}-*"
 TORCH_WATCHED = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.distributed")
 THREADS_END_S = 5.0  # how long a rank waits for our threads to end after the tidy-up (probes end on their own)
 TIDY_S = 30.0  # how long the parent waits for every rank's tidy-up and check after the test's results
+# Pools a worker keeps: enough for a file that alternates two environments with a pool of the
+# other size beside them. A pool rank's RSS is ~300-360 MB, much of it shared with the forkserver.
+MAX_POOLS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +360,7 @@ class Pool:
         return killed
 
 
-_pool: Pool | None = None
+_pools: dict[Key, Pool] = {}  # this worker's, least recently used first
 _in_use = threading.Lock()
 
 
@@ -371,22 +377,33 @@ def claimed() -> Iterator[bool]:
 
 
 def pool_for(key: Key, preload: Sequence[str]) -> Pool:
-    """This worker's pool for ``key``: the one it has, or a new one (closing another key's)."""
-    global _pool
-    if _pool is not None and (_pool.key != key or _pool.poisoned or not all(p.is_alive() for p in _pool.procs)):
-        _pool.close()
-        _pool = None
-    if _pool is None:
-        _pool = Pool(key, preload)
-    return _pool
+    """This worker's pool for ``key``: the one it has, or a new one (closing the least recently
+    used where it holds ``MAX_POOLS`` already)."""
+    held = _pools.pop(key, None)
+    if held is not None and (held.poisoned or not all(p.is_alive() for p in held.procs)):
+        held.close()
+        held = None
+    if held is None:
+        while len(_pools) >= MAX_POOLS:
+            _pools.pop(next(iter(_pools))).close()
+        held = Pool(key, preload)
+    _pools[key] = held  # now the most recently used
+    return held
 
 
-def close_pool() -> None:
+def drop(poisoned: Pool) -> None:
+    """Close ``poisoned`` (a test timed out in it, or a rank died, leaked or failed to join):
+    the next test of its key starts a new one."""
+    poisoned.poisoned = True
+    if _pools.get(poisoned.key) is poisoned:
+        del _pools[poisoned.key]
+    poisoned.close()
+
+
+def close_pools() -> None:
     """The worker is done (``tests/conftest.py`` at the session's end)."""
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
+    while _pools:
+        _pools.popitem()[1].close()
 
 
 def eligible(world_size: int, init: bool, start_method: str, store: str, expect_signals: Any, rank_env: Any) -> bool:

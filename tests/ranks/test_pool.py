@@ -159,3 +159,20 @@ def test_ranks_with_an_inductor_cache_dir_each_run_in_the_pool_and_each_sees_its
     seen = run_ranks(cache_dir_seen, 2, rank_env=cache_per_rank(tmp_path, 2)).results
     assert [p for p, _ in seen] == before
     assert [d for _, d in seen] == [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+
+
+def timeout_seen(rank: int, world: int) -> tuple[int, float]:
+    from compiler_collectives import config
+
+    return os.getpid(), config.settings.timeout_s
+
+
+def test_tests_that_alternate_two_environments_each_run_in_a_pool_of_their_own_ranks_kept_between():
+    from tests.rank_env import rank_env
+
+    short = rank_env(timeout_s=37)
+    first, other = run_ranks(timeout_seen, 2).results, run_ranks(timeout_seen, 2, env=short).results
+    four = run_ranks(pid, 4).results  # a third pool beside them
+    assert run_ranks(timeout_seen, 2).results == first and run_ranks(timeout_seen, 2, env=short).results == other
+    assert not {p for p, _ in first} & {p for p, _ in other} and not {p for p, _ in first} & set(four)
+    assert {t for _, t in other} == {37.0} and {t for _, t in first} != {37.0}  # each ran as its pool started
