@@ -5,11 +5,12 @@ where a rank of its host can see it, a failure it reported), never on heartbeat 
 Two hosts, a cache dir and one rank each, with real inductor compiles on CPU (gloo) of
 test_compile_once's one training step. Rank 1 compiles graph #1 (the plan's first turn), rank 0
 waits for it; a fault is injected on rank 1 at the start of that compile. Where the compiler
-dies, the hosts are two torchrun agents (``tests.fixtures.run_agents``: c10d or static
-rendezvous), configured by environment variables alone as a user would, because how each
-agent reacts to its rank's death is part of the outcome. Where it is stopped or holds the GIL,
-no rank ends and no agent acts: the hosts are told apart by ``GROUP_RANK`` under
-``run_ranks``, which spares four fresh interpreters a test.
+dies with heartbeats on, the hosts are two torchrun agents (``tests.fixtures.run_agents``, c10d
+rendezvous), configured by environment variables alone as a user would, because how each agent
+reacts to its rank's death is part of the outcome. Elsewhere no agent would act (no rank ends,
+or none acts on another host's rank, as under static rendezvous): the hosts are told apart by
+``GROUP_RANK`` under ``run_ranks``, which spares four fresh interpreters a test. Torchrun's
+static rendezvous is test_guard_transport.py's two agents.
 
 The c10d store can fail under that wait too (issue 37, item 4): hosted there by a process of its
 own, which rank 1 kills or stops as its compile starts; rank 1's post that its compile ended then
@@ -23,6 +24,7 @@ import functools
 import json
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -73,18 +75,24 @@ def _on_two_agents(tmp_path, rdzv: str, at_compile: str, seconds: int, env: dict
     return results, outcome
 
 
-def _on_two_hosts(tmp_path, at_compile: str, seconds: int) -> list[dict]:
-    """Per rank, what it saw: two hosts told apart by ``GROUP_RANK``, a cache dir each."""
+def _on_two_hosts(tmp_path, at_compile: str, seconds: int, env: dict | None = None, **kw) -> tuple[list, Any]:
+    """Per rank, what it saw (None: nothing, it died), and the outcome: two hosts told apart by
+    ``GROUP_RANK``, a cache dir each."""
     hosts = {r: {**dirs, "GROUP_RANK": str(r)} for r, dirs in cache_per_rank(tmp_path, 2, name="host").items()}
+    case = {"at_compile": at_compile, "seconds": seconds, "killed_at": str(tmp_path / "killed_at")}
     outcome = run_ranks(
         job_with_compile_fault,
         2,
-        args=({"at_compile": at_compile, "seconds": seconds},),
-        env={**ENV, "TORCH_COMPILER_COLLECTIVES": "1"},
+        args=(case,),
+        env={**ENV, "TORCH_COMPILER_COLLECTIVES": "1", **(env or {})},
         rank_env=hosts,
         timeout=240,
+        **kw,
     )
-    return [{**result, "host": hosts[rank]["GROUP_RANK"]} for rank, result in enumerate(outcome.results)]
+    results = [
+        None if r is None else {**r, "host": hosts[rank]["GROUP_RANK"]} for rank, r in enumerate(outcome.results)
+    ]
+    return results, outcome
 
 
 def _finished_on_two_hosts(results: list) -> None:
@@ -101,7 +109,7 @@ def _warnings_of_silence(result: dict) -> list[str]:
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_finishes(tmp_path):
     """SIGSTOP then SIGCONT (a debugger, a preempted VM): silent for 15 s, its connection intact."""
-    results = _on_two_hosts(tmp_path, "stop", STOP_S)
+    results, _ = _on_two_hosts(tmp_path, "stop", STOP_S)
     _finished_on_two_hosts(results)
     assert results[WAITING_RANK]["records"][-1]["waited_s"] >= STOP_S
     silence = _warnings_of_silence(results[WAITING_RANK])
@@ -111,19 +119,25 @@ def test_a_compiler_on_another_host_stopped_for_15_s_is_waited_for_and_the_job_f
 
 @pytest.mark.timeout(300)
 def test_a_compiler_on_another_host_holding_the_gil_for_12_s_in_a_native_call_is_waited_for(tmp_path):
-    results = _on_two_hosts(tmp_path, "hold_gil", HOLD_GIL_S)
+    results, _ = _on_two_hosts(tmp_path, "hold_gil", HOLD_GIL_S)
     _finished_on_two_hosts(results)
     assert _warnings_of_silence(results[WAITING_RANK]), results[WAITING_RANK]["logs"]
 
 
 def _named_within_seconds(results: list, outcome, tmp_path) -> None:
     """Rank 1 died by the SIGKILL and wrote nothing; rank 0 raised our error naming it, within
-    seconds of the kill (not the 60 s collective timeout, nor the compile timeout's hour), and
-    ended by itself (exit 3: its agent did not stop it first), and the job stopped on both agents."""
+    seconds of the kill, and ended by itself (exit 3: its agent did not stop it first), and the
+    job stopped on both agents."""
     assert results[COMPILING_RANK] is None and outcome.exitcodes == {0: 3, 1: -signal.SIGKILL}, outcome.outputs
     assert all(code != 0 for code in outcome.returncodes), outcome.outputs
-    waiting = results[WAITING_RANK]
-    assert waiting is not None and "PeerFailureError" in waiting["chain"], outcome.outputs
+    assert results[WAITING_RANK] is not None, outcome.outputs
+    _named_after_the_kill(results[WAITING_RANK], tmp_path)
+
+
+def _named_after_the_kill(waiting: dict, tmp_path) -> None:
+    """The waiting rank raised our error naming the compiler as gone, its connection broken,
+    within seconds of the kill (not the 60 s collective timeout, nor the compile timeout's hour)."""
+    assert "PeerFailureError" in waiting["chain"], waiting
     message = waiting["message"]
     assert f"rank {COMPILING_RANK} was to compile this graph" in message and "is gone" in message, message
     assert "its connection to this rank broke" in message, message
@@ -142,11 +156,15 @@ def test_a_compiler_killed_on_another_host_is_named_within_seconds_not_waited_fo
 
 @pytest.mark.timeout(300)
 def test_a_compiler_killed_on_another_host_is_named_within_seconds_with_heartbeats_off(tmp_path):
-    """Static rendezvous: no agent tears the job down; with heartbeats off, only the reset
-    connection tells rank 0 (on agent 0) that rank 1 (on agent 1) died."""
-    kill = {COMPILING_RANK: signal.SIGKILL}
+    """No agent tears the job down (the hosts told apart by ``GROUP_RANK``, no agent at all, as
+    none acts on another host's rank under static rendezvous); with heartbeats off, only the reset
+    connection tells rank 0 that rank 1, on the other host, died."""
     off = rank_env(heartbeat_s=0)
-    _named_within_seconds(*_on_two_agents(tmp_path, "static", "die", 0, off, expect_signals=kill), tmp_path)
+    kill = {COMPILING_RANK: signal.SIGKILL}
+    results, outcome = _on_two_hosts(tmp_path, "die", 0, off, expect_signals=kill, check=False)
+    assert results[COMPILING_RANK] is None and outcome.exitcodes[COMPILING_RANK] == -signal.SIGKILL, outcome
+    assert results[WAITING_RANK] is not None, outcome
+    _named_after_the_kill(results[WAITING_RANK], tmp_path)
 
 
 # ---------------------------------------------------------------- the store fails under the wait
