@@ -207,8 +207,12 @@ def store_names_a_file(rank: int, world: int, victim: str) -> dict:
     host's segment before the leader does; it names a file the job must not touch."""
     import torch.distributed as dist
 
+    from compiler_collectives import runtime
+
     if rank == 1:
-        store = dist.PrefixStore("compiler_collectives/0/", dist.distributed_c10d._get_default_store())
+        # Our keys' prefix names the generation: 0 in a fresh process, later ones in a pool's.
+        number = runtime.current().generation.number
+        store = dist.PrefixStore(f"compiler_collectives/{number}/", dist.distributed_c10d._get_default_store())
         store.set("shm/0/path", victim)  # the key our side channel's store gives the segment's name
     records = kept_logs("compiler_collectives", "INFO")
     logging.getLogger("compiler_collectives").setLevel(logging.INFO)
