@@ -75,6 +75,27 @@ def clean_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     return env
 
 
+def as_torchrun_starts_them(cmd: list[str], env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
+    """Two ranks of one host in fresh interpreters running ``cmd``, with ``env`` and the variables
+    torchrun's agent gives its ranks, but no agent: a third interpreter that adds to the cost and
+    nothing where the launcher is not the subject. Each rank's exit code and output (stdout and
+    stderr); a rank still running after ``timeout`` is killed."""
+    import subprocess
+
+    from cc_launch import Agents
+    from tests.harness import free_port
+
+    launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    launcher.update(LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    with Agents() as started:  # a rank still running at the end is killed
+        procs = [
+            started.start(cmd, log=subprocess.PIPE, env={**env, **launcher, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in range(2)
+        ]
+        outputs = [proc.communicate(timeout=timeout)[0].decode(errors="replace") for proc in procs]
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
+
+
 CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
 

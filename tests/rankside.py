@@ -125,6 +125,35 @@ def caught(call: Any) -> dict[str, Any]:
     return {"type": None, "seconds": time.monotonic() - start}
 
 
+LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
+
+
+def nothing_of_ours_left_when_python_finalizes() -> None:
+    """An exit handler: registered before the package's own (at its first group), it runs after
+    it (last in, first out) and sees what finalization would meet. A thread or group of ours still
+    there ends the process with ``LEFT_RUNNING``, saying what was left."""
+    import os
+    import sys
+    import threading
+
+    from compiler_collectives.transport import groups
+
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("compiler_collectives") and t.is_alive()]
+    left = sorted(groups.existing())
+    if threads or left:
+        print(f"left running at exit: threads {threads}, groups {left}", file=sys.stderr, flush=True)
+        os._exit(LEFT_RUNNING)
+
+
+def on_host(rank: int, world: int, hosts: int) -> None:
+    """In a rank, before our groups exist: put it on host ``rank * hosts // world`` of ``hosts``
+    (``GROUP_RANK``, as torchrun's agents set it: consecutive ranks share a host). A pool's rank
+    gets its environment back after the test."""
+    import os
+
+    os.environ["GROUP_RANK"] = str(rank * hosts // world)
+
+
 def kept_logs(logger: str, level: str = "INFO") -> list[str]:
     """A list that fills with the messages ``logger`` (and its children) logs at ``level`` or above."""
     import logging

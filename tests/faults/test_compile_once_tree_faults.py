@@ -29,6 +29,7 @@ import torch
 from tests.fixtures import cache_per_rank
 from tests.harness import release, run_ranks, stay_until
 from tests.rank_env import rank_env
+from tests.ranks.test_compile_once import _step  # a matmul: no C++ kernel, forward or backward
 
 # Release-independent: the tree's transfer and its liveness are ours; an artifact over gloo and
 # gloo's broken connection are pinned by test_compile_once.py and the host faults' seam test.
@@ -38,11 +39,6 @@ WORLD, PER_DIR = 8, 2
 SOURCE, FORWARDER, GRANDCHILD = 1, 2, 6
 CHUNK_BYTES = 4096
 ENV = rank_env(timeout_s=60, once_chunk_bytes=CHUNK_BYTES, heartbeat_s=0.5, inductor_single_thread=True)
-
-
-def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Lowered to library calls (mm) and views only, forward and backward: no kernel to build."""
-    return x @ w
 
 
 def _break(rank: int, fault: str | tuple[str, int, int, bool] | None, killed_at: str) -> None:

@@ -16,9 +16,6 @@ which each rank checks from an exit handler of its own (``LEFT_RUNNING``).
 from __future__ import annotations
 
 import atexit
-import os
-import sys
-import threading
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ import torch.distributed as dist
 
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
+from tests.rankside import nothing_of_ours_left_when_python_finalizes
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
@@ -35,19 +33,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch_seam]
 # first compile and be shut down at exit, which beside other tests took past the harness's grace
 # for an exit; what these tests pin is our own exit path.
 ENV = rank_env(heartbeat_s=0.0005, timeout_s=10, pg_timeout_s=120, extra={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
-LEFT_RUNNING = 17  # exit code of a rank that still had our thread or groups when Python finalized
-
-
-def _nothing_of_ours_left_when_python_finalizes() -> None:
-    """Registered before the package runs, so it runs after the package's own exit
-    handler (last in, first out): what it sees is what finalization would meet."""
-    from compiler_collectives.transport import groups
-
-    threads = [t.name for t in threading.enumerate() if t.name.startswith("compiler_collectives") and t.is_alive()]
-    left = sorted(groups.existing())
-    if threads or left:
-        print(f"left running at exit: threads {threads}, groups {left}", file=sys.stderr, flush=True)
-        os._exit(LEFT_RUNNING)
 
 
 class Small(torch.nn.Module):
@@ -68,7 +53,7 @@ def ddp_inductor_job_where_one_rank_fails_with_our_error(rank: int, world: int) 
 
     import compiler_collectives as cc
 
-    atexit.register(_nothing_of_ours_left_when_python_finalizes)
+    atexit.register(nothing_of_ours_left_when_python_finalizes)
     cc.enable(guards=True)
     torch.manual_seed(0)
     model = torch.compile(DDP(Small()))  # inductor
@@ -102,7 +87,7 @@ def test_a_ddp_inductor_job_where_one_rank_fails_with_our_error_exits_cleanly_on
 def short_job(rank: int, world: int) -> int:
     import compiler_collectives as cc
 
-    atexit.register(_nothing_of_ours_left_when_python_finalizes)
+    atexit.register(nothing_of_ours_left_when_python_finalizes)
     cc.enable(guards=True)
     f = torch.compile(lambda x: x * 2, backend="eager")
     for _ in range(3):

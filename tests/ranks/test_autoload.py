@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.fixtures import REPO, clean_env
+from tests.fixtures import REPO, as_torchrun_starts_them, clean_env
 from tests.harness import free_port, run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
@@ -49,36 +49,6 @@ def test_with_our_variables_unset_import_torch_loads_neither_us_nor_dynamo():
     assert proc.stdout.split() == ["inactive", "False", "False"]
 
 
-def _as_torchrun_starts_them(cmd: list[str], timeout: float, **env: str) -> list[tuple[int, str]]:
-    """Two ranks of one host in fresh interpreters, started as torchrun's agent starts them (its
-    variables) but without the agent, a third interpreter that adds to the cost and nothing to
-    what is tested here (the torchrun script below runs under a real one): each rank's exit code
-    and output (stdout and stderr)."""
-    from cc_launch import Agents
-
-    port = str(free_port())
-    with Agents() as started:  # a rank still running at the end is killed
-        procs = [
-            started.start(
-                cmd,
-                log=subprocess.PIPE,
-                env=_env(
-                    **env,
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port,
-                    WORLD_SIZE="2",
-                    LOCAL_WORLD_SIZE="2",
-                    GROUP_RANK="0",
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                ),
-            )
-            for rank in range(2)
-        ]
-        outputs = [proc.communicate(timeout=timeout)[0].decode(errors="replace") for proc in procs]
-    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
-
-
 TORCH_VARIABLE_ALONE = """
 import json, sys, torch
 cc = sys.modules.get("compiler_collectives")
@@ -101,11 +71,13 @@ dist.destroy_process_group()
 def test_the_torch_variable_alone_activates_our_implementation_at_import_torch():
     # Two ranks (the sizes differ across them): what import torch switched on runs our compiler
     # collective in their first compile (tests/ranks/test_activation.py held this part).
-    ranks = _as_torchrun_starts_them(
+    ranks = as_torchrun_starts_them(
         [PY, "-c", TORCH_VARIABLE_ALONE],
+        _env(
+            TORCH_COMPILER_COLLECTIVES="1",
+            PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),  # tests.rankside
+        ),
         150,
-        TORCH_COMPILER_COLLECTIVES="1",
-        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),  # tests.rankside
     )
     for code, out in ranks:
         assert code == 0, out
@@ -246,7 +218,7 @@ def test_autoload_off_and_the_retired_log_level_variable_still_let_import_torch_
         COMPILER_COLLECTIVES_LOG_LEVEL="DEBUG",
     )
     assert retired.returncode == 0 and retired.stdout.strip() == "True", retired.stderr
-    # (tests/ranks/test_pt2_tooling.py held the pointer to TORCH_LOGS, for an import of the package)
+    # the pointer to TORCH_LOGS: the package's install says it, whichever import runs it
     assert "COMPILER_COLLECTIVES_LOG_LEVEL is no longer read: set TORCH_LOGS=compiler_collectives" in retired.stderr
 
 

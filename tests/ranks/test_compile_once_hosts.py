@@ -25,7 +25,7 @@ import torch
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
-from tests.rankside import patch
+from tests.rankside import on_host, patch
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -59,7 +59,7 @@ def _third(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def job(rank: int, world: int) -> dict:
     import compiler_collectives as cc
 
-    _on_its_host(rank)
+    on_host(rank, world, 2)  # ranks 0 and 1 on host 0, ranks 2 and 3 on host 1
     global INDEX, RANK
     INDEX, RANK = rank % 2, rank
     cc.enable()
@@ -77,15 +77,8 @@ def job(rank: int, world: int) -> dict:
     return out
 
 
-def _on_its_host(rank: int) -> None:
-    """In a rank, before our groups exist: its host, ``GROUP_RANK``, as torchrun's agents set it
-    (ranks 0 and 1 on host 0, ranks 2 and 3 on host 1). The pool puts the variable back after the
-    test."""
-    os.environ["GROUP_RANK"] = str(rank // 2)
-
-
 def two_hosts(tmp_path) -> dict[int, dict[str, str]]:
-    """Four ranks' cache dirs, one per host (``_on_its_host``'s)."""
+    """Four ranks' cache dirs, one per host (``on_host(rank, 4, 2)``'s)."""
     for host in (0, 1):
         os.makedirs(tmp_path / f"host{host}")
     return cache_per_rank(tmp_path, 4, per_dir=2, name="host")
@@ -127,7 +120,7 @@ def job_with_builds(rank: int, world: int) -> dict:
     import compiler_collectives as cc
     from compiler_collectives.agreements.once import build
 
-    _on_its_host(rank)
+    on_host(rank, world, 2)  # ranks 0 and 1 on host 0, ranks 2 and 3 on host 1
     if os.environ["GROUP_RANK"] == "1":
         real = build.fingerprint
         patch(build, "fingerprint", lambda compiler: "avx512_amx " + real(compiler))  # a host with another CPU

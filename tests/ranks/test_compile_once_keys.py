@@ -35,6 +35,7 @@ import torch
 from tests.fixtures import cache_per_rank
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
+from tests.ranks.test_compile_once import _step  # a matmul: no C++ kernel, forward or backward
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -45,11 +46,6 @@ ENV = rank_env(timeout_s=60, inductor_single_thread=True)
 
 
 # ---------------------------------------------------------------- what a key is made of
-
-
-def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A matmul: no C++ kernel to build, forward or backward."""
-    return x @ w
 
 
 def one_step(rank: int, world: int, service: bool) -> dict:

@@ -26,7 +26,7 @@ from compiler_collectives.transport import futex, segment, shm
 from tests.fixtures import NAMED_WITHIN_SECONDS, clean_env
 from tests.harness import free_port, release, run_ranks, stay_until
 from tests.rank_env import rank_env
-from tests.rankside import kept_logs
+from tests.rankside import kept_logs, on_host
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
@@ -35,10 +35,6 @@ TIMEOUT_S = 6.0
 PG_TIMEOUT_S = 1800
 ENV = rank_env(timeout_s=TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
 SEGMENT_PREFIX = "compiler_collectives-"
-
-
-def _hosts(rank: int, world: int, hosts: int) -> None:
-    os.environ["GROUP_RANK"] = str(rank * hosts // world)
 
 
 def _segments_of(pids: list[int]) -> list[str]:
@@ -70,7 +66,7 @@ def _random_pattern(seed: int, world: int, calls: int) -> list[tuple[list[bool],
 
 
 def agree_pattern(rank: int, world: int, hosts: int, pattern: list, sleep_at_once: bool = False) -> dict:
-    _hosts(rank, world, hosts)
+    on_host(rank, world, hosts)
     from compiler_collectives.transport import groups
 
     channel = groups.guard_channel()
@@ -127,7 +123,7 @@ def sleeps_while_a_peer_fails(rank: int, world: int) -> dict:
 
 
 def one_sided_miss(rank: int, world: int, hosts: int, misser: int) -> dict:
-    _hosts(rank, world, hosts)
+    on_host(rank, world, hosts)
     import compiler_collectives as cc
     from compiler_collectives.transport import groups
 
@@ -156,7 +152,7 @@ def list_segments_after_setup(rank: int, world: int) -> dict:
 
 
 def killed_mid_collective(rank: int, world: int, hosts: int, victim: int) -> dict:
-    _hosts(rank, world, hosts)
+    on_host(rank, world, hosts)
     import torch.distributed as dist
 
     import compiler_collectives as cc
@@ -361,7 +357,7 @@ def test_a_rank_killed_on_one_host_is_named_on_the_other_host_within_seconds():
 
 def leaders_wait_for_a_late_host(rank: int, world: int, late_s: float) -> dict:
     """Each rank its own host (a leader); rank 1 arrives ``late_s`` late at call 2, then all go on."""
-    _hosts(rank, world, world)
+    on_host(rank, world, world)
     from compiler_collectives.transport import groups
 
     channel = groups.guard_channel()
@@ -386,7 +382,7 @@ def test_a_leader_waiting_past_a_wait_slice_for_a_late_host_keeps_its_connection
 def leader_waits_while_another_host_leaves(rank: int, world: int) -> dict:
     """Rank 0 waits in the leaders' exchange for rank 1 (another host), which never comes: it
     reports that it left instead (its own code raised), and stays alive."""
-    _hosts(rank, world, world)
+    on_host(rank, world, world)
     import compiler_collectives  # noqa: F401 - wires the failure procedure: a report heard poisons
     from compiler_collectives.transport import groups
 
