@@ -1,5 +1,6 @@
 """What the parent side of many tests builds alike: the guard-transport parametrization, job
-environments, inductor cache dirs, whether a process is gone, and two torchrun agents as two hosts.
+environments, inductor cache dirs, whether a process is gone, two torchrun agents as two hosts,
+and a job several tests read run once per test run (``once_per_run``).
 
 Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 ``tests/harness.py``.
@@ -8,10 +9,14 @@ Rank-side helpers live in ``tests/rankside.py``; launching ranks lives in
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
 import os
 import re
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +214,35 @@ class KeyStore:
     def add(self, key: str, n: int) -> int:
         self.keys[key] = str(int(self.keys.get(key, b"0")) + n).encode()
         return int(self.keys[key])
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, job: Callable[[Path], Any]) -> Any:
+    """``job(dir)``'s result, the job run once per test run: for a module-scoped fixture whose
+    job (ranks run once) several tests read.
+
+    Side by side, a module's tests may land on several pytest-xdist workers, and each worker
+    would run the module's fixture again. Here the first worker to ask runs the job in a dir
+    of the run's (shared by its workers) and writes its result as JSON; the others wait for
+    it on a lock and read it. So the result is what JSON holds (tuples come back as lists),
+    and files the job left in ``dir`` are read, never changed, by the tests. A job that
+    failed fails each test that asks, with the first one's traceback.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's own temp dir, whose children are its workers'
+    saved = base / f"once-{name}.json"
+    with open(base / f"once-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not saved.exists():
+            where = base / f"once-{name}"
+            where.mkdir()
+            try:
+                record = {"value": job(where)}
+            except BaseException:  # pytest's failures included: the waiting tests fail alike
+                saved.write_text(json.dumps({"error": traceback.format_exc()}))
+                raise
+            saved.write_text(json.dumps(record))
+        record = json.loads(saved.read_text())
+    if "error" in record:
+        pytest.fail(f"{name}, the job these tests share, failed (on another worker):\n{record['error']}")
+    return record["value"]

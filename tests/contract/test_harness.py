@@ -145,3 +145,50 @@ def test_a_whole_machine_test_waits_for_running_tests_and_no_new_test_starts_bef
                 p.kill()
                 p.join()
     assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
+class _RunTemp:
+    """What ``once_per_run`` asks of pytest's ``tmp_path_factory``: the run's temp dir."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def getbasetemp(self):
+        return self.path
+
+
+def test_a_job_that_tests_on_several_workers_share_runs_once_and_each_reads_its_result(tmp_path, monkeypatch):
+    import threading
+
+    from tests.fixtures import once_per_run
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    runs, got = [], []
+
+    def job(where):
+        runs.append(where)
+        time.sleep(0.3)  # the other asker arrives while it runs, and waits
+        (where / "left").write_text("x")
+        return {"pair": (1, 2)}
+
+    askers = [threading.Thread(target=lambda: got.append(once_per_run(_RunTemp(tmp_path), "j", job))) for _ in range(2)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(10)
+    assert runs == [tmp_path / "once-j"] and (tmp_path / "once-j" / "left").exists()
+    assert got == [{"pair": [1, 2]}] * 2  # as JSON holds it, for the runner and the reader alike
+
+
+def test_a_shared_job_that_failed_fails_each_test_that_asks_with_its_traceback(tmp_path, monkeypatch):
+    from tests.fixtures import once_per_run
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+    def job(where):
+        raise RuntimeError("the ranks broke")
+
+    with pytest.raises(RuntimeError, match="the ranks broke"):
+        once_per_run(_RunTemp(tmp_path), "j", job)
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)j, the job these tests share, failed.*the ranks broke"):
+        once_per_run(_RunTemp(tmp_path), "j", job)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.fixtures import cache_per_rank, clean_env, shared_cache
+from tests.fixtures import cache_per_rank, clean_env, once_per_run, shared_cache
 from tests.harness import run_ranks
 from tests.ranks.test_compile_once import ENV as ONCE_ENV
 from tests.ranks.test_compile_once import job as once_job
@@ -180,8 +180,12 @@ def traced(tmp_path_factory) -> dict:
     """One 2-rank job with TORCH_TRACE on (``traced_job``): a recompile the guard collective forced,
     then an inductor graph under compile once with a cache dir per rank (the artifact travels over
     gloo); each rank's trace read by tlparse. Shared by the tests that read PT2's tooling: one pair
-    of spawned ranks (each imports torch with the variable set) instead of one per test."""
-    tmp = tmp_path_factory.mktemp("traced")
+    of spawned ranks (each imports torch with the variable set) instead of one per test, and one
+    per test run (``once_per_run``)."""
+    return once_per_run(tmp_path_factory, "pt2-traced", _traced)
+
+
+def _traced(tmp: pathlib.Path) -> dict:
     trace_dir = tmp / "trace"
     env = {**ONCE_ENV, "TORCH_TRACE": str(trace_dir), **shared_cache(tmp)}
     rank_env = cache_per_rank(tmp, 2)

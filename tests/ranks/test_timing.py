@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from compiler_collectives.tools import report
+from tests.fixtures import once_per_run
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 from tests.rankside import kept_logs
@@ -61,10 +63,14 @@ def _enable_from_env_in_forkserver(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("traces"))
-    outcome = run_ranks(_enable_from_env_in_forkserver, 2, env=_job_env(directory))
+    """The dir one 2-rank job wrote its traces to, one job per test run (``once_per_run``)."""
+    return once_per_run(tmp_path_factory, "timing-traces", _traced_job)
+
+
+def _traced_job(directory: Path) -> str:
+    outcome = run_ranks(_enable_from_env_in_forkserver, 2, env=_job_env(str(directory)))
     assert outcome.results == [{"compiler": 1, "guard": CALLS - 1}] * 2
-    return directory
+    return str(directory)
 
 
 @pytest.mark.multiprocess
