@@ -56,11 +56,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "fresh_ranks(reason): in tests/ranks/, the test's ranks are processes of its own, not a pool's "
         "(tests/pool.py): its marker says why",
     )
-    config.addinivalue_line(
-        "markers",
-        "own_pool(reason): in tests/ranks/, the module's tests share pools of ranks with no other module's: "
-        "its marker says why",
-    )
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -75,9 +70,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fresh = item.get_closest_marker("fresh_ranks")
         if fresh is not None and not (fresh.args or fresh.kwargs.get("reason")):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fresh_ranks needs a reason (why not a pool's ranks)")
-        own = item.get_closest_marker("own_pool")
-        if own is not None and not (own.args or own.kwargs.get("reason")):
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.own_pool needs a reason (why apart from the others)")
     # Side by side, the tests that run alone go first (each waits for the machine
     # once, before the others fill it), then the long multi-process tests; the
     # unit tests come last and fill the workers' tails.

@@ -327,21 +327,18 @@ def _verdict(
 
 
 _pooling = False
-_apart = ""  # while pooled: the module whose tests share a pool with no other module's ("": none)
 log = logging.getLogger("tests.pool")
 
 
 @contextlib.contextmanager
-def pooled(apart: str = "") -> Iterator[None]:
-    """Inside: ``run_ranks`` runs what a pool can serve in this worker's pool (``tests/pool.py``);
-    with ``apart`` (a module's name), in a pool only that module's tests run in."""
-    global _pooling, _apart
-    before = _pooling, _apart
-    _pooling, _apart = True, apart
+def pooled() -> Iterator[None]:
+    """Inside: ``run_ranks`` runs what a pool can serve in this worker's pool (``tests/pool.py``)."""
+    global _pooling
+    before, _pooling = _pooling, True
     try:
         yield
     finally:
-        _pooling, _apart = before
+        _pooling = before
 
 
 def _in_pool(
@@ -357,7 +354,7 @@ def _in_pool(
     """``run_ranks`` in this worker's pool: the same outcome and verdict, plus the leak check;
     None where a pool's rank could not join the test's group (the pool is replaced, and the
     test runs on processes of its own)."""
-    ranks = pool.pool_for(pool.Key.of(world_size, env, _apart), PRELOAD)
+    ranks = pool.pool_for(pool.Key.of(world_size, env), PRELOAD)
     job_env = {name: env[name] for name in pool.JOB_VARIABLES if name in env}
     job_envs = [{**job_env, **(rank_env or {}).get(rank, {})} for rank in range(world_size)]
     # Shown with the test's output should it fail: what ran in these processes before it.

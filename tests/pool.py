@@ -77,11 +77,10 @@ class Key:
 
     world_size: int
     env: tuple[tuple[str, str], ...]
-    apart: str = ""  # a module marked ``own_pool``: its name; its tests share ranks with no other module's
 
     @classmethod
-    def of(cls, world_size: int, env: dict[str, str], apart: str = "") -> Key:
-        return cls(world_size, tuple(sorted((k, v) for k, v in env.items() if k not in JOB_VARIABLES)), apart)
+    def of(cls, world_size: int, env: dict[str, str]) -> Key:
+        return cls(world_size, tuple(sorted((k, v) for k, v in env.items() if k not in JOB_VARIABLES)))
 
 
 # ------------------------------------------------------------------ the rank's side

@@ -1,6 +1,5 @@
 """Tests on live ranks: ``run_ranks`` serves them from this worker's pool of ranks
-(``tests/pool.py``), unless the test or its module is marked ``fresh_ranks(reason)``; a module
-marked ``own_pool(reason)`` gets pools its tests share with no other module's."""
+(``tests/pool.py``), unless the test or its module is marked ``fresh_ranks(reason)``."""
 
 from __future__ import annotations
 
@@ -16,6 +15,5 @@ def _ranks_from_the_pool(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("fresh_ranks") is not None:
         yield
         return
-    apart = request.node.get_closest_marker("own_pool") is not None
-    with harness.pooled(apart=request.node.module.__name__ if apart else ""):
+    with harness.pooled():
         yield

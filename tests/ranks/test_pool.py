@@ -176,13 +176,3 @@ def test_tests_that_alternate_two_environments_each_run_in_a_pool_of_their_own_r
     assert run_ranks(timeout_seen, 2).results == first and run_ranks(timeout_seen, 2, env=short).results == other
     assert not {p for p, _ in first} & {p for p, _ in other} and not {p for p, _ in first} & set(four)
     assert {t for _, t in other} == {37.0} and {t for _, t in first} != {37.0}  # each ran as its pool started
-
-
-def test_a_module_marked_own_pool_runs_in_ranks_no_other_module_s_test_ran_in():
-    from tests import harness
-
-    shared = run_ranks(pid, 2).results
-    with harness.pooled(apart="tests.ranks.test_elsewhere"):
-        apart = run_ranks(pid, 2).results
-        assert run_ranks(pid, 2).results == apart  # kept between that module's tests
-    assert run_ranks(pid, 2).results == shared and not set(apart) & set(shared)
