@@ -21,7 +21,9 @@ One test on a pool's rank, in order:
    a ``/dev/shm`` segment this rank made, a process group, a setting whose value differs
    from the pool's, a value of our modules other than the global state ``runtime.STATE``
    declares, or a function of torch's Dynamo, inductor, functorch or c10d replaced by one the
-   test wrote: a fault injected and not undone). A rank reports what it found; the test
+   test wrote: a fault injected and not undone; a seam the package binds at a compile, its
+   optional levels, dropped, displaced, or holding a test's function as torch's own). A rank
+   reports what it found; the test
    fails, naming it, and the pool is replaced. The environment is put back as the job found it
    (a rank may set ``GROUP_RANK`` to make hosts of one machine; inductor sets variables of its
    own), which leaves nothing of it behind.
@@ -201,23 +203,69 @@ def _changed(before: dict[tuple[str, str], Any]) -> list[str]:
     of torch's replaced by one written outside torch and the package (a test's patch; the package
     itself swaps its seams in and out as inductor's modules are imported and its generations
     end, ``dynamo/bound.py``: those are torch's or ours)."""
-    import torch
-
-    import compiler_collectives
-
-    own = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, compiler_collectives))
     now = watched()
     changed = []
     for (owner, attr), value in before.items():
         new = now.get((owner, attr))
         if new is value:
             continue
-        if not owner.startswith("compiler_collectives"):
-            origin = _origin(new)
-            if origin.startswith(own) or origin.startswith(("torch", "compiler_collectives")):
-                continue
+        if not owner.startswith("compiler_collectives") and not _written_elsewhere(new):
+            continue
         changed.append(f"{owner}.{attr}")
     return sorted(changed)
+
+
+def _written_elsewhere(value: Any) -> bool:
+    """Whether ``value`` was written outside torch and the package (a test's function)."""
+    import torch
+
+    import compiler_collectives
+
+    own = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, compiler_collectives))
+    origin = _origin(value)
+    return not (origin.startswith(own) or origin.startswith(("torch", "compiler_collectives")))
+
+
+def _dropped_levels() -> list[str]:
+    """The optional levels of the package's seams (``dynamo/bound.py``) it dropped for this
+    process as missing on this torch, whose rows pass their checks on what is in place now: a
+    test's function whose parameters are not torch's stood there when a compile bound them."""
+    from compiler_collectives.dynamo import bound, table
+
+    return sorted(
+        level for level, ok in bound.levels.items() if ok is False and not any(table.check(table.optional_rows(level)))
+    )
+
+
+def _displaced_seams() -> list[str]:
+    """The package's seams that it bound at a compile (``dynamo/bound.py``'s levels) and that no
+    longer stand in torch's place: a test put back torch's function over ours (a restore of its
+    own patch, made before ours wrapped it). Every later compile of the rank would skip them."""
+    import compiler_collectives
+    from compiler_collectives.dynamo import bound, table
+
+    ours = os.path.dirname(compiler_collectives.__file__ or "") + os.sep
+    displaced = []
+    for level, ok in bound.levels.items():
+        for row in table.optional_rows(level) if ok else ():
+            if row.replace is not None:
+                owner, attr = table.place(row)
+                if not _origin(getattr(owner, attr, None)).startswith(ours):
+                    displaced.append(row.name)
+    return sorted(displaced)
+
+
+def _held_as_torchs() -> list[str]:
+    """The package's seams that hold a test's function as torch's own: a test patched torch's
+    function directly, and a seam the package binds at a compile (``dynamo/bound.py``'s levels)
+    wrapped it. The attribute then holds the package's seam again, which the look at values
+    takes for torch's state; every later compile of the rank would still run the test's fault."""
+    import tests
+    from compiler_collectives.dynamo import bound, table
+
+    written = os.path.dirname(tests.__file__ or "") + os.sep
+    rows = [row.name for level, ok in bound.levels.items() if ok for row in table.optional_rows(level)]
+    return sorted(name for name in rows if _origin(bound.originals.get(name)).startswith(written))
 
 
 def left_behind(settings: dict[str, Any], held: dict[tuple[str, str], Any]) -> list[str]:
@@ -229,6 +277,25 @@ def left_behind(settings: dict[str, Any], held: dict[tuple[str, str], Any]) -> l
     if replaced:
         shown = ", ".join(replaced[:8]) + (f" and {len(replaced) - 8} more" if len(replaced) > 8 else "")
         left.append(f"values replaced and not put back ({shown}): undo the patch, or mark the test fresh_ranks")
+    dropped = _dropped_levels()
+    if dropped:
+        left.append(
+            f"our seams' level(s) {dropped} dropped, though torch's functions now in place pass their checks: "
+            "a test's function stood there when a compile bound them (give a fault torch's signature: "
+            "functools.wraps)"
+        )
+    displaced = _displaced_seams()
+    if displaced:
+        left.append(
+            f"our seams bound at a compile and no longer in torch's place ({', '.join(displaced)}): patch "
+            "torch's function with rankside.patch, which puts it back from under ours"
+        )
+    wrapped = _held_as_torchs()
+    if wrapped:
+        left.append(
+            f"a test's function held by our seams as torch's own ({', '.join(wrapped)}): patch it with "
+            "rankside.patch, which puts it back, or mark the test fresh_ranks"
+        )
     deadline = time.monotonic() + THREADS_END_S
     while True:  # a probe's thread ends once its receive did: give them their moment
         ours = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive())

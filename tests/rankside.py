@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-_patched: list[tuple[Any, str, Any]] = []
+_patched: list[tuple[Any, str, Any, Any]] = []
 _ABSENT = object()  # the name was not in the owner's own namespace (a class's inherited method)
 
 
@@ -21,14 +21,24 @@ def patch(owner: Any, name: str, value: Any) -> None:
     next test in the pool, and fails this one."""
     # The owner's own entry, not getattr's: a class's staticmethod or a pybind method read
     # through getattr and set back would no longer bind as it did.
-    _patched.append((owner, name, vars(owner).get(name, _ABSENT)))
+    _patched.append((owner, name, vars(owner).get(name, _ABSENT), value))
     setattr(owner, name, value)
 
 
 def undo_patches() -> None:
-    """Put back what ``patch`` replaced, last first."""
+    """Put back what ``patch`` replaced, last first.
+
+    A patch of a function that one of the package's seams replaces once a compile needs it (its
+    optional levels, ``dynamo/bound.py``: inductor's post-grad passes, say) may have been wrapped
+    since: the package bound its seam over the test's function, which it now holds as torch's
+    own. Its levels are put back first (the test's function is in place again, and the package
+    binds them afresh at the next compile that needs them), then torch's function."""
     while _patched:
-        owner, name, original = _patched.pop()
+        owner, name, original, value = _patched.pop()
+        if vars(owner).get(name, _ABSENT) is not value:
+            from compiler_collectives.dynamo import bound
+
+            bound.unbind_levels()
         if original is _ABSENT:
             delattr(owner, name)
         else:

@@ -880,8 +880,12 @@ def check(rows: tuple[Seam, ...]) -> tuple[list[str], list[str]]:
     for row in rows:
         try:
             obj = resolve(row)
-            if bound.installed and row.replace is not None and row.name in bound.originals:
-                obj = bound.originals[row.name]  # reads are about torch's object, not our replacement
+            # Reads are about torch's object, not our replacement where ours is in place. Where it
+            # is not (an optional level about to be bound, or bound again after ``unbind_levels``),
+            # the object in place is the one ours will wrap: a stale original is not read.
+            patched_now = bound.levels.get(row.level) is True if row.level else bound.installed
+            if patched_now and row.replace is not None and row.name in bound.originals:
+                obj = bound.originals[row.name]
         except (ImportError, AttributeError):
             if row.reads and all(read.degrades for read in row.reads):
                 degraded.extend(f"{where(row)} is missing: {read.degrades}" for read in row.reads)

@@ -89,6 +89,8 @@ class Exchange:
         self.works: list[Any] = []
         # A meeting's peers are the caller's; each waits for this rank's record.
         self.peers, self.owed = self._peers() if met is None else (met, set(met))
+        self.waiting = frozenset(self.owed)  # the peers that wait for a record from this rank
+        self.first_sent: dict[int, Any] = {}  # peer -> the send of this rank's first record to it
         self.mismatch: _Mismatch | None = None
 
     def run(self) -> tuple[list[int], dict[int, bytes] | Table]:
@@ -170,6 +172,7 @@ class Exchange:
         record, blob = packed
         self.owed.discard(peer)
         works = [started(self.pg.send, [record], peer, _RECORD)]
+        self.first_sent.setdefault(peer, works[0])
         if blob is not None:
             works.append(started(self.pg.send, [blob], peer, _ENTRIES))
         self.works.extend(works)
@@ -293,11 +296,17 @@ class Exchange:
         raises once the peers that wait for a record from it took theirs, or after
         ``NOTICE_GRACE_S`` (a thread of their own waits for those: a timed wait would close the
         group's connections). The others (a peer not waiting for this rank never takes its
-        notice) are left to the helper thread."""
+        notice) are left to the helper thread.
+
+        A peer that waits for a record from this rank and was sent one before the mismatch (a
+        meeting's record, sent before it receives) gets no notice that it would take: it takes that
+        record, which names this rank's exchange. This rank waits for that record's send as for a
+        notice; ending at once, it would close the connection before gloo wrote it (the peer then
+        gets gloo's "Connection closed by peer", not the desync)."""
         record = torch.zeros(HEAD + self.tree.width, dtype=torch.int64)
         head = [self.kind | _NOTICE, self.stamp, 0, 0, m.culprit + 1, m.ckind, m.cstamp]
         record[:HEAD] = torch.tensor([*head, m.finder + 1, m.fkind, m.fstamp], dtype=torch.int64)
-        owed: list[Any] = []
+        owed = [w for p, w in self.first_sent.items() if p in self.waiting and p != m.told_by]
         for peer in self.peers:
             if peer != m.told_by:
                 try:

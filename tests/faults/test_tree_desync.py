@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from compiler_collectives.transport.tree_exchange import NOTICE_GRACE_S
 from tests.harness import run_ranks
 from tests.rank_env import rank_env
 
@@ -24,7 +25,9 @@ TIMEOUT_S = 12  # COMPILER_COLLECTIVES_TIMEOUT: what a rank would otherwise wait
 BUNDLE = bytes(range(256)) * 64  # four pieces of 4 KiB
 
 
-def desync_job(rank: int, world: int, in_tree: int | None, op: str) -> dict:
+def desync_job(rank: int, world: int, in_tree: int | None, op: str, slow_s: float = 0.0) -> dict:
+    """``slow_s``: the rank in the tree posts each receive that long after its send (a loaded
+    machine's scheduling, made certain): its peer has found the desync and raised by then."""
     import torch.distributed as dist
 
     from compiler_collectives.agreements import phases
@@ -33,6 +36,16 @@ def desync_job(rank: int, world: int, in_tree: int | None, op: str) -> dict:
     from compiler_collectives.transport import HostTree
 
     os.environ["GROUP_RANK"] = "0"
+    if slow_s and rank == in_tree:
+        from compiler_collectives.transport import tree_exchange
+
+        receive = tree_exchange.Exchange._receive
+
+        def slow_receive(self, peer):  # type: ignore[no-untyped-def]
+            time.sleep(slow_s)
+            return receive(self, peer)
+
+        tree_exchange.Exchange._receive = slow_receive
     pg = dist.group.WORLD
     where = lambda: f"rank {rank}"  # noqa: E731
     tree = HostTree.build(pg, lambda per_host: 2, where, phases.HOST_TREE)
@@ -75,6 +88,18 @@ def test_a_rank_in_a_tree_exchange_while_its_peer_is_in_the_transfer_fails_at_on
         f"is in {exchange} of compile once's keys #8 while this rank is in compile once's artifact transfer #7"
         in (transferring["message"])
     ), transferring
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_found_the_desync_waits_until_its_peer_slow_to_receive_took_its_record_then_ends():
+    """The receiver in the tree gather posts its receive a second after its record went to the
+    source, which found the desync at once, raised, and ended its process: the receiver still gets
+    the source's record (our error naming it), not gloo's "Connection closed by peer"."""
+    outcome = run_ranks(desync_job, 2, args=(1, "gather", 1.0), env=ENV, timeout=90, check=False)
+    results = outcome.results
+    assert [r["type"] for r in results] == ["CollectiveDesyncError"] * 2, results
+    assert "is in compile once's artifact transfer #7" in results[1]["message"], results[1]
+    assert results[0]["s"] < NOTICE_GRACE_S + 1.0, results[0]
 
 
 @pytest.mark.timeout(120)

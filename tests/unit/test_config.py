@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import compiler_collectives_autoload as autoload
 from compiler_collectives import config
 from compiler_collectives.config import ConfigError, load_from_env
 
@@ -44,6 +45,65 @@ def test_environment_values_are_parsed_and_marked_as_coming_from_the_environment
 def test_a_value_that_does_not_parse_raises_config_error_naming_the_variable(env, value):
     with pytest.raises(ConfigError, match=env):
         load_from_env({env: value})
+
+
+# What ``import torch`` reports for a bad variable (the autoload tests run one of each route).
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARDS": "ture"},
+            "COMPILER_COLLECTIVES_GUARDS='ture': expected 1/0, true/false, yes/no or on/off",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_TIMEOUT": "5m"},
+            "COMPILER_COLLECTIVES_TIMEOUT='5m': expected a number of seconds",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_GUARD_TRANSPORT": "shm"},
+            "COMPILER_COLLECTIVES_GUARD_TRANSPORT='shm': expected one of auto, gloo",
+        ),
+        (
+            {"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_AUTOLOAD": "yes please"},
+            "COMPILER_COLLECTIVES_AUTOLOAD='yes please': expected 1/0",
+        ),
+    ],
+    ids=["guards", "timeout", "transport", "autoload"],
+)
+def test_a_bad_value_names_the_variable_its_value_and_the_accepted_values(env, expected):
+    with pytest.raises(ConfigError) as raised:
+        load_from_env(env)
+    assert expected in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("COMPILER_COLLECTIVES_GAURDS", "COMPILER_COLLECTIVES_GUARDS"),
+        ("COMPILER_COLLECTIVES_TIMEOUT_S", "COMPILER_COLLECTIVES_TIMEOUT"),
+    ],
+)
+def test_a_misspelt_variable_name_is_refused_naming_the_closest_known_one(typo, meant):
+    with pytest.raises(ConfigError) as raised:
+        load_from_env({"TORCH_COMPILER_COLLECTIVES": "1", typo: "1"})
+    assert f"{typo} is not a compiler_collectives variable: did you mean {meant}?" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "environ, wanted",
+    [
+        ({}, False),
+        ({"TORCH_COMPILER_COLLECTIVES": "1"}, True),
+        ({"TORCH_COMPILER_COLLECTIVES": "0"}, False),
+        ({"COMPILER_COLLECTIVES_GUARDS": "ture"}, True),  # a bad value is checked, not ignored
+        ({"COMPILER_COLLECTIVES_GAURDS": "1"}, True),  # so is a misspelt name
+        ({"COMPILER_COLLECTIVES_LOG_LEVEL": "DEBUG"}, False),  # retired: read by nobody
+        ({"TORCH_COMPILER_COLLECTIVES": "1", "COMPILER_COLLECTIVES_AUTOLOAD": "0"}, False),
+    ],
+    ids=["nothing", "torch-switch", "torch-switch-off", "bad-value", "misspelt", "retired", "autoload-off"],
+)
+def test_import_torch_activates_us_for_torchs_switch_or_any_variable_of_ours_unless_autoload_is_off(environ, wanted):
+    assert autoload.wanted(environ) is wanted
 
 
 def test_override_changes_settings_temporarily_and_restores_them():

@@ -315,3 +315,26 @@ def test_the_optional_audit_levels_are_patched_through_the_table_and_put_back_at
         assert common.aot_module_simplified is torch_own and bound.levels == {}
     finally:
         cc.install()
+
+
+def test_a_level_bound_again_checks_the_function_now_in_torchs_place_not_the_one_it_wrapped_before():
+    import torch._inductor.compile_fx as cfx
+
+    from compiler_collectives.dynamo import audit_seam, bound
+
+    torchs = cfx._recursive_post_grad_passes
+    bound.unbind_levels()
+    audit_seam.ensure_backend_seams()  # over torch's own: bound
+    assert bound.levels["inductor"] is True
+    bound.unbind_levels()
+    try:
+        # Another library's wrapper whose parameters are not torch's: the seam's read must see it.
+        cfx._recursive_post_grad_passes = lambda *args, **kwargs: torchs(*args, **kwargs)
+        audit_seam.ensure_backend_seams()
+        assert bound.levels["inductor"] is False
+    finally:
+        bound.unbind_levels()
+        cfx._recursive_post_grad_passes = torchs
+    audit_seam.ensure_backend_seams()
+    assert bound.levels["inductor"] is True and cfx._recursive_post_grad_passes is not torchs
+    assert bound.originals["recursive_post_grad_passes"] is torchs
