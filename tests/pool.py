@@ -237,35 +237,38 @@ def _dropped_levels() -> list[str]:
     )
 
 
-def _displaced_seams() -> list[str]:
-    """The package's seams that it bound at a compile (``dynamo/bound.py``'s levels) and that no
-    longer stand in torch's place: a test put back torch's function over ours (a restore of its
-    own patch, made before ours wrapped it). Every later compile of the rank would skip them."""
-    import compiler_collectives
+def _bound_rows() -> list[Any]:
+    """The seam rows of the package's optional levels bound in this process (``dynamo/bound.py``)."""
     from compiler_collectives.dynamo import bound, table
 
+    return [row for level, ok in bound.levels.items() if ok for row in table.optional_rows(level)]
+
+
+def _displaced_seams() -> list[str]:
+    """The package's seams that it bound at a compile and that no longer stand in torch's place:
+    a test put back torch's function over ours (a restore of its own patch, made before ours
+    wrapped it). Every later compile of the rank would skip them."""
+    import compiler_collectives
+    from compiler_collectives.dynamo import table
+
     ours = os.path.dirname(compiler_collectives.__file__ or "") + os.sep
-    displaced = []
-    for level, ok in bound.levels.items():
-        for row in table.optional_rows(level) if ok else ():
-            if row.replace is not None:
-                owner, attr = table.place(row)
-                if not _origin(getattr(owner, attr, None)).startswith(ours):
-                    displaced.append(row.name)
-    return sorted(displaced)
+    return sorted(
+        row.name
+        for row in _bound_rows()
+        if row.replace is not None and not _origin(getattr(*table.place(row), None)).startswith(ours)
+    )
 
 
 def _held_as_torchs() -> list[str]:
     """The package's seams that hold a test's function as torch's own: a test patched torch's
-    function directly, and a seam the package binds at a compile (``dynamo/bound.py``'s levels)
-    wrapped it. The attribute then holds the package's seam again, which the look at values
-    takes for torch's state; every later compile of the rank would still run the test's fault."""
+    function directly, and a seam the package binds at a compile wrapped it. The attribute then
+    holds the package's seam again, which the look at values takes for torch's state; every
+    later compile of the rank would still run the test's fault."""
     import tests
-    from compiler_collectives.dynamo import bound, table
+    from compiler_collectives.dynamo import bound
 
     written = os.path.dirname(tests.__file__ or "") + os.sep
-    rows = [row.name for level, ok in bound.levels.items() if ok for row in table.optional_rows(level)]
-    return sorted(name for name in rows if _origin(bound.originals.get(name)).startswith(written))
+    return sorted(row.name for row in _bound_rows() if _origin(bound.originals.get(row.name)).startswith(written))
 
 
 def left_behind(settings: dict[str, Any], held: dict[tuple[str, str], Any]) -> list[str]:

@@ -61,9 +61,12 @@ def leave_torch_patched(rank: int, world: int) -> int:
     return os.getpid()
 
 
-def wrap_torch_under_our_seam(rank: int, world: int, direct: bool) -> int:
+def fault_under_our_seam(rank: int, world: int, how: str) -> int:
     """A fault in inductor's post-grad passes, then our seams bound as the first compile that
-    needs them binds them: ours wraps the test's function, holding it as torch's own."""
+    needs them binds them. ``how``: "patched" (``rankside.patch``, torch's signature: our seam
+    wraps the fault, holding it as torch's own); "assigned" (the same, never undone); "put back"
+    (assigned, then torch's function assigned back over our seam); "unsigned" (patched, with
+    parameters that are not torch's: our seam's check drops its level)."""
     import torch._inductor.compile_fx as compile_fx
 
     from compiler_collectives.dynamo import audit_seam, bound
@@ -72,16 +75,22 @@ def wrap_torch_under_our_seam(rank: int, world: int, direct: bool) -> int:
     bound.unbind_levels()  # as in a rank that has not compiled with inductor yet
     passes = compile_fx._recursive_post_grad_passes
 
-    @functools.wraps(passes)  # torch's signature: our seam's check passes, and it binds over the fault
     def fault(*args: object, **kwargs: object) -> object:
         return passes(*args, **kwargs)
 
-    if direct:
-        compile_fx._recursive_post_grad_passes = fault  # never undone
-    else:
+    if how != "unsigned":
+        functools.wraps(passes)(fault)
+    if how in ("patched", "unsigned"):
         patch(compile_fx, "_recursive_post_grad_passes", fault)
+    else:
+        compile_fx._recursive_post_grad_passes = fault  # never undone
     audit_seam.ensure_backend_seams()
-    assert compile_fx._recursive_post_grad_passes is not fault  # our seam, over the fault
+    if how == "unsigned":
+        assert bound.levels["inductor"] is False
+    else:
+        assert compile_fx._recursive_post_grad_passes is not fault  # our seam, over the fault
+    if how == "put back":
+        compile_fx._recursive_post_grad_passes = passes  # the fault "undone": ours is gone too
     return os.getpid()
 
 
@@ -111,64 +120,28 @@ def leave_a_constant_of_ours_changed(rank: int, world: int) -> int:
 
 
 def test_a_patched_function_our_seam_wrapped_since_is_put_back_from_under_it_for_the_next_test(same_ranks):
-    first = run_ranks(wrap_torch_under_our_seam, 2, args=(False,)).results
+    first = run_ranks(fault_under_our_seam, 2, args=("patched",)).results
     second = run_ranks(torchs_own_under_our_seam, 2).results
     same_ranks(first, [p for p, _ in second])  # the same ranks: nothing was left
     assert [m for _, m in second] == ["torch._inductor.compile_fx"] * 2
 
 
-def test_a_function_patched_directly_that_our_seam_wrapped_fails_the_test_naming_it():
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("assigned", "a test's function held by our seams as torch's own (recursive_post_grad_passes)"),
+        ("put back", "our seams bound at a compile and no longer in torch's place (recursive_post_grad_passes)"),
+        ("unsigned", "our seams' level(s) ['inductor'] dropped"),
+    ],
+    ids=["held", "displaced", "dropped"],
+)
+def test_a_seam_of_ours_a_tests_fault_left_wrong_fails_the_test_naming_it_and_the_next_gets_torchs_own(how, named):
     before = run_ranks(pid, 2).results
     with pytest.raises(RanksFailed, match="was left holding, after the test") as failed:
-        run_ranks(wrap_torch_under_our_seam, 2, args=(True,))
-    assert "a test's function held by our seams as torch's own (recursive_post_grad_passes)" in str(failed.value)
+        run_ranks(fault_under_our_seam, 2, args=(how,))
+    assert named in str(failed.value)
     after = run_ranks(torchs_own_under_our_seam, 2).results
     assert not set(before) & {p for p, _ in after}
-    assert [m for _, m in after] == ["torch._inductor.compile_fx"] * 2
-
-
-def put_torchs_function_back_over_our_seam(rank: int, world: int) -> int:
-    import torch._inductor.compile_fx as compile_fx
-
-    from compiler_collectives.dynamo import audit_seam, bound
-
-    bound.unbind_levels()  # as in a rank that has not compiled with inductor yet
-    passes = compile_fx._recursive_post_grad_passes
-    compile_fx._recursive_post_grad_passes = functools.wraps(passes)(lambda *args, **kwargs: passes(*args, **kwargs))
-    audit_seam.ensure_backend_seams()  # a compile binds our seam over the fault
-    compile_fx._recursive_post_grad_passes = passes  # the fault "undone": ours is gone too
-    return os.getpid()
-
-
-def drop_a_level_of_our_seams(rank: int, world: int) -> int:
-    import torch._inductor.compile_fx as compile_fx
-
-    from compiler_collectives.dynamo import audit_seam, bound
-    from tests.rankside import patch
-
-    bound.unbind_levels()  # as in a rank that has not compiled with inductor yet
-    passes = compile_fx._recursive_post_grad_passes
-    patch(compile_fx, "_recursive_post_grad_passes", lambda *args, **kwargs: passes(*args, **kwargs))
-    audit_seam.ensure_backend_seams()  # as a compile would: the lambda's parameters fail our seam's check
-    assert bound.levels["inductor"] is False
-    return os.getpid()
-
-
-def test_a_level_of_our_seams_dropped_over_a_tests_function_fails_the_test_naming_it():
-    with pytest.raises(RanksFailed, match="was left holding, after the test") as failed:
-        run_ranks(drop_a_level_of_our_seams, 2)
-    assert "our seams' level(s) ['inductor'] dropped" in str(failed.value)
-    after = run_ranks(torchs_own_under_our_seam, 2).results
-    assert [m for _, m in after] == ["torch._inductor.compile_fx"] * 2
-
-
-def test_a_seam_of_ours_displaced_by_a_tests_restore_fails_the_test_naming_it():
-    with pytest.raises(RanksFailed, match="was left holding, after the test") as failed:
-        run_ranks(put_torchs_function_back_over_our_seam, 2)
-    assert "our seams bound at a compile and no longer in torch's place (recursive_post_grad_passes)" in str(
-        failed.value
-    )
-    after = run_ranks(torchs_own_under_our_seam, 2).results
     assert [m for _, m in after] == ["torch._inductor.compile_fx"] * 2
 
 
