@@ -16,6 +16,8 @@
 * A test marked ``@pytest.mark.whole_machine`` (a time or memory bound that
   other tests' load would break) runs alone: it waits for the tests running
   on other workers to finish, and none starts beside it. Its marker says why.
+  The lock is the machine's, not the run's: CI runs two releases' suites side
+  by side (``.ci/run``), and a test of the other run is load all the same.
 """
 
 from __future__ import annotations
@@ -118,6 +120,6 @@ def _side_by_side(
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
         yield
         return
-    lock = os.path.join(_MACHINE_TMP, f"cc-suite-{os.environ['PYTEST_XDIST_TESTRUNUID']}")
+    lock = os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}")  # every side-by-side run's on this machine
     with machine_lock(lock, exclusive=request.node.get_closest_marker("whole_machine") is not None):
         yield

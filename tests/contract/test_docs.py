@@ -110,7 +110,9 @@ def test_ci_runs_every_tested_torch_release_and_pyproject_and_the_docs_agree():
     from compiler_collectives import dynamo
 
     ci = (ROOT / ".ci" / "run").read_text()
-    runs = dict(run.split(":") for run in re.search(r"^runs=\((.*)\)$", ci, flags=re.MULTILINE).group(1).split())
+    # lanes=("release:tier" "release:tier release:tier"): each quoted lane's runs in order, the lanes side by side.
+    lanes = re.search(r"^lanes=\((.*)\)$", ci, flags=re.MULTILINE).group(1)
+    runs = dict(run.split(":") for run in lanes.replace('"', " ").split())
     releases = sorted(runs, key=lambda r: tuple(map(int, r.split("."))))
     assert tuple(releases) == dynamo.TESTED_TORCH
     # The whole suite on the newest release, the tier a release can change on the others.

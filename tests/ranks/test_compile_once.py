@@ -90,8 +90,15 @@ def _inject(rank: int, fault: str | None, on_rank: int) -> None:
     elif fault == "miss":
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
 
+        lookup = AOTAutogradCache._lookup
+
         # What a guard miss looks like to AOTAutograd: the lookup finds no entry that fits.
-        patch(AOTAutogradCache, "_lookup", staticmethod(lambda *args, **kwargs: None))
+        # Torch's signature: our "once-hit" seam wraps this function, and checks it.
+        @functools.wraps(lookup)
+        def finds_nothing(*args: object, **kwargs: object) -> None:
+            return None
+
+        patch(AOTAutogradCache, "_lookup", staticmethod(finds_nothing))
     elif fault == "alter":
         from compiler_collectives.agreements.once import transfer
 
