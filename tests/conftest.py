@@ -18,10 +18,13 @@
   on other workers to finish, and none starts beside it. Its marker says why.
   The lock is the machine's, not the run's: CI runs two releases' suites side
   by side (``.ci/run``), and a test of the other run is load all the same.
+  The whole-machine tests come first and keep the machine from the first to
+  the last of them; waiting for it is not a test's time (its timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import multiprocessing.process
 import os
@@ -105,9 +108,7 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
 
 
 @pytest.fixture(autouse=True)
-def _side_by_side(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def _side_by_side(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     tmpdir = tmp_path_factory.mktemp("tmpdir")  # beside tmp_path, which stays the test's own and empty
     # Inductor's precompiled header (4-5 CPU-s to build) stays the machine's, as a
     # user's does: built once per run, not once per test. Its builds are file-locked.
@@ -117,9 +118,34 @@ def _side_by_side(
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
+    yield
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("whole_machine") is not None
+
+
+# The machine, side by side: this worker holds it shared for each test, and exclusively
+# for a whole-machine test. Consecutive whole-machine tests (they come first, on one
+# worker) hold it from the first to the last: the machine is emptied of other tests once,
+# not once per test, which left the other workers idle while it emptied. The lock is the
+# machine's, not the run's: CI runs two releases' suites side by side (.ci/run).
+_MACHINE_LOCK = os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}")
+_machine = contextlib.ExitStack()
+_holding = False
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait is not the test's time
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
         yield
         return
-    lock = os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}")  # every side-by-side run's on this machine
-    with machine_lock(lock, exclusive=request.node.get_closest_marker("whole_machine") is not None):
-        yield
+    global _holding
+    exclusive = _alone(item)
+    if not _holding:  # else the previous whole-machine test kept it for this one
+        _machine.enter_context(machine_lock(_MACHINE_LOCK, exclusive=exclusive))
+        _holding = True
+    yield
+    if not (exclusive and nextitem is not None and _alone(nextitem)):
+        _machine.close()
+        _holding = False

@@ -84,7 +84,15 @@ def job_counting_store_requests(rank: int, world: int, case: dict) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seconds", [20, 60])
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        20,
+        # The same store waits for three times as long: our side of the seam the 20 s case
+        # pins on every release (tests/tiers.py), and a minute of a worker's wall time.
+        pytest.param(60, marks=pytest.mark.release_independent),
+    ],
+)
 def test_a_rank_waiting_for_a_compile_asks_the_store_at_most_2_requests_per_graph_beyond_its_heartbeat(
     tmp_path, seconds
 ):
