@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import multiprocessing.process
 import os
@@ -35,7 +34,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import pool
-from tests.harness import machine_lock
+from tests.harness import MachineHold
 
 # The tiers (unit, multi-process; torch_seam or release_independent) and --tier/--fast: tests/tiers.py.
 pytest_plugins = ("tests.tiers", "pytester")
@@ -108,7 +107,7 @@ def _processes_only_in_the_multiprocess_tier(request: pytest.FixtureRequest, mon
 
 
 @pytest.fixture(autouse=True)
-def _side_by_side(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _side_by_side(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     tmpdir = tmp_path_factory.mktemp("tmpdir")  # beside tmp_path, which stays the test's own and empty
     # Inductor's precompiled header (4-5 CPU-s to build) stays the machine's, as a
     # user's does: built once per run, not once per test. Its builds are file-locked.
@@ -118,7 +117,6 @@ def _side_by_side(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
-    yield
 
 
 def _alone(item: pytest.Item) -> bool:
@@ -126,13 +124,10 @@ def _alone(item: pytest.Item) -> bool:
 
 
 # The machine, side by side: this worker holds it shared for each test, and exclusively
-# for a whole-machine test. Consecutive whole-machine tests (they come first, on one
-# worker) hold it from the first to the last: the machine is emptied of other tests once,
-# not once per test, which left the other workers idle while it emptied. The lock is the
+# for a whole-machine test; consecutive whole-machine tests (they come first, on one
+# worker) keep it from the first to the last (tests.harness.MachineHold). The lock is the
 # machine's, not the run's: CI runs two releases' suites side by side (.ci/run).
-_MACHINE_LOCK = os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}")
-_machine = contextlib.ExitStack()
-_holding = False
+_machine = MachineHold(os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}"))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait is not the test's time
@@ -140,12 +135,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
         yield
         return
-    global _holding
-    exclusive = _alone(item)
-    if not _holding:  # else the previous whole-machine test kept it for this one
-        _machine.enter_context(machine_lock(_MACHINE_LOCK, exclusive=exclusive))
-        _holding = True
+    _machine.before(_alone(item))
     yield
-    if not (exclusive and nextitem is not None and _alone(nextitem)):
-        _machine.close()
-        _holding = False
+    _machine.after(_alone(item), nextitem is not None and _alone(nextitem))

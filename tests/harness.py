@@ -470,3 +470,30 @@ def machine_lock(path: str, *, exclusive: bool) -> Iterator[None]:
             fcntl.flock(machine, fcntl.LOCK_UN)
             if exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+class MachineHold:
+    """One worker's hold on the machine (``machine_lock``) from test to test.
+
+    Shared for a test, exclusive for a whole-machine test, and kept from one whole-machine
+    test to the next when they follow each other: the machine is emptied of other tests
+    once for the lot, not once per test (each time leaving the other workers idle until the
+    slowest running test ended).
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._held = contextlib.ExitStack()
+        self._holding = False
+
+    def before(self, exclusive: bool) -> None:
+        """Before a test: take the machine, unless the previous whole-machine test kept it for this one."""
+        if not self._holding:
+            self._held.enter_context(machine_lock(self._path, exclusive=exclusive))
+            self._holding = True
+
+    def after(self, exclusive: bool, next_exclusive: bool) -> None:
+        """After a test: let the machine go, unless this one and the next are both whole-machine tests."""
+        if not (exclusive and next_exclusive):
+            self._held.close()
+            self._holding = False

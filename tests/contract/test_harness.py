@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.harness import RanksFailed, machine_lock, run_ranks
+from tests.harness import MachineHold, RanksFailed, machine_lock, run_ranks
 
 # Every test here starts rank processes or subprocesses: the multi-process tier.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.release_independent]
@@ -145,6 +145,46 @@ def test_a_whole_machine_test_waits_for_running_tests_and_no_new_test_starts_bef
                 p.kill()
                 p.join()
     assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
+def _whole_machine_tests_in_a_row(path: str, steps, done, order) -> None:
+    """One worker's tests in a row, each (whole-machine?, next whole-machine?): run each when ``steps`` says."""
+    hold = MachineHold(path)
+    for name, exclusive, next_exclusive in [("alone-1", True, True), ("alone-2", True, False)]:
+        steps.get(timeout=30)
+        hold.before(exclusive)
+        order.put(name)
+        hold.after(exclusive, next_exclusive)
+        done.put(name)
+
+
+def test_consecutive_whole_machine_tests_keep_the_machine_and_no_other_test_starts_between_them(tmp_path):
+    """Side by side (tests/conftest.py): the machine is emptied once for whole-machine tests in a row."""
+    ctx = mp.get_context("fork")
+    path = str(tmp_path / "suite")
+    order, steps, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    entered, release = ctx.Event(), ctx.Event()
+    worker = ctx.Process(target=_whole_machine_tests_in_a_row, args=(path, steps, done, order))
+    other = ctx.Process(target=_hold_machine, args=(path, False, "other", entered, release, order))
+    worker.start()
+    try:
+        steps.put("go")
+        assert done.get(timeout=30) == "alone-1"
+        other.start()  # another worker's test, between the two whole-machine tests
+        assert not entered.wait(1.0)  # the first let go of nothing: the machine is still the worker's
+        steps.put("go")
+        assert done.get(timeout=30) == "alone-2"
+        assert entered.wait(30)  # the last whole-machine test of the row let it go
+        release.set()
+        assert [order.get(timeout=10) for _ in range(3)] == ["alone-1", "alone-2", "other"]
+    finally:
+        release.set()
+        for p in (worker, other):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [worker.exitcode, other.exitcode] == [0, 0]
 
 
 class _RunTemp:
