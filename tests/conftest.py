@@ -123,10 +123,7 @@ def _alone(item: pytest.Item) -> bool:
     return item.get_closest_marker("whole_machine") is not None
 
 
-# The machine, side by side: this worker holds it shared for each test, and exclusively
-# for a whole-machine test; consecutive whole-machine tests (they come first, on one
-# worker) keep it from the first to the last (tests.harness.MachineHold). The lock is the
-# machine's, not the run's: CI runs two releases' suites side by side (.ci/run).
+# This worker's hold on the machine, side by side (the module's docstring; tests.harness.MachineHold).
 _machine = MachineHold(os.path.join(_MACHINE_TMP, f"cc-suite-machine-{getpass.getuser()}"))
 
 
